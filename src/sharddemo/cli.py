@@ -1,0 +1,226 @@
+"""The `sharddemo` command: parse options, call the library, render. Nothing else.
+
+Heavy imports (torch, accelerate) happen inside the commands that need them, so `--help`
+and input errors answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+import click
+
+from sharddemo import __version__
+from sharddemo.errors import ShardDemoError, UsageError
+from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
+                               DEFAULT_SEED, DEFAULT_TIMEOUT, MODES, RunOptions, parse_modes)
+
+FORMATS = ("table", "json", "markdown")
+
+
+def _in_rank() -> bool:
+    """True inside a process that a launcher started as one of several ranks."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _debug() -> bool:
+    return os.environ.get("SHARDDEMO_DEBUG") == "1"
+
+
+class SafeGroup(click.Group):
+    """Turns every failure into one `Error:` line and an exit code, in one place:
+    2 for usage errors, 1 for failed runs, 130 for Ctrl-C. `--debug` adds the traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        code = 0
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.UsageError as exc:
+            hint = ""
+            if exc.ctx is not None:
+                hint = f" (see '{exc.ctx.command_path} --help')"
+            _error(exc.format_message() + hint)
+            code = 2
+        except (click.Abort, KeyboardInterrupt):
+            _error("interrupted; all ranks were stopped and no report was written")
+            code = 130
+        except ShardDemoError as exc:
+            from sharddemo.errors import UsageError as _Usage
+
+            if _in_rank():
+                rank = os.environ.get("RANK", "0")
+                # The same bad input reaches every rank: let rank 0 alone say so.
+                if not isinstance(exc, _Usage) or rank == "0":
+                    from sharddemo.trace import rank_fail
+
+                    rank_fail(str(exc))
+            else:
+                _error(str(exc))
+            if _debug():
+                traceback.print_exc()
+            code = exc.exit_code
+        except Exception as exc:  # a bug or an unexpected library error: still one line
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if _in_rank():
+                from sharddemo.trace import rank_fail
+
+                rank_fail(message)
+            else:
+                _error(message + " (run with --debug for the traceback)")
+            if _debug():
+                traceback.print_exc()
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _error(message: str) -> None:
+    click.echo(f"Error: {message}", err=True)
+
+
+def loader_options(func: Callable) -> Callable:
+    """The options that decide what each rank receives, shared by run and compare."""
+    options = [
+        click.option("--dataset-size", type=int, default=DEFAULT_DATASET_SIZE, show_default=True,
+                     help="Number of samples N (sample i holds the value i + 1)."),
+        click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True,
+                     help="Per-rank batch size B."),
+        click.option("--epochs", type=int, default=DEFAULT_EPOCHS, show_default=True,
+                     help="Epochs to walk."),
+        click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
+                     help="Seed for every shuffle (set_seed, sampler seed, loader generator)."),
+        click.option("--shuffle/--no-shuffle", default=True, show_default=True,
+                     help="Shuffle each epoch; --no-shuffle shows the plain strided split."),
+        click.option("--drop-last", is_flag=True, help="Drop incomplete batches / rounds."),
+        click.option("--set-epoch/--no-set-epoch", default=True, show_default=True,
+                     help="sampler mode: call sampler.set_epoch(epoch) each epoch."),
+        click.option("--num-workers", type=int, default=0, show_default=True,
+                     help="DataLoader worker processes."),
+        click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
+                     help="Seconds a rank waits on a collective before the run fails."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
+    return RunOptions(
+        dataset_size=kw["dataset_size"], batch_size=kw["batch_size"], epochs=kw["epochs"],
+        seed=kw["seed"], modes=parse_modes(modes), shuffle=kw["shuffle"],
+        drop_last=kw["drop_last"], set_epoch=kw["set_epoch"], num_workers=kw["num_workers"],
+        timeout=kw["timeout"],
+    ).validate()
+
+
+@click.group(cls=SafeGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sharddemo")
+@click.option("--debug", is_flag=True, help="Show tracebacks and the ranks' full stderr.")
+def cli(debug: bool) -> None:
+    """See, on real ranks, how torch and accelerate split a dataset across processes.
+
+    Example:
+
+        sharddemo compare
+    """
+    if debug:
+        os.environ["SHARDDEMO_DEBUG"] = "1"
+
+
+@cli.command()
+@click.option("--mode", "modes", default="all", show_default=True,
+              help="all, or a comma list of: " + ", ".join(MODES) + ".")
+@loader_options
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="auto: CUDA when available, else CPU with gloo.")
+@click.option("--trace-out", type=click.Path(dir_okay=False),
+              help="Write the raw trace (every rank's batches, the gathers) as JSON here.")
+@click.option("--quiet", is_flag=True, help="Print nothing; use with --trace-out.")
+def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, **kw: Any) -> None:
+    """The Accelerate script: build each mode's DataLoader, walk it, gather every batch.
+
+    Start it with accelerate so that it runs on several ranks; the main process prints
+    each rank's batches (as sample values 1..N) and what accelerator.gather merged.
+
+    Example:
+
+        accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
+    """
+    opts = _options(modes, kw)
+    if trace_out:
+        _check_output(trace_out, "--trace-out")
+    from sharddemo.trace import run_trace
+
+    run_trace(opts, device=device, trace_out=trace_out,
+              say=None if quiet else (lambda line: click.echo(line)))
+
+
+def _check_output(path: str, flag: str) -> None:
+    from sharddemo.fileio import check_writable
+
+    try:
+        check_writable(path)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path} cannot be written ({exc}); pick another path") from None
+
+
+@cli.command()
+@click.option("--config-file", help="accelerate config [default: accelerate_configs/cpu2.yaml, "
+              "or 2gpu.yaml where two or more GPUs are visible].")
+@click.option("--num-processes", type=int, help="Override the config's num_processes.")
+@click.option("--modes", default="all", show_default=True,
+              help="all, or a comma list of: " + ", ".join(MODES) + ".")
+@loader_options
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+              help="How to print the report.")
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="Also write the JSON report here (whole or not at all).")
+@click.option("--check", is_flag=True,
+              help="Exit 1 when a mode breaks what it promises (missing samples, unequal steps, "
+                   "a replicated rank that did not see everything).")
+def compare(config_file: Optional[str], num_processes: Optional[int], modes: str, fmt: str,
+            output: Optional[str], check: bool, **kw: Any) -> int:
+    """Run the modes on real ranks in one launch and show side by side what each rank saw.
+
+    For every mode and epoch: each rank's batches (0-based sample ids), step counts,
+    coverage (unique, missing, duplicated and why), gather against gather_for_metrics,
+    whether the order changed, and a one-line conclusion.
+
+    Example:
+
+        sharddemo compare --dataset-size 10 --batch-size 3 --format markdown
+    """
+    opts = _options(modes, kw)
+    if output:
+        _check_output(output, "--output")
+    from sharddemo.compare import compare_run
+
+    result = compare_run(opts, config_file=config_file, num_processes=num_processes,
+                         debug=_debug())
+    from sharddemo.render import render
+
+    click.echo(render(result, fmt), nl=False)
+    if output:
+        from sharddemo.compare import write_report
+
+        write_report(result, output)
+    if check and result["broken_promises"]:
+        _error("broken promise(s): " + "; ".join(result["broken_promises"]))
+        return 1
+    return 0
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Find and check an accelerate config file before anything is launched.
+
+accelerate itself fails late, with a traceback, on a missing or malformed config. Here it is
+loaded with `yaml.safe_load`, its keys checked against accelerate's own config dataclass, and
+any problem becomes one `Error:` line that names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from sharddemo.errors import UsageError
+
+CPU_CONFIG = "cpu2.yaml"
+GPU_CONFIG = "2gpu.yaml"
+
+
+def config_dirs() -> list[str]:
+    """Where the shipped configs live: the working directory's, the source checkout's,
+    then the copy pip installed under <prefix>/share/sharddemo."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [
+        os.path.join(os.getcwd(), "accelerate_configs"),
+        os.path.normpath(os.path.join(here, "..", "..", "accelerate_configs")),
+        os.path.join(sys.prefix, "share", "sharddemo", "accelerate_configs"),
+    ]
+    return [d for d in candidates if os.path.isdir(d)]
+
+
+def visible_gpus() -> int:
+    """Count NVIDIA GPUs without importing torch (keeps `compare` start-up cheap)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = glob.glob("/dev/nvidia[0-9]*")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        return min(len(ids), len(devices))
+    return len(devices)
+
+
+def default_config_path() -> str:
+    name = GPU_CONFIG if visible_gpus() >= 2 else CPU_CONFIG
+    for directory in config_dirs():
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return _display(path)
+    raise UsageError(
+        f"the shipped config {name} was not found; pass --config-file PATH "
+        "(see accelerate_configs/ in the sharddemo repository)"
+    )
+
+
+def _display(path: str) -> str:
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    path: str
+    distributed_type: str
+    num_processes: int
+    num_machines: int
+    raw: dict
+
+
+def known_keys() -> set[str]:
+    from dataclasses import fields
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    return {f.name for f in fields(ClusterConfig)}
+
+
+def load_config(path: str, keys: Optional[set[str]] = None) -> LaunchConfig:
+    import yaml
+
+    if not os.path.exists(path):
+        raise UsageError(f"config file {path} does not exist; pass --config-file "
+                         "accelerate_configs/cpu2.yaml or another accelerate config")
+    if os.path.isdir(path):
+        raise UsageError(f"config file {path} is a directory; pass a YAML file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise UsageError(f"config file {path} is not valid YAML{line}; fix it or "
+                         "regenerate it with `accelerate config`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {path} cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} is not a YAML mapping of accelerate settings; "
+                         "see accelerate_configs/cpu2.yaml for the form")
+    unknown = sorted(set(data) - (keys if keys is not None else known_keys()))
+    if unknown:
+        raise UsageError(f"config file {path} has unknown key(s): {', '.join(unknown)}; "
+                         "remove them (accelerate would refuse them too)")
+    nproc = data.get("num_processes", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise UsageError(f"config file {path} asks for num_processes: {nproc!r}; "
+                         "set it to 1 or more, or pass --num-processes")
+    machines = data.get("num_machines", 1)
+    if not isinstance(machines, int) or machines < 1:
+        raise UsageError(f"config file {path} asks for num_machines: {machines!r}; set it to 1")
+    return LaunchConfig(path=path, distributed_type=str(data.get("distributed_type", "NO")),
+                        num_processes=nproc, num_machines=machines, raw=data)

@@ -1,0 +1,29 @@
+"""The reference's toy dataset: sample i holds the value i + 1, so a value names its sample."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+
+class ToyDataset(Dataset):
+    """N samples whose values are 1..N (as in the reference). The sample id is value - 1.
+
+    Values are int64 so ids stay exact at any size (the reference's float32 would not past 2**24).
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for a dataset of {self.length}")
+        return torch.tensor(index + 1, dtype=torch.int64)
+
+
+def values_to_ids(values: torch.Tensor) -> list[int]:
+    """A batch of toy values -> the 0-based dataset ids they name."""
+    return (values.reshape(-1).to("cpu", torch.int64) - 1).tolist()

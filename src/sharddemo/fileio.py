@@ -1,0 +1,40 @@
+"""Write files whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place.
+
+    A reader sees the old file, or the whole new one, never a half-written report.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".sharddemo-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def check_writable(path: str) -> None:
+    """Raise OSError now, before any rank starts, if `path` could not be written later."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(f"directory {directory} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise PermissionError(f"{path} is not writable")

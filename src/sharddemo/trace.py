@@ -1,0 +1,239 @@
+"""The Accelerate script: drive each mode's loader on every rank, record the ids, gather them.
+
+Launch it with accelerate, for example
+
+    accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
+
+Every rank builds one Accelerator, then, for each mode, the DataLoader that mode describes
+(see loaders.py) and walks it for the requested epochs. Each batch is moved to the
+accelerator's device and gathered with `accelerator.gather`, as the reference's
+`all_gather` does; at the end of each epoch the main process also collects what every rank
+saw, batch by batch, so the report can compare the two. Only the main process prints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+from sharddemo.errors import RunFailed, UsageError
+from sharddemo.options import MODE_HELP, RunOptions
+
+TRACE_SCHEMA = "sharddemo.trace/1"
+
+# Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
+EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
+
+
+def rank_label(rank: Optional[int] = None, world: Optional[int] = None) -> str:
+    """`[rank r/W]` from the arguments, or from the launcher's environment."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return f"[rank {rank}/{world}]"
+
+
+def make_accelerator(device: str, timeout: float):
+    """One Accelerator for the whole run, with a short process-group timeout.
+
+    On a machine without CUDA the script asks for `cpu=True`: under torchrun (which is what
+    `accelerate launch` with a MULTI_GPU config runs) that gives MULTI_CPU on gloo with the
+    launcher's real ranks. Without it, each process would set itself up alone.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
+    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
+
+
+def check_world(num_processes: int, env: Optional[dict] = None) -> None:
+    """Stop when the launcher asked for several processes but this one finds itself alone.
+
+    That is the silent trap of `accelerate launch --cpu --num_processes 2` and of a
+    MULTI_CPU config without MPI: one process runs, prints, and sees the whole dataset.
+    """
+    env = os.environ if env is None else env
+    asked = 0
+    for key in ("WORLD_SIZE", EXPECT_ENV):
+        try:
+            asked = max(asked, int(env.get(key, "0") or 0))
+        except ValueError:
+            pass
+    if num_processes >= asked and not (
+        # The plain (non-torchrun) launcher sets MASTER_PORT only when it was asked for
+        # more than one process, and never sets WORLD_SIZE.
+        num_processes == 1 and "MASTER_PORT" in env and "WORLD_SIZE" not in env
+    ):
+        return
+    wanted = f"{asked} processes" if asked > 1 else "several processes"
+    raise UsageError(
+        f"launched for {wanted} but this process is alone (world size {num_processes}); "
+        "accelerate launch --cpu and MULTI_CPU configs without MPI start one process. "
+        "Fix: accelerate launch --config_file accelerate_configs/cpu2.yaml (MULTI_GPU launcher, "
+        "which sharddemo runs on CPU with gloo)"
+    )
+
+
+def arithmetic(world: int, opts: RunOptions) -> dict:
+    """The numbers to state before the loop, as nanoGPT does."""
+    return {
+        "world_size": world,
+        "per_rank_batch": opts.batch_size,
+        "global_batch": opts.batch_size * world,
+        "dataset_size": opts.dataset_size,
+        "sharded_samples_per_epoch": opts.dataset_size,
+        "replicated_samples_per_epoch": opts.dataset_size * world,
+    }
+
+
+def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
+               on_epoch: Optional[Callable[[dict], None]] = None) -> dict:
+    """Walk one mode's loader for every epoch on this rank. Returns the mode's trace on the
+    main process (every rank's batches and what the gathers returned) and {} elsewhere."""
+    from accelerate.utils import gather_object, set_seed
+
+    from sharddemo.datasets import values_to_ids
+    from sharddemo.loaders import build_loader
+
+    # Reseed per mode so a mode's result does not depend on which modes ran before it.
+    set_seed(opts.seed)
+    plan = build_loader(mode, accelerator, dataset, opts)
+    epochs = []
+    for epoch in range(opts.epochs):
+        if plan.sampler is not None:
+            plan.sampler.set_epoch(epoch)
+        # Step counts first: a per-batch gather with unequal counts would hang or abort.
+        lengths = gather_object([_safe_len(plan.loader)])
+        per_batch_gather = len(set(lengths)) == 1 and lengths[0] is not None
+        batches: list[list[int]] = []
+        gathered: list[int] = []
+        for_metrics: list[int] = []
+        for batch in plan.loader:
+            batch = batch.to(accelerator.device)
+            batches.append(values_to_ids(batch))
+            if per_batch_gather:
+                gathered.extend(values_to_ids(accelerator.gather(batch)))
+                if plan.prepared:
+                    for_metrics.extend(values_to_ids(accelerator.gather_for_metrics(batch)))
+        ranks = gather_object([batches])
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "ranks": [{"rank": r, "batches": b} for r, b in enumerate(ranks)],
+            "gathered": gathered if per_batch_gather else None,
+        }
+        if plan.prepared:
+            record["gathered_for_metrics"] = for_metrics if per_batch_gather else None
+        if accelerator.is_main_process:
+            epochs.append(record)
+            if on_epoch is not None:
+                on_epoch(record)
+    if not accelerator.is_main_process:
+        return {}
+    return {"description": MODE_HELP[mode], "prepared": plan.prepared, "epochs": epochs}
+
+
+def _safe_len(loader) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,
+              trace_out: Optional[str] = None) -> Optional[dict]:
+    """The whole script on one rank. Returns the trace on the main process, None elsewhere."""
+    from sharddemo.datasets import ToyDataset
+    from sharddemo.fileio import write_atomic
+
+    accelerator = make_accelerator(device, opts.timeout)
+    try:
+        check_world(accelerator.num_processes)
+        world = accelerator.num_processes
+        state = accelerator.state
+        backend = getattr(state, "backend", None) or "none"
+        main = accelerator.is_main_process
+        talk = (say if (say is not None and main) else (lambda line: None))
+
+        sums = arithmetic(world, opts)
+        talk(
+            f"world size {world} ({state.distributed_type.value}, backend {backend}, "
+            f"device {accelerator.device.type}) | per-rank batch {opts.batch_size} | "
+            f"global batch {sums['global_batch']} | dataset {opts.dataset_size} | "
+            f"samples per epoch: {opts.dataset_size} if sharded, "
+            f"{sums['replicated_samples_per_epoch']} if every rank walks it all"
+        )
+        dataset = ToyDataset(opts.dataset_size)
+        modes: dict[str, Any] = {}
+        timings: dict[str, float] = {}
+        for mode in opts.modes:
+            talk(f"== mode {mode}: {MODE_HELP[mode]}")
+            start = time.perf_counter()
+            try:
+                modes[mode] = trace_mode(
+                    accelerator, mode, dataset, opts,
+                    on_epoch=lambda rec: _print_epoch(talk, rec, world, opts.dataset_size),
+                )
+            except (UsageError, RunFailed):
+                raise
+            except Exception as exc:  # name the mode: the rank is named by the caller
+                raise RunFailed(f"mode {mode}: {type(exc).__name__}: {exc}") from exc
+            timings[mode] = round(time.perf_counter() - start, 6)
+        if not main:
+            return None
+        trace = {
+            "schema": TRACE_SCHEMA,
+            "world_size": world,
+            "backend": backend,
+            "distributed_type": state.distributed_type.value,
+            "device": accelerator.device.type,
+            "dataset_size": opts.dataset_size,
+            "batch_size": opts.batch_size,
+            "epochs": opts.epochs,
+            "seed": opts.seed,
+            "options": opts.to_dict(),
+            "arithmetic": sums,
+            "modes": modes,
+            "timings": timings,
+        }
+        if trace_out:
+            import json
+
+            write_atomic(trace_out, json.dumps(trace))
+        return trace
+    finally:
+        accelerator.end_training()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) -> None:
+    """Reference-style output: each rank's batches as sample values (id + 1), then the merge."""
+    talk(f"epoch {record['epoch']}")
+    for rank in record["ranks"]:
+        for step, ids in enumerate(rank["batches"]):
+            talk(f"{rank_label(rank['rank'], world)} batch {step}: {[i + 1 for i in ids]}")
+    gathered = record["gathered"]
+    if gathered is None:
+        talk("merged: not gathered per batch (the ranks had unequal step counts)")
+        return
+    times = len(gathered) / n
+    talk(f"merged by accelerator.gather: {[i + 1 for i in gathered]}")
+    talk(f"total {len(gathered)} = {times:g}x the dataset of {n}")
+    if record.get("gathered_for_metrics") is not None:
+        talk(f"accelerator.gather_for_metrics returned {len(record['gathered_for_metrics'])}")
+
+
+def rank_fail(message: str) -> None:
+    """One line on stderr, from the rank that failed."""
+    print(f"{rank_label()} Error: {message}", file=sys.stderr, flush=True)
