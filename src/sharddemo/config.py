@@ -68,11 +68,26 @@ class LaunchConfig:
 
 
 def known_keys() -> set[str]:
-    from dataclasses import fields
+    """The keys accelerate's own config dataclasses accept.
 
-    from accelerate.commands.config.config_args import ClusterConfig
+    Read from accelerate's source with `ast` rather than imported: importing accelerate costs
+    seconds (it imports torch), and `compare` must not pay that before its launch does.
+    """
+    import ast
+    import importlib.util
 
-    return {f.name for f in fields(ClusterConfig)}
+    spec = importlib.util.find_spec("accelerate")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("accelerate is not installed; pip install accelerate")
+    path = os.path.join(spec.submodule_search_locations[0], "commands", "config", "config_args.py")
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    keys: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("BaseConfig", "ClusterConfig"):
+            keys.update(item.target.id for item in node.body
+                        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
+    return keys
 
 
 def load_config(path: str, keys: Optional[set[str]] = None) -> LaunchConfig:

@@ -1,0 +1,59 @@
+"""Helpers for the tests that start real ranks: free ports, short timeouts, outer timeouts,
+and every rank's output shown when a launch fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_CONFIG = str(ROOT / "accelerate_configs" / "cpu2.yaml")
+# The longest any launch in the suite may take before the test fails (a hang ends here).
+OUTER_TIMEOUT = 180
+
+
+def free_port() -> int:
+    from sharddemo.launch import free_port as _free
+
+    return _free()
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("SHARDDEMO_DEBUG", None)
+    return env
+
+
+def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT,
+                      check: bool = True, config: str = CPU_CONFIG) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+           "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    return run_cmd(cmd, timeout=timeout, check=check)
+
+
+def run_cmd(cmd: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=env or launch_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{exc.stdout}\n"
+                    f"--- stderr (all ranks)\n{exc.stderr}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n"
+                    f"--- stderr (all ranks)\n{proc.stderr}")
+    return proc
+
+
+def sharddemo(args: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, "-m", "sharddemo", *args], timeout=timeout, check=check,
+                   env=env)

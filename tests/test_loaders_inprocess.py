@@ -1,0 +1,93 @@
+"""Layer 1: each mode's loader for ranks 0..W-1 in one process, against torch's
+DistributedSampler and accelerate's BatchSamplerShard, and against literal index lists."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from accelerate.data_loader import BatchSamplerShard
+from sim import SimAccelerator, walk
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+from sharddemo.datasets import ToyDataset
+from sharddemo.loaders import build_loader
+from sharddemo.options import RunOptions
+
+# (N, B, W): divisible by W*B, not divisible, N < W, B > N/W, and W = 3.
+GRID = [(8, 4, 2), (10, 3, 2), (9, 4, 2), (1, 4, 2), (2, 4, 3), (6, 4, 2), (10, 2, 3), (7, 3, 3)]
+
+
+def per_rank(mode: str, n: int, b: int, w: int, epochs: int = 2, **opts) -> list:
+    options = RunOptions(dataset_size=n, batch_size=b, epochs=epochs, **opts)
+    return [walk(build_loader(mode, SimAccelerator(w, r), ToyDataset(n), options), epochs)
+            for r in range(w)]
+
+
+def chunks(ids: list[int], b: int) -> list[list[int]]:
+    return [ids[i:i + b] for i in range(0, len(ids), b)]
+
+
+@pytest.mark.parametrize("n,b,w", GRID)
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_sampler_mode_is_torchs_distributed_sampler(n, b, w, shuffle):
+    got = per_rank("sampler", n, b, w, shuffle=shuffle, seed=7)
+    for r in range(w):
+        reference = DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=shuffle, seed=7)
+        for epoch in range(2):
+            reference.set_epoch(epoch)
+            assert got[r][epoch] == chunks(list(reference), b), f"rank {r} epoch {epoch}"
+
+
+@pytest.mark.parametrize("n,b,w", GRID)
+def test_prepared_mode_is_accelerates_batch_sampler_shard(n, b, w):
+    got = per_rank("prepared", n, b, w, shuffle=False)
+    for r in range(w):
+        shard = BatchSamplerShard(BatchSampler(SequentialSampler(range(n)), b, False),
+                                  num_processes=w, process_index=r, even_batches=True)
+        assert got[r][0] == list(shard), f"rank {r}"
+        # every rank gets ceil(K/W) batches (K = ceil(N/B) global batches)
+        assert len(got[r][0]) == math.ceil(math.ceil(n / b) / w)
+
+
+def test_prepared_literal_two_ranks_n10_b3():
+    # FACTS.md: round-robin batches, the short last round filled from the epoch's start.
+    got = per_rank("prepared", 10, 3, 2, epochs=1, shuffle=False)
+    assert got[0][0] == [[0, 1, 2], [6, 7, 8]]
+    assert got[1][0] == [[3, 4, 5], [9, 0, 1]]
+
+
+def test_sampler_literal_four_ranks_n10():
+    # FACTS.md: rank r takes indices r::4 of the order padded with its first two indices.
+    got = per_rank("sampler", 10, 3, 4, epochs=1, shuffle=False)
+    assert [sum(e[0], []) for e in got] == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
+
+
+def test_sampler_n_below_world_tiles_the_dataset():
+    # N=2 < W=3: num_samples = 1 per rank, the order tiled.
+    got = per_rank("sampler", 2, 4, 3, epochs=1, shuffle=False)
+    assert [e[0] for e in got] == [[[0]], [[1]], [[0]]]
+
+
+@pytest.mark.parametrize("n,b,w", GRID)
+def test_replicated_mode_gives_every_rank_everything(n, b, w):
+    got = per_rank("replicated", n, b, w)
+    for r in range(w):
+        for epoch in range(2):
+            assert sorted(sum(got[r][epoch], [])) == list(range(n))
+    assert got[0] == got[-1], "same seed on every rank: the same order"
+
+
+def test_sampler_set_epoch_changes_the_order_and_no_set_epoch_does_not():
+    moved = per_rank("sampler", 64, 8, 2)
+    assert moved[0][0] != moved[0][1]
+    frozen = per_rank("sampler", 64, 8, 2, set_epoch=False)
+    assert frozen[0][0] == frozen[0][1]
+
+
+def test_prepared_shuffled_shards_cover_the_dataset_once():
+    got = per_rank("prepared", 16, 4, 2)
+    for epoch in range(2):
+        seen = sum(got[0][epoch], []) + sum(got[1][epoch], [])
+        assert sorted(seen) == list(range(16))
+    assert got[0][0] != got[0][1], "accelerate sets the epoch itself: a new order each epoch"
