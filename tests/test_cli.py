@@ -1,0 +1,124 @@
+"""The CLI in-process (CliRunner): help text, and bad input answered with one `Error:` line,
+exit code 2 and no traceback, before any rank is started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from sharddemo.cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def invoke(args):
+    return CliRunner().invoke(cli, args)
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got: {result.output!r}"
+    assert lines[0].startswith("Error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+@pytest.mark.parametrize("args,message", [
+    (["--dataset-size", "0"], "Error: --dataset-size must be at least 1, got 0"),
+    (["--dataset-size", "-3"], "Error: --dataset-size must be at least 1, got -3"),
+    (["--batch-size", "0"], "Error: --batch-size must be at least 1, got 0"),
+    (["--epochs", "0"], "Error: --epochs must be at least 1, got 0"),
+    (["--num-workers", "-1"], "Error: --num-workers must be 0 or more, got -1"),
+    (["--timeout", "0"], "Error: --timeout must be a positive number of seconds, got 0.0"),
+])
+def test_bad_numbers(command, args, message):
+    result = invoke([command, *args])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(message)
+
+
+@pytest.mark.parametrize("command,flag", [("run", "--mode"), ("compare", "--modes")])
+def test_unknown_mode(command, flag):
+    result = invoke([command, flag, "prepared,bogus"])
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        "Error: unknown mode 'bogus'; choose 'all' or a comma list of: prepared, sampler, replicated")
+
+
+def test_unknown_format():
+    result = invoke(["compare", "--format", "yaml"])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert "Invalid value for '--format'" in line and "'yaml' is not one of" in line
+
+
+def test_unknown_option_is_one_line():
+    result = invoke(["compare", "--frobnicate"])
+    assert result.exit_code == 2
+    assert "No such option '--frobnicate'" in error_line(result)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "does not exist"),
+    ("a: [1, 2\n", "is not valid YAML"),
+    ("- just\n- a list\n", "is not a YAML mapping"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nnum_gpus: 2\n", "unknown key(s): num_gpus"),
+    ("distributed_type: MULTI_GPU\nnum_processes: 0\n", "asks for num_processes: 0"),
+])
+def test_bad_config_file(tmp_path, content, message):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_text(content)
+    result = invoke(["compare", "--config-file", str(path)])
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert line.startswith(f"Error: config file {path} ") and message in line
+
+
+def test_num_processes_zero():
+    result = invoke(["compare", "--num-processes", "0"])
+    assert result.exit_code == 2
+    assert error_line(result) == "Error: --num-processes must be at least 1, got 0"
+
+
+def test_output_that_is_a_directory(tmp_path):
+    result = invoke(["compare", "--output", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "Invalid value for '--output'" in error_line(result) and "is a directory" in result.output
+
+
+def test_unwritable_output_missing_directory(tmp_path):
+    result = invoke(["compare", "--output", str(tmp_path / "nope" / "r.json")])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"Error: --output {tmp_path / 'nope' / 'r.json'} cannot be written")
+
+
+def test_every_command_has_help_and_is_documented():
+    readme = (ROOT / "README.md").read_text()
+    for name, command in cli.commands.items():
+        result = invoke([name, "--help"])
+        assert result.exit_code == 0
+        assert command.help and "Example:" in command.help, name
+        assert f"sharddemo {name}" in readme, f"README does not show `sharddemo {name}`"
+
+
+def test_config_keys_are_accelerates_own():
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    from sharddemo.config import known_keys
+
+    assert known_keys() == {f.name for f in dataclasses.fields(ClusterConfig)}
+
+
+def test_shipped_configs_load():
+    from sharddemo.config import load_config
+
+    for name in ("cpu2.yaml", "2gpu.yaml"):
+        config = load_config(str(ROOT / "accelerate_configs" / name))
+        assert config.num_processes == 2 and config.num_machines == 1
+        assert config.distributed_type == "MULTI_GPU"

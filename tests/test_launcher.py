@@ -1,0 +1,106 @@
+"""Layer 3: the launcher itself, in a subprocess, every rank's stderr shown when it fails."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT, accelerate_launch, run_cmd, sharddemo
+
+
+def test_accelerate_launch_run_all_on_cpu2_config():
+    proc = accelerate_launch(["-m", "sharddemo", "run", "--mode", "all"])
+    out = proc.stdout
+    assert "world size 2 (MULTI_CPU, backend gloo, device cpu)" in out
+    assert "per-rank batch 4 | global batch 8 | dataset 8" in out
+    for mode in ("prepared", "sampler", "replicated"):
+        assert f"== mode {mode}:" in out
+    totals = re.findall(r"^total (\d+) = (\S+)x the dataset of 8$", out, re.M)
+    # 3 modes x 2 epochs: sharded modes 8 = 1x, replicated 16 = 2x.
+    assert totals == [("8", "1")] * 4 + [("16", "2")] * 2, out
+    # Only the main process prints: each rank's batch lines appear once, labelled.
+    rank_lines = re.findall(r"^\[rank (\d)/2\] batch \d+: \[[\d, ]+\]$", out, re.M)
+    assert sorted(set(rank_lines)) == ["0", "1"]
+    assert len(rank_lines) == 2 * (1 + 1) * 2 + 2 * 2 * 2  # sharded: 1 batch; replicated: 2
+
+
+def test_the_silent_one_process_trap_is_refused():
+    # `accelerate launch --cpu --num_processes 2` starts ONE process (FACTS.md).
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "sharddemo", "run"]
+    proc = run_cmd(cmd, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert ("Error: launched for several processes but this process is alone (world size 1)"
+            in proc.stderr)
+    assert "accelerate_configs/cpu2.yaml" in proc.stderr
+    assert "== mode" not in proc.stdout, "it must not print a wrong answer first"
+
+
+@pytest.mark.parametrize("env,alone", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, True),           # torchrun said 2, the process group has 1
+    ({"MASTER_PORT": "29500"}, True),                    # plain launcher asked for >1, started 1
+    ({"SHARDDEMO_EXPECT_WORLD_SIZE": "3"}, True),        # compare asked for 3
+    ({}, False),                                         # a plain `sharddemo run`: world size 1 is fine
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": "1"}, False),  # torchrun with one process
+])
+def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
+    from sharddemo.errors import UsageError
+    from sharddemo.trace import check_world
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if alone:
+        with pytest.raises(UsageError, match="but this process is alone .world size 1."):
+            check_world(1)
+    else:
+        check_world(1)
+    check_world(3)  # three real ranks always pass
+
+
+def test_compare_json_on_three_ranks(tmp_path):
+    out = tmp_path / "report.json"
+    proc = sharddemo(["compare", "--num-processes", "3", "--dataset-size", "10",
+                      "--batch-size", "3", "--format", "json", "--output", str(out)])
+    printed = json.loads(proc.stdout)
+    written = json.loads(out.read_text())
+    assert printed == written
+    import jsonschema
+
+    schema = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+    jsonschema.validate(written, schema)
+    assert written["schema"] == "sharddemo.report/1"
+    assert written["world_size"] == 3 and written["backend"] == "gloo"
+    prepared = written["modes"]["prepared"]["epochs"][0]
+    # K = ceil(10/3) = 4 global batches over 3 ranks: 2 rounds of 3 x 3 = 18 ids.
+    assert [r["steps"] for r in prepared["ranks"]] == [2, 2, 2]
+    assert len(prepared["gathered"]) == 18 and len(prepared["gathered_for_metrics"]) == 10
+    assert prepared["gather_for_metrics_exact"] is True
+    sampler = written["modes"]["sampler"]["epochs"][0]
+    assert sampler["seen"] == 12 and sum(d["count"] - 1 for d in sampler["duplicates"]) == 2
+    assert written["modes"]["replicated"]["epochs"][0]["seen"] == 30
+    assert "--num_processes 3" in written["launch_command"]
+    assert written["broken_promises"] == []
+
+
+def test_compare_table_default_shows_the_reference_finding():
+    proc = sharddemo(["compare", "--check"])
+    out = proc.stdout
+    assert "world size 2 (MULTI_CPU, backend gloo)" in out
+    assert "rerun by hand: accelerate launch --config_file accelerate_configs/cpu2.yaml" in out
+    assert out.count("seen 8 = 1x the dataset") == 4
+    assert out.count("seen 16 = 2x the dataset") == 2
+    assert "gather_for_metrics 8 (exactly the dataset)" in out
+
+
+def test_compare_is_reproducible_byte_for_byte(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        sharddemo(["compare", "--format", "json", "--output", str(path), "--seed", "5"])
+    strip = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "timings"}
+    assert strip(a) == strip(b)
