@@ -27,6 +27,15 @@ def main(out_path: str) -> None:
                     results.append({"n": n, "b": b, "shuffle": shuffle, "mode": mode,
                                     "world": accelerator.num_processes,
                                     "backend": accelerator.state.backend, "trace": trace})
+    # The same cases with ids gathered once per epoch: must agree with the per-batch gathers.
+    for n, b in GRID:
+        opts = RunOptions(dataset_size=n, batch_size=b, epochs=2, seed=3, gather="epoch")
+        for mode in BASIC_MODES:
+            trace = trace_mode(accelerator, mode, ToyDataset(n), opts)
+            if accelerator.is_main_process:
+                results.append({"n": n, "b": b, "shuffle": True, "mode": mode, "gather": "epoch",
+                                "world": accelerator.num_processes,
+                                "backend": accelerator.state.backend, "trace": trace})
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump(results, handle)

@@ -43,7 +43,7 @@ def test_real_ranks_form_one_gloo_group(grid):
 
 def test_sampler_mode_matches_distributed_sampler(grid):
     world, results = grid
-    for case in (c for c in results if c["mode"] == "sampler"):
+    for case in (c for c in per_batch(results) if c["mode"] == "sampler"):
         for record in case["trace"]["epochs"]:
             for r, batches in enumerate(ranks_of(record)):
                 ref = DistributedSampler(range(case["n"]), num_replicas=world, rank=r,
@@ -56,7 +56,7 @@ def test_sampler_mode_matches_distributed_sampler(grid):
 
 def test_prepared_mode_matches_accelerates_shards(grid):
     world, results = grid
-    for case in (c for c in results if c["mode"] == "prepared"):
+    for case in (c for c in per_batch(results) if c["mode"] == "prepared"):
         n, b = case["n"], case["b"]
         if case["shuffle"]:
             # Same seed, same generator: accelerate's prepare_data_loader for this rank in-process.
@@ -85,9 +85,28 @@ def test_replicated_mode_every_rank_sees_everything(grid):
             assert len(record["gathered"]) == world * case["n"]
 
 
+def per_batch(results):
+    return [c for c in results if c.get("gather", "batch") == "batch"]
+
+
+def test_epoch_gather_agrees_with_per_batch_gathers(grid):
+    world, results = grid
+    batch = {(c["n"], c["b"], c["mode"]): c for c in per_batch(results) if c["shuffle"]}
+    epoch_cases = [c for c in results if c.get("gather") == "epoch"]
+    assert len(epoch_cases) == len(batch)
+    for case in epoch_cases:
+        twin = batch[(case["n"], case["b"], case["mode"])]
+        for mine, theirs in zip(case["trace"]["epochs"], twin["trace"]["epochs"]):
+            assert mine["gather"] == "epoch" and theirs["gather"] == "batch"
+            assert mine["ranks"] == theirs["ranks"], f"{case['mode']} N={case['n']} B={case['b']}"
+            assert sorted(mine["gathered"]) == sorted(theirs["gathered"])
+            # gather_for_metrics: the last batch really gathered, the rest as gather returns them
+            assert mine.get("gathered_for_metrics") == theirs.get("gathered_for_metrics")
+
+
 def test_gather_is_the_concatenation_of_what_the_ranks_saw(grid):
     world, results = grid
-    for case in results:
+    for case in per_batch(results):
         for record in case["trace"]["epochs"]:
             got = ranks_of(record)
             expected = []
@@ -101,7 +120,7 @@ def test_reference_observations(grid):
     """The reference's finding: N=8, B=4 sharded modes split each epoch (disjoint, all 8,
     8/W per rank); replicated gives every rank all 8 and W*8 in total; set_epoch moves."""
     world, results = grid
-    for case in (c for c in results if c["n"] == 8 and c["b"] == 4 and c["shuffle"]):
+    for case in (c for c in per_batch(results) if c["n"] == 8 and c["b"] == 4 and c["shuffle"]):
         trace = {"world_size": world, "backend": "gloo", "dataset_size": 8, "batch_size": 4,
                  "epochs": 2, "seed": 3, "modes": {case["mode"]: case["trace"]}}
         report = build_report(trace)["modes"][case["mode"]]

@@ -16,7 +16,7 @@ import click
 from sharddemo import __version__
 from sharddemo.errors import ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
-                               DEFAULT_SEED, DEFAULT_TIMEOUT, MODES, RunOptions, parse_modes)
+                               DEFAULT_SEED, DEFAULT_TIMEOUT, GATHER_STRATEGIES, MODES, RunOptions, parse_modes)
 
 FORMATS = ("table", "json", "markdown")
 
@@ -104,6 +104,10 @@ def loader_options(func: Callable) -> Callable:
                      help="sampler mode: call sampler.set_epoch(epoch) each epoch."),
         click.option("--num-workers", type=int, default=0, show_default=True,
                      help="DataLoader worker processes."),
+        click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
+                     show_default=True,
+                     help="accelerator.gather every batch, or each rank's ids once per epoch; "
+                          "auto: every batch up to 1000 steps per epoch."),
         click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
                      help="Seconds a rank waits on a collective before the run fails."),
     ]
@@ -117,7 +121,7 @@ def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
         dataset_size=kw["dataset_size"], batch_size=kw["batch_size"], epochs=kw["epochs"],
         seed=kw["seed"], modes=parse_modes(modes), shuffle=kw["shuffle"],
         drop_last=kw["drop_last"], set_epoch=kw["set_epoch"], num_workers=kw["num_workers"],
-        timeout=kw["timeout"],
+        gather=kw["gather"], timeout=kw["timeout"],
     ).validate()
 
 

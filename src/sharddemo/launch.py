@@ -21,7 +21,7 @@ from typing import Optional
 
 from sharddemo.errors import RunFailed
 from sharddemo.options import RunOptions
-from sharddemo.trace import EXPECT_ENV
+from sharddemo.options import EXPECT_ENV
 
 
 def free_port() -> int:

@@ -26,6 +26,10 @@ DEFAULT_BATCH_SIZE = 4
 DEFAULT_EPOCHS = 2
 DEFAULT_SEED = 42
 DEFAULT_TIMEOUT = 60.0
+GATHER_STRATEGIES = ("auto", "batch", "epoch")
+
+# Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
+EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -60,6 +64,9 @@ class RunOptions:
     drop_last: bool = False
     set_epoch: bool = True
     num_workers: int = 0
+    # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), or
+    # `auto`: every batch up to PER_BATCH_GATHER_LIMIT steps per epoch (trace.py).
+    gather: str = "auto"
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = DEFAULT_TIMEOUT
 
@@ -80,6 +87,8 @@ class RunOptions:
             )
         if self.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.num_workers}")
+        if self.gather not in GATHER_STRATEGIES:
+            raise UsageError(f"--gather must be one of {', '.join(GATHER_STRATEGIES)}, got {self.gather!r}")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if not self.modes:
@@ -111,6 +120,8 @@ class RunOptions:
             args.append("--no-set-epoch")
         if self.num_workers:
             args += ["--num-workers", str(self.num_workers)]
+        if self.gather != "auto":
+            args += ["--gather", self.gather]
         if self.timeout != DEFAULT_TIMEOUT:
             args += ["--timeout", f"{self.timeout:g}"]
         return args

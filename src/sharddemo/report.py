@@ -90,8 +90,13 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         ],
         "duplicates_explained": explained if extra else True,
     }
+    out["gather"] = record.get("gather", "batch")
     if record.get("gathered") is not None:
-        out["gathered_matches_ranks"] = record["gathered"] == _interleave_steps(ranks)
+        # Per batch, all_gather interleaves the ranks step by step; once per epoch it returns
+        # rank 0's whole epoch, then rank 1's ...
+        expected = (_interleave_steps(ranks) if out["gather"] == "batch"
+                    else [i for ids in flat for i in ids])
+        out["gathered_matches_ranks"] = record["gathered"] == expected
     if "gathered_for_metrics" in record:
         gfm = record["gathered_for_metrics"]
         out["gathered_for_metrics"] = gfm

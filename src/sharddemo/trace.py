@@ -22,12 +22,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import MODE_HELP, RunOptions
+from sharddemo.options import EXPECT_ENV, MODE_HELP, RunOptions
 
 TRACE_SCHEMA = "sharddemo.trace/1"
-
-# Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
-EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
 
 
 def rank_label(rank: Optional[int] = None, world: Optional[int] = None) -> str:
@@ -97,43 +94,31 @@ def arithmetic(world: int, opts: RunOptions) -> dict:
     }
 
 
+# Up to this many steps per rank and epoch, every batch is gathered as it comes (the
+# reference's way, and what a training loop would do). Beyond it, ids are kept on the rank and
+# gathered once at the end of the epoch: a gather costs ~0.3 ms on gloo, more than a whole
+# step of a toy loader, so per-batch gathers would dominate a large run (docs/benchmarks.md).
+PER_BATCH_GATHER_LIMIT = 1000
+
+
 def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                on_epoch: Optional[Callable[[dict], None]] = None) -> dict:
     """Walk one mode's loader for every epoch on this rank. Returns the mode's trace on the
     main process (every rank's batches and what the gathers returned) and {} elsewhere."""
-    from accelerate.utils import gather_object, set_seed
+    from accelerate.utils import set_seed
 
-    from sharddemo.datasets import values_to_ids
     from sharddemo.loaders import build_loader
 
     # Reseed per mode so a mode's result does not depend on which modes ran before it.
     set_seed(opts.seed)
     plan = build_loader(mode, accelerator, dataset, opts)
     epochs = []
+    strategies = set()
     for epoch in range(opts.epochs):
         if plan.sampler is not None:
             plan.sampler.set_epoch(epoch)
-        # Step counts first: a per-batch gather with unequal counts would hang or abort.
-        lengths = gather_object([_safe_len(plan.loader)])
-        per_batch_gather = len(set(lengths)) == 1 and lengths[0] is not None
-        batches: list[list[int]] = []
-        gathered: list[int] = []
-        for_metrics: list[int] = []
-        for batch in plan.loader:
-            batch = batch.to(accelerator.device)
-            batches.append(values_to_ids(batch))
-            if per_batch_gather:
-                gathered.extend(values_to_ids(accelerator.gather(batch)))
-                if plan.prepared:
-                    for_metrics.extend(values_to_ids(accelerator.gather_for_metrics(batch)))
-        ranks = gather_object([batches])
-        record: dict[str, Any] = {
-            "epoch": epoch,
-            "ranks": [{"rank": r, "batches": b} for r, b in enumerate(ranks)],
-            "gathered": gathered if per_batch_gather else None,
-        }
-        if plan.prepared:
-            record["gathered_for_metrics"] = for_metrics if per_batch_gather else None
+        record = trace_epoch(accelerator, plan, epoch, opts.gather)
+        strategies.add(record["gather"])
         if accelerator.is_main_process:
             epochs.append(record)
             if on_epoch is not None:
@@ -141,6 +126,106 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     if not accelerator.is_main_process:
         return {}
     return {"description": MODE_HELP[mode], "prepared": plan.prepared, "epochs": epochs}
+
+
+def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
+    """One epoch of one loader on this rank, exactly as a training loop walks it."""
+    device = accelerator.device
+    # Step counts first: a per-batch gather with unequal counts would hang or abort.
+    steps = _safe_len(plan.loader)
+    counts = _gather_ints(accelerator, [steps if steps is not None else -1])
+    equal = len(set(counts)) == 1 and counts[0] >= 0
+    per_batch = equal and (strategy == "batch" or
+                           (strategy == "auto" and counts[0] <= PER_BATCH_GATHER_LIMIT))
+    local: list = []
+    gathered: list = []
+    for_metrics: list = []
+    metrics_cut = 0
+    for batch in plan.loader:
+        batch = batch.to(device)
+        local.append(batch.reshape(-1))
+        if per_batch:
+            gathered.append(accelerator.gather(batch))
+            if plan.prepared:
+                for_metrics.append(accelerator.gather_for_metrics(batch))
+        elif equal and plan.prepared and accelerator.gradient_state.end_of_dataloader:
+            # Only the last batch of a prepared loader differs between the two gathers:
+            # gather it both ways for real to learn how many fill samples accelerate drops.
+            whole = accelerator.gather(batch)
+            metrics_cut = len(whole) - len(accelerator.gather_for_metrics(batch))
+    ranks = _gather_batches(accelerator, local)
+    if not accelerator.is_main_process:
+        return {"gather": "batch" if per_batch else "epoch"}
+    record: dict[str, Any] = {"epoch": epoch, "ranks": [{"rank": r, "batches": b}
+                                                        for r, b in enumerate(ranks)]}
+    if per_batch:
+        record["gather"] = "batch"
+        record["gathered"] = _to_ids(torch.cat(gathered)) if gathered else []
+        if plan.prepared:
+            record["gathered_for_metrics"] = _to_ids(torch.cat(for_metrics)) if for_metrics else []
+    else:
+        record["gather"] = "epoch"
+        record["gathered"] = [i for batches in ranks for batch in batches for i in batch]
+        if plan.prepared:
+            # What the per-batch calls would have returned: every batch whole, the last cut.
+            merged = _interleave(ranks) if equal else None
+            record["gathered_for_metrics"] = (merged[:len(merged) - metrics_cut]
+                                              if merged is not None else None)
+    return record
+
+
+def _interleave(ranks: list) -> list[int]:
+    out: list[int] = []
+    for step in range(max((len(b) for b in ranks), default=0)):
+        for batches in ranks:
+            if step < len(batches):
+                out.extend(batches[step])
+    return out
+
+
+def _to_ids(values: torch.Tensor) -> list[int]:
+    return (values.reshape(-1).to("cpu", torch.int64) - 1).tolist()
+
+
+def _gather_ints(accelerator, values: list[int]) -> list[int]:
+    tensor = torch.tensor(values, dtype=torch.int64, device=accelerator.device)
+    return accelerator.gather(tensor).tolist()
+
+
+def _gather_batches(accelerator, local: list) -> list[list[list[int]]]:
+    """Every rank's batches (as ids) on the main process, in two tensor gathers.
+
+    Ranks may hold different numbers of batches and samples (no even_batches, split by
+    node, ...), so both tensors are padded to the longest with -1 first: gather needs equal
+    shapes, and gloo cannot gather an empty tensor (torch issue 85234).
+    """
+    device = accelerator.device
+    ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64, device=device)
+    sizes = torch.tensor([len(b) for b in local], dtype=torch.int64, device=device)
+    n_ids, n_batches = ids.numel(), sizes.numel()
+    shape = _gather_ints(accelerator, [n_ids, n_batches])
+    max_ids = max(1, max(shape[0::2]))
+    max_batches = max(1, max(shape[1::2]))
+    pad = torch.full((max_ids,), -1, dtype=torch.int64, device=device)
+    pad[:n_ids] = ids.to(torch.int64)
+    pad_sizes = torch.full((max_batches,), -1, dtype=torch.int64, device=device)
+    pad_sizes[:n_batches] = sizes
+    all_ids = accelerator.gather(pad)
+    all_sizes = accelerator.gather(pad_sizes)
+    if not accelerator.is_main_process:
+        return []
+    all_ids = (all_ids.to("cpu") - 1).tolist()
+    all_sizes = all_sizes.to("cpu").tolist()
+    out = []
+    for r in range(accelerator.num_processes):
+        flat = all_ids[r * max_ids:r * max_ids + shape[2 * r]]
+        sizes_r = all_sizes[r * max_batches:r * max_batches + shape[2 * r + 1]]
+        batches, start = [], 0
+        for size in sizes_r:
+            batches.append(flat[start:start + size])
+            start += size
+        out.append(batches)
+    return out
 
 
 def _safe_len(loader) -> Optional[int]:
@@ -217,18 +302,28 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             torch.distributed.destroy_process_group()
 
 
+# Above this dataset size `run` prints counts instead of every value.
+PRINT_LIMIT = 64
+
+
 def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) -> None:
     """Reference-style output: each rank's batches as sample values (id + 1), then the merge."""
     talk(f"epoch {record['epoch']}")
+    small = n <= PRINT_LIMIT
     for rank in record["ranks"]:
-        for step, ids in enumerate(rank["batches"]):
-            talk(f"{rank_label(rank['rank'], world)} batch {step}: {[i + 1 for i in ids]}")
+        label = rank_label(rank["rank"], world)
+        if small:
+            for step, ids in enumerate(rank["batches"]):
+                talk(f"{label} batch {step}: {[i + 1 for i in ids]}")
+        else:
+            count = sum(len(b) for b in rank["batches"])
+            talk(f"{label} {len(rank['batches'])} batches, {count} samples")
     gathered = record["gathered"]
-    if gathered is None:
-        talk("merged: not gathered per batch (the ranks had unequal step counts)")
-        return
     times = len(gathered) / n
-    talk(f"merged by accelerator.gather: {[i + 1 for i in gathered]}")
+    how = ("accelerator.gather of every batch" if record["gather"] == "batch"
+           else "accelerator.gather of each rank's epoch")
+    shown = [i + 1 for i in gathered] if small else f"{len(gathered)} values"
+    talk(f"merged by {how}: {shown}")
     talk(f"total {len(gathered)} = {times:g}x the dataset of {n}")
     if record.get("gathered_for_metrics") is not None:
         talk(f"accelerator.gather_for_metrics returned {len(record['gathered_for_metrics'])}")
