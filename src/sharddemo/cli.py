@@ -107,7 +107,7 @@ def loader_options(func: Callable) -> Callable:
         click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
                      show_default=True,
                      help="accelerator.gather every batch, or each rank's ids once per epoch; "
-                          "auto: every batch up to 1000 steps per epoch."),
+                          "auto: every batch up to 100 steps per rank and epoch."),
         click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
                      help="Seconds a rank waits on a collective before the run fails."),
     ]

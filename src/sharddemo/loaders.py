@@ -22,6 +22,9 @@ class LoaderPlan:
     sampler: Optional[DistributedSampler] = None
     # True when accelerator.prepare wrapped the loader (gather_for_metrics then knows the padding).
     prepared: bool = False
+    # True when every rank's batch at a given step has the same shape, so a plain per-batch
+    # gather is safe; False makes the trace pad each batch across ranks first.
+    even_shapes: bool = True
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -65,7 +65,7 @@ class RunOptions:
     set_epoch: bool = True
     num_workers: int = 0
     # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), or
-    # `auto`: every batch up to PER_BATCH_GATHER_LIMIT steps per epoch (trace.py).
+    # `auto`: every batch up to PER_BATCH_GATHER_LIMIT steps per rank and epoch (trace.py).
     gather: str = "auto"
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = DEFAULT_TIMEOUT
