@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from sharddemo.config import default_config_path, load_config
@@ -34,5 +33,6 @@ def compare_run(opts: RunOptions, *, config_file: Optional[str] = None,
 
 def write_report(report: dict, path: str) -> None:
     from sharddemo.fileio import write_atomic
+    from sharddemo.render import render_json
 
-    write_atomic(path, json.dumps(report, indent=2) + "\n")
+    write_atomic(path, render_json(report))

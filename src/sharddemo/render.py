@@ -5,8 +5,24 @@ from __future__ import annotations
 import json
 
 
-def _ids(ids) -> str:
+def _ids(ids, limit: int = 0) -> str:
+    if limit and len(ids) > limit:
+        return "[" + " ".join(str(i) for i in ids[:limit]) + " ...]"
     return "[" + " ".join(str(i) for i in ids) + "]"
+
+
+# Up to this many samples per rank and epoch every batch is printed in full.
+FULL_LIMIT = 64
+
+
+def batches_text(batches: list) -> str:
+    """A rank's batches, whole when small, else the first two and a count."""
+    if not batches:
+        return "(nothing)"
+    if sum(len(b) for b in batches) <= FULL_LIMIT:
+        return " ".join(_ids(b) for b in batches)
+    head = " ".join(_ids(b, 8) for b in batches[:2])
+    return f"{head} ... ({len(batches)} batches, {sum(len(b) for b in batches)} samples)"
 
 
 def _short(ids, limit: int = 16) -> str:
@@ -32,16 +48,14 @@ def _epoch_summary(e: dict) -> list[str]:
         + _short([d['id'] for d in e['duplicates']])
     ]
     if e["duplicates"]:
-        lines.append(f"why duplicated: {e['duplicates'][0]['reason']}"
+        lines.append(f"why duplicated: {e['reasons'][e['duplicates'][0]['reason']]}"
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
-    if e.get("gathered") is not None:
-        g = f"accelerator.gather returned {len(e['gathered'])}"
-        if "gathered_for_metrics" in e and e["gathered_for_metrics"] is not None:
-            exact = "exactly the dataset" if e["gather_for_metrics_exact"] else "NOT the dataset"
-            g += f", gather_for_metrics {len(e['gathered_for_metrics'])} ({exact})"
-        lines.append(g)
-    else:
-        lines.append("not gathered per batch: the ranks had unequal step counts")
+    how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
+    g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
+    if e.get("gathered_for_metrics_count") is not None:
+        exact = "exactly the dataset" if e["gather_for_metrics_exact"] else "NOT the dataset"
+        g += f", gather_for_metrics {e['gathered_for_metrics_count']} ({exact})"
+    lines.append(g)
     if not e["steps_equal"]:
         lines.append("UNEQUAL step counts across ranks: DDP training would hang on this")
     order = []
@@ -65,8 +79,7 @@ def render_table(report: dict) -> str:
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:
-                batches = " ".join(_ids(b) for b in r["batches"]) or "(nothing)"
-                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {batches}")
+                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {batches_text(r['batches'])}")
             out += ["    " + line for line in _epoch_summary(e)]
         out.append(f"  => {data['conclusion']}")
         for problem in data["broken_promises"]:
@@ -83,8 +96,7 @@ def render_markdown(report: dict) -> str:
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:
-                batches = " ".join(_ids(b) for b in r["batches"]) or "(nothing)"
-                out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {batches} |")
+                out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {batches_text(r['batches'])} |")
         out.append("")
         for e in data["epochs"]:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
@@ -94,8 +106,14 @@ def render_markdown(report: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# Above this dataset size the JSON is written compact: indented, every id takes a line.
+INDENT_LIMIT = 10_000
+
+
 def render_json(report: dict) -> str:
-    return json.dumps(report, indent=2, sort_keys=False) + "\n"
+    if report["dataset_size"] > INDENT_LIMIT:
+        return json.dumps(report, separators=(",", ":")) + "\n"
+    return json.dumps(report, indent=2) + "\n"
 
 
 RENDERERS = {"table": render_table, "json": render_json, "markdown": render_markdown}

@@ -120,7 +120,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     if not accelerator.is_main_process:
         return {}
     # Tensors -> plain lists only now, after the loop, so the epochs are timed as trained.
-    epochs = [finalize_epoch(r, accelerator.num_processes) for r in raw]
+    epochs = [finalize_epoch(r, accelerator.num_processes, len(dataset)) for r in raw]
     if on_epoch is not None:
         for record in epochs:
             on_epoch(record)
@@ -170,40 +170,61 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
             "metrics_cut": metrics_cut}
 
 
-def finalize_epoch(raw: dict, world: int) -> dict:
-    """A raw epoch (tensors, on the main process) -> the trace's plain-data record."""
+def finalize_epoch(raw: dict, world: int, dataset_size: int) -> dict:
+    """A raw epoch (tensors, on the main process) -> the trace's plain-data record.
+
+    Per-batch gathers are kept as lists. A once-per-epoch gather returns each rank's ids in
+    rank order, which `ranks` already holds, so only its count is kept: that keeps a
+    10-million-sample trace to one copy of the ids.
+    """
     ranks = _split_batches(raw["packed"], raw["shape"], world)
     record: dict[str, Any] = {"epoch": raw["epoch"], "gather": raw["gather"],
                               "ranks": [{"rank": r, "batches": b} for r, b in enumerate(ranks)]}
     if raw["gather"] == "batch":
-        record["gathered"] = _to_ids(raw["gathered"]) if raw["gathered"] is not None else []
+        gathered = _values(raw["gathered"])
+        record["gathered"] = (gathered - 1).tolist()
+        record["gathered_count"] = len(gathered)
         if raw["prepared"]:
-            record["gathered_for_metrics"] = (_to_ids(raw["for_metrics"])
-                                              if raw["for_metrics"] is not None else [])
+            metrics = _values(raw["for_metrics"])
+            record["gathered_for_metrics"] = (metrics - 1).tolist()
+            record["gathered_for_metrics_count"] = len(metrics)
+            record["gather_for_metrics_exact"] = _exactly_once(metrics - 1, dataset_size)
     else:
-        record["gathered"] = [i for batches in ranks for batch in batches for i in batch]
+        shape = raw["shape"]
+        record["gathered"] = None
+        record["gathered_count"] = sum(shape[0::3])
         if raw["prepared"]:
-            # What the per-batch calls would have returned: every batch whole, the last cut.
+            exact, count = None, None
             if raw["equal"]:
-                merged = _interleave(ranks)
-                record["gathered_for_metrics"] = merged[:len(merged) - raw["metrics_cut"]]
-            else:
-                record["gathered_for_metrics"] = None
+                # Per batch, gather_for_metrics returns every batch whole except the last,
+                # whose tail it cuts by the count measured on the ranks: the last step's
+                # batches in rank order, minus their last `cut` ids.
+                cut = raw["metrics_cut"]
+                rows = _rank_rows(raw["packed"], shape, world)
+                last_step = [ids[len(ids) - int(sizes[-1]):] for sizes, ids in rows if len(sizes)]
+                dropped = torch.cat(last_step)[-cut:] if cut else torch.empty(0, dtype=torch.int64)
+                counts = torch.bincount(torch.cat([ids for _, ids in rows]), minlength=dataset_size)
+                counts -= torch.bincount(dropped, minlength=dataset_size)
+                count = record["gathered_count"] - cut
+                exact = len(counts) == dataset_size and bool((counts == 1).all())
+            record["gathered_for_metrics"] = None
+            record["gathered_for_metrics_count"] = count
+            record["gather_for_metrics_exact"] = exact
     return record
 
 
-def _interleave(ranks: list) -> list[int]:
-    out: list[int] = []
-    for step in range(max((len(b) for b in ranks), default=0)):
-        for batches in ranks:
-            if step < len(batches):
-                out.extend(batches[step])
-    return out
+def _values(tensor: Optional[torch.Tensor]) -> torch.Tensor:
+    """Gathered sample values, with the 0 padding (no sample has value 0) dropped."""
+    if tensor is None:
+        return torch.empty(0, dtype=torch.int64)
+    values = tensor.reshape(-1).to("cpu", torch.int64)
+    return values[values != 0]
 
 
-def _to_ids(values: torch.Tensor) -> list[int]:
-    values = values.reshape(-1).to("cpu", torch.int64)
-    return (values[values != 0] - 1).tolist()  # 0 is padding: sample values start at 1
+def _exactly_once(ids: torch.Tensor, n: int) -> bool:
+    if len(ids) != n or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n)):
+        return False
+    return bool((torch.bincount(ids, minlength=n) == 1).all())
 
 
 def _gather_ints(accelerator, values: list[int]) -> list[int]:
@@ -233,21 +254,33 @@ def _gather_batches(accelerator, local: list):
     return accelerator.gather(packed).to("cpu"), shape
 
 
-def _split_batches(packed: torch.Tensor, shape: list[int], world: int) -> list[list[list[int]]]:
-    """Undo the packing: rank r's batch sizes and values -> its batches of ids."""
+def _rank_rows(packed: torch.Tensor, shape: list[int], world: int) -> list:
+    """Undo the packing: for each rank, (batch sizes, ids) as int64 tensors."""
     width = len(packed) // world
-    out = []
+    rows = []
     for r in range(world):
         n_ids, n_batches = shape[3 * r], shape[3 * r + 1]
         row = packed[r * width:(r + 1) * width].to(torch.int64)
-        sizes = row[:n_batches].tolist()
-        flat = (row[n_batches:n_batches + n_ids] - 1).tolist()
-        batches, start = [], 0
-        for size in sizes:
+        rows.append((row[:n_batches], row[n_batches:n_batches + n_ids] - 1))
+    return rows
+
+
+def _split_batches(packed: torch.Tensor, shape: list[int], world: int) -> list[list[list[int]]]:
+    """Each rank's batches of ids, as lists."""
+    out = []
+    for sizes, ids in _rank_rows(packed, shape, world):
+        flat, batches, start = ids.tolist(), [], 0
+        for size in sizes.tolist():
             batches.append(flat[start:start + size])
             start += size
         out.append(batches)
     return out
+
+
+def _peak_rss_kb() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
 
 
 def _safe_len(loader) -> Optional[int]:
@@ -296,6 +329,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             except Exception as exc:  # name the mode: the rank is named by the caller
                 raise RunFailed(f"mode {mode}: {type(exc).__name__}: {exc}") from exc
             timings[mode] = round(time.perf_counter() - start, 6)
+        peak = _gather_ints(accelerator, [_peak_rss_kb()])
         if not main:
             return None
         trace = {
@@ -311,12 +345,13 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "options": opts.to_dict(),
             "arithmetic": sums,
             "modes": modes,
-            "timings": timings,
+            # Not reproducible, so kept apart from the rest of the trace.
+            "timings": {"mode_s": timings, "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
         }
         if trace_out:
             import json
 
-            write_atomic(trace_out, json.dumps(trace))
+            write_atomic(trace_out, json.dumps(trace, separators=(",", ":")))
         return trace
     finally:
         accelerator.end_training()
@@ -340,15 +375,15 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
         else:
             count = sum(len(b) for b in rank["batches"])
             talk(f"{label} {len(rank['batches'])} batches, {count} samples")
-    gathered = record["gathered"]
-    times = len(gathered) / n
-    how = ("accelerator.gather of every batch" if record["gather"] == "batch"
-           else "accelerator.gather of each rank's epoch")
-    shown = [i + 1 for i in gathered] if small else f"{len(gathered)} values"
-    talk(f"merged by {how}: {shown}")
-    talk(f"total {len(gathered)} = {times:g}x the dataset of {n}")
-    if record.get("gathered_for_metrics") is not None:
-        talk(f"accelerator.gather_for_metrics returned {len(record['gathered_for_metrics'])}")
+    total = record["gathered_count"]
+    if record["gather"] == "batch" and small:
+        talk(f"merged by accelerator.gather: {[i + 1 for i in record['gathered']]}")
+    else:
+        how = "every batch" if record["gather"] == "batch" else "each rank's epoch"
+        talk(f"merged by accelerator.gather of {how}: {total} values")
+    talk(f"total {total} = {total / n:g}x the dataset of {n}")
+    if record.get("gathered_for_metrics_count") is not None:
+        talk(f"accelerator.gather_for_metrics returned {record['gathered_for_metrics_count']}")
 
 
 def rank_fail(message: str) -> None:
