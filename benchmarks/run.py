@@ -1,0 +1,167 @@
+"""sharddemo's benchmark suite: every figure of docs/benchmarks.md, measured here.
+
+    python benchmarks/run.py                      # everything (about 10 minutes on 2 cores)
+    python benchmarks/run.py --only startup,scale # some sections
+    python benchmarks/run.py --repeats 3          # fewer repeats
+
+Each section repeats its runs and keeps medians; ratios are measured within one run.
+Results are merged into benchmarks/results.json (one entry per section, with the machine and
+date it ran on) and docs/benchmarks.md is rewritten from that file. No test times anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+DOC = ROOT / "docs" / "benchmarks.md"
+CPU_CONFIG = str(ROOT / "accelerate_configs" / "cpu2.yaml")
+
+
+def machine() -> str:
+    import accelerate
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            names = [l.split(":", 1)[1].strip() for l in handle if l.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, accelerate {accelerate.__version__}")
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+def wall(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark command failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return elapsed
+
+
+def launch(script_args: list[str], nproc: int = 2) -> list[str]:
+    from sharddemo.launch import free_port
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG,
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script_args]
+
+
+def rank_bench(what: str, *args: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        wall(launch([str(ROOT / "benchmarks" / "rank_bench.py"), what, out, *map(str, args)]))
+        return json.loads(Path(out).read_text())
+
+
+def section_startup(repeats: int) -> dict:
+    floor, compare = [], []
+    for _ in range(repeats):  # alternate, so drift hits both alike
+        floor.append(wall(launch([str(ROOT / "benchmarks" / "floor.py")])))
+        compare.append(wall([sys.executable, "-m", "sharddemo", "compare", "--format", "json"]))
+    helps = [wall([sys.executable, "-m", "sharddemo", "--help"]) for _ in range(repeats)]
+    f, c = statistics.median(floor), statistics.median(compare)
+    return {"floor_s": f, "compare_s": c, "ratio": c / f, "help_s": statistics.median(helps),
+            "target": "compare <= 1.3x floor; --help well under 1 s",
+            "met": c / f <= 1.3 and statistics.median(helps) < 0.5}
+
+
+def section_overhead(repeats: int) -> dict:
+    result = rank_bench("overhead", 1_000_000, 512, repeats)
+    worst = max(result[m]["ratio"] for m in ("prepared", "sampler"))
+    return {**result, "target": "traced epoch <= 1.05x the bare loop", "met": worst <= 1.05}
+
+
+def section_scale(repeats: int) -> dict:
+    rows = {}
+    for n in (100_000, 1_000_000, 10_000_000):
+        times, peaks = [], []
+        for _ in range(repeats if n < 10_000_000 else max(1, repeats // 2)):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "r.json")
+                times.append(wall([sys.executable, "-m", "sharddemo", "compare", "--modes",
+                                   "sampler", "--epochs", "1", "--batch-size", "512",
+                                   "--dataset-size", str(n), "--output", out]))
+                peaks.append(max(json.loads(Path(out).read_text())["timings"]["peak_rss_mb"]))
+        rows[str(n)] = {"wall_s": statistics.median(times), "peak_rank_mb": max(peaks)}
+    big = rows["10000000"]
+    return {"rows": rows, "target": "N = 10^7: <= 30 s wall, <= 1.5 GB per rank",
+            "met": big["wall_s"] <= 30 and big["peak_rank_mb"] <= 1536}
+
+
+def section_sharding(repeats: int) -> dict:
+    result = rank_bench("sharding", 20_000, 64, repeats)
+    worst = min(result[m]["speedup_vs_replicated"] for m in ("sampler", "prepared"))
+    return {**result, "target": ">= 0.9 x W = 1.8x faster epochs than replicated at W = 2",
+            "met": worst >= 1.8}
+
+
+def section_gather(repeats: int) -> dict:
+    result = rank_bench("gather", repeats)
+    sizes = [k for k in result if k.isdigit()]
+    worst = max(result[k]["ratio"] for k in sizes)
+    return {**result, "target": "accelerator.gather within 10% of torch.distributed.all_gather",
+            "met": worst <= 1.10}
+
+
+def section_gpu(repeats: int) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU on this machine", "met": None,
+                "target": "NCCL path exercised and timed on a GPU"}
+    times = [wall([sys.executable, "-m", "sharddemo", "run", "--device", "cuda", "--quiet"])
+             for _ in range(repeats)]
+    return {"card": torch.cuda.get_device_name(0), "run_s": statistics.median(times),
+            "target": "NCCL path exercised and timed on a GPU", "met": True}
+
+
+SECTIONS = {"startup": section_startup, "overhead": section_overhead, "scale": section_scale,
+            "sharding": section_sharding, "gather": section_gather, "gpu": section_gpu}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help="comma list of: " + ", ".join(SECTIONS))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    where = machine()
+    for name in [s.strip() for s in args.only.split(",") if s.strip()]:
+        if name not in SECTIONS:
+            raise SystemExit(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        data = SECTIONS[name](args.repeats)
+        data.update(machine=where, date=datetime.date.today().isoformat(), repeats=args.repeats)
+        results[name] = data
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"[bench] {name}: {json.dumps(data)}", file=sys.stderr, flush=True)
+    from render_doc import render_doc
+
+    DOC.write_text(render_doc(results))
+    print(f"wrote {DOC.relative_to(ROOT)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
