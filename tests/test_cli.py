@@ -45,7 +45,8 @@ def test_unknown_mode(command, flag):
     result = invoke([command, flag, "prepared,bogus"])
     assert result.exit_code == 2
     assert error_line(result) == (
-        "Error: unknown mode 'bogus'; choose 'all' or a comma list of: prepared, sampler, replicated")
+        "Error: unknown mode 'bogus'; choose 'all', 'pitfalls' or a comma list of: prepared, "
+        "sampler, replicated, double-split, unseeded, split")
 
 
 def test_unknown_format():

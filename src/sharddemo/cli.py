@@ -16,7 +16,8 @@ import click
 from sharddemo import __version__
 from sharddemo.errors import ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
-                               DEFAULT_SEED, DEFAULT_TIMEOUT, GATHER_STRATEGIES, MODES, RunOptions, parse_modes)
+                               DEFAULT_SEED, DEFAULT_SHARDS, DEFAULT_TIMEOUT, GATHER_STRATEGIES,
+                               MODES, SOURCE_HELP, SOURCES, RunOptions, parse_modes)
 
 FORMATS = ("table", "json", "markdown")
 
@@ -104,6 +105,20 @@ def loader_options(func: Callable) -> Callable:
                      help="sampler mode: call sampler.set_epoch(epoch) each epoch."),
         click.option("--num-workers", type=int, default=0, show_default=True,
                      help="DataLoader worker processes."),
+        click.option("--source", type=click.Choice(SOURCES), default="toy", show_default=True,
+                     help="Where samples come from: " + "; ".join(
+                         f"{k}: {v}" for k, v in SOURCE_HELP.items()) + "."),
+        click.option("--shards", type=int, default=DEFAULT_SHARDS, show_default=True,
+                     help="hf-stream: number of files the stream is written as."),
+        click.option("--even-batches/--no-even-batches", default=True, show_default=True,
+                     help="prepared: accelerate fills the last round so every rank gets as many "
+                          "batches (--no-even-batches: unequal counts, a DDP hang)."),
+        click.option("--split-batches", is_flag=True,
+                     help="prepared: slice each batch of --batch-size across the ranks "
+                          "(the batch size must divide by the world size)."),
+        click.option("--dispatch-batches/--no-dispatch-batches", default=None,
+                     help="prepared: rank 0 reads and broadcasts slices [default: accelerate's: "
+                          "on for iterable sources, off for map-style]."),
         click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
                      show_default=True,
                      help="accelerator.gather every batch, or each rank's ids once per epoch; "
@@ -121,6 +136,8 @@ def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
         dataset_size=kw["dataset_size"], batch_size=kw["batch_size"], epochs=kw["epochs"],
         seed=kw["seed"], modes=parse_modes(modes), shuffle=kw["shuffle"],
         drop_last=kw["drop_last"], set_epoch=kw["set_epoch"], num_workers=kw["num_workers"],
+        source=kw["source"], shards=kw["shards"], even_batches=kw["even_batches"],
+        split_batches=kw["split_batches"], dispatch_batches=kw["dispatch_batches"],
         gather=kw["gather"], timeout=kw["timeout"],
     ).validate()
 
@@ -141,7 +158,8 @@ def cli(debug: bool) -> None:
 
 @cli.command()
 @click.option("--mode", "modes", default="all", show_default=True,
-              help="all, or a comma list of: " + ", ".join(MODES) + ".")
+              help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
+                   "or a comma list of: " + ", ".join(MODES) + ".")
 @loader_options
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="auto: CUDA when available, else CPU with gloo.")
@@ -181,7 +199,8 @@ def _check_output(path: str, flag: str) -> None:
               "or 2gpu.yaml where two or more GPUs are visible].")
 @click.option("--num-processes", type=int, help="Override the config's num_processes.")
 @click.option("--modes", default="all", show_default=True,
-              help="all, or a comma list of: " + ", ".join(MODES) + ".")
+              help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
+                   "or a comma list of: " + ", ".join(MODES) + ".")
 @loader_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")

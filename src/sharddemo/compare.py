@@ -18,6 +18,7 @@ def make_launch(opts: RunOptions, config_file: Optional[str],
     if num_processes is not None and num_processes < 1:
         raise UsageError(f"--num-processes must be at least 1, got {num_processes}")
     world = num_processes or config.num_processes
+    opts.check_world(world)
     # A config that says use_cpu stays on CPU even where GPUs are visible.
     device = "cpu" if config.raw.get("use_cpu") else "auto"
     return Launch(config_file=path, num_processes=world, run_args=opts.to_run_args(),

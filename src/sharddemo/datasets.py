@@ -1,9 +1,21 @@
-"""The reference's toy dataset: sample i holds the value i + 1, so a value names its sample."""
+"""Where the samples come from: the reference's toy dataset and the other sources.
+
+Every source carries its sample ids: the toy sources yield the value id + 1 (the
+reference's 1..N), the HF sources an `id` column. `batch_values` reads either kind of batch
+back as values 1..N, so the trace and the report treat all sources alike.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
 class ToyDataset(Dataset):
@@ -30,6 +42,71 @@ class ToyDataset(Dataset):
         return [self[i] for i in indices]
 
 
-def values_to_ids(values: torch.Tensor) -> list[int]:
-    """A batch of toy values -> the 0-based dataset ids they name."""
-    return (values.reshape(-1).to("cpu", torch.int64) - 1).tolist()
+class ToyIterable(IterableDataset):
+    """The toy samples as a stream with no length: values 1..N in order.
+
+    With DataLoader workers, worker k of K yields every K-th value, so the stream is read
+    once per rank whatever the worker count.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(start + 1, self.length + 1, step))
+
+
+def hf_dataset(length: int):
+    """A datasets.Dataset in memory: one `id` column, torch format."""
+    from datasets import Dataset as HFDataset
+
+    return HFDataset.from_dict({"id": list(range(length))}).with_format("torch")
+
+
+def hf_stream(length: int, shards: int):
+    """A datasets.IterableDataset streamed from `shards` JSON-lines files written locally.
+
+    Each process writes its own copy (the same content) into a temporary folder removed at
+    exit, so no rank waits on another and nothing is fetched from a hub.
+    """
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from datasets import load_dataset
+
+    folder = tempfile.mkdtemp(prefix="sharddemo-stream-")
+    atexit.register(shutil.rmtree, folder, True)
+    files = []
+    per = -(-length // shards)
+    for k in range(shards):
+        path = os.path.join(folder, f"shard-{k:05d}.jsonl")
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps({"id": i}) + "\n"
+                              for i in range(k * per, min(length, (k + 1) * per)))
+        files.append(path)
+    stream = load_dataset("json", data_files=files, split="train", streaming=True)
+    return stream.with_format("torch")
+
+
+def build_source(name: str, length: int, shards: int = 4):
+    if name == "toy":
+        return ToyDataset(length)
+    if name == "iterable":
+        return ToyIterable(length)
+    if name == "hf":
+        return hf_dataset(length)
+    if name == "hf-stream":
+        return hf_stream(length, shards)
+    raise ValueError(f"unknown source {name!r}")
+
+
+def batch_values(batch: Any) -> torch.Tensor:
+    """A batch from any source -> its sample values (id + 1), a 1-D int64 tensor."""
+    if isinstance(batch, dict):
+        return batch["id"].reshape(-1).to(torch.int64) + 1
+    return batch.reshape(-1).to(torch.int64)
+
+
+def values_to_ids(values: Any) -> list[int]:
+    """A batch from any source -> the 0-based dataset ids it holds."""
+    return (batch_values(values).to("cpu") - 1).tolist()

@@ -6,13 +6,15 @@ is what torch and accelerate really hand each rank.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from sharddemo.options import RunOptions
+from sharddemo.options import MAP_SOURCES, RunOptions
 
 
 @dataclass
@@ -41,15 +43,10 @@ def build_prepared(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
     last round is filled from the start of the epoch: rank 0 [[0,1,2],[6,7,8]],
     rank 1 [[3,4,5],[9,0,1]]. `gather` then returns 12 ids, `gather_for_metrics` 10.
     """
-    loader = DataLoader(
-        dataset,
-        batch_size=opts.batch_size,
-        shuffle=opts.shuffle,
-        drop_last=opts.drop_last,
-        num_workers=opts.num_workers,
-        generator=_generator(opts.seed) if opts.shuffle else None,
-    )
-    return LoaderPlan(accelerator.prepare(loader), prepared=True)
+    loader = plain_loader(dataset, opts)
+    even = (opts.source in MAP_SOURCES and opts.even_batches and not opts.dispatch_batches
+            and not opts.split_batches)
+    return LoaderPlan(accelerator.prepare(loader), prepared=True, even_shapes=even)
 
 
 def build_sampler(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
@@ -83,21 +80,86 @@ def build_replicated(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderP
     Every rank iterates all N samples: two processes see 2N samples per epoch between them.
     With the same seed on every rank (as `set_seed` gives) they even walk the same order.
     """
-    loader = DataLoader(
+    return LoaderPlan(plain_loader(dataset, opts))
+
+
+def plain_loader(dataset, opts: RunOptions) -> DataLoader:
+    """`DataLoader(dataset, batch_size, shuffle=True)`, as a user writes it. Streams have no
+    order to shuffle: a DataLoader refuses shuffle=True for an IterableDataset."""
+    shuffle = opts.shuffle and not isinstance(dataset, IterableDataset)
+    return DataLoader(
         dataset,
         batch_size=opts.batch_size,
-        shuffle=opts.shuffle,
+        shuffle=shuffle,
         drop_last=opts.drop_last,
         num_workers=opts.num_workers,
-        generator=_generator(opts.seed) if opts.shuffle else None,
+        generator=_generator(opts.seed) if shuffle else None,
     )
-    return LoaderPlan(loader)
+
+
+def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+    """`double-split` (pitfall): a loader that already has a DistributedSampler, prepared too.
+
+    The sampler gives each rank its half; accelerate then deals that half's batches
+    round-robin across the ranks again. Two processes, N=10, B=2, no shuffle: rank 0's sampler
+    yields [0,2,4,6,8] -> batches [0,2] [4,6] [8]; accelerate keeps batches 0 and 2 on rank 0
+    and fills the round from the start: [[0,2],[8,0]]; rank 1 gets [[3,5],[7,3]]... Samples
+    1, 4, 6 and 9 are never seen by anyone.
+    """
+    plan = build_sampler(accelerator, dataset, opts)
+    return LoaderPlan(accelerator.prepare(plan.loader), sampler=plan.sampler, prepared=True,
+                      even_shapes=False)
+
+
+@contextlib.contextmanager
+def dataloader_config(accelerator, **changes):
+    """Prepare with other DataLoaderConfiguration settings for one loader, then restore."""
+    old = accelerator.dataloader_config
+    accelerator.dataloader_config = dataclasses.replace(old, **changes)
+    try:
+        yield
+    finally:
+        accelerator.dataloader_config = old
+
+
+def build_unseeded(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+    """`unseeded` (pitfall): use_seedable_sampler=True and no seed.
+
+    accelerate's SeedableRandomSampler then seeds each epoch from the process's own initial
+    torch seed, which differs from process to process unless `set_seed` (or `data_seed`) made
+    them equal. So every rank shuffles differently, takes its slice of ITS permutation, and the
+    slices overlap: some samples are seen twice, others never. (Here each process starts
+    from seed + rank, so that the demonstration is reproducible.)
+    """
+    torch.manual_seed(opts.seed + accelerator.process_index)
+    loader = DataLoader(dataset, batch_size=opts.batch_size, shuffle=True,
+                        drop_last=opts.drop_last, num_workers=opts.num_workers)
+    with dataloader_config(accelerator, use_seedable_sampler=True):
+        prepared = accelerator.prepare(loader)
+    return LoaderPlan(prepared, prepared=True)
+
+
+def build_split(accelerator, dataset, opts: RunOptions) -> LoaderPlan:
+    """`split`: datasets.distributed.split_dataset_by_node, then a plain loader, not prepared.
+
+    Map-style: contiguous shards, sizes differing by at most one and no padding, so with
+    N % W != 0 the ranks can take different numbers of steps (a DDP hang). Streams: whole
+    shard files per rank when the shard count divides by W, else every W-th example.
+    """
+    from datasets.distributed import split_dataset_by_node
+
+    shard = split_dataset_by_node(dataset, rank=accelerator.process_index,
+                                  world_size=accelerator.num_processes)
+    return LoaderPlan(plain_loader(shard, opts), even_shapes=False)
 
 
 BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
     "prepared": build_prepared,
     "sampler": build_sampler,
     "replicated": build_replicated,
+    "double-split": build_double_split,
+    "unseeded": build_unseeded,
+    "split": build_split,
 }
 
 

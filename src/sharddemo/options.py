@@ -8,18 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from sharddemo.errors import UsageError
 
-# The modes `run` and `compare` know, in the order `all` runs them.
+# The modes `run` and `compare` know. `all` is the reference's three; `pitfalls` the two
+# that silently lose samples; `split` is the datasets-native split for the HF sources.
 BASIC_MODES = ("prepared", "sampler", "replicated")
-MODES = BASIC_MODES
+PITFALL_MODES = ("double-split", "unseeded")
+MODES = BASIC_MODES + PITFALL_MODES + ("split",)
+MODE_GROUPS = {"all": BASIC_MODES, "pitfalls": PITFALL_MODES}
 
 MODE_HELP = {
     "prepared": "plain DataLoader(shuffle=True) passed through accelerator.prepare, which shards it",
     "sampler": "DataLoader with an explicit DistributedSampler and set_epoch each epoch, not prepared",
     "replicated": "plain DataLoader(shuffle=True), not prepared, no sampler: every rank walks all of it",
+    "double-split": "pitfall: a DataLoader that already has a DistributedSampler, passed through "
+                    "accelerator.prepare as well, so it is split twice",
+    "unseeded": "pitfall: accelerator.prepare with use_seedable_sampler=True and no seed, so every "
+                "process shuffles with its own seed",
+    "split": "datasets.distributed.split_dataset_by_node per rank, then a plain DataLoader, not prepared",
 }
+
+# Where the samples come from. Every source carries its sample ids.
+SOURCES = ("toy", "hf", "iterable", "hf-stream")
+MAP_SOURCES = ("toy", "hf")
+SOURCE_HELP = {
+    "toy": "the reference's dataset: sample i holds the value i + 1",
+    "hf": "a datasets.Dataset built in memory with an `id` column, torch format",
+    "iterable": "a torch IterableDataset streaming ids 0..N-1 (no length)",
+    "hf-stream": "a datasets.IterableDataset streamed from JSON-lines shards written locally",
+}
+DEFAULT_SHARDS = 4
 
 DEFAULT_DATASET_SIZE = 8
 DEFAULT_BATCH_SIZE = 4
@@ -39,13 +59,14 @@ def parse_modes(text: str) -> tuple[str, ...]:
         raise UsageError("no mode given; pass --mode all or a comma list of: " + ", ".join(MODES))
     out: list[str] = []
     for name in names:
-        if name == "all":
-            chosen = list(BASIC_MODES)
+        if name in MODE_GROUPS:
+            chosen = list(MODE_GROUPS[name])
         elif name in MODES:
             chosen = [name]
         else:
             raise UsageError(
-                f"unknown mode {name!r}; choose 'all' or a comma list of: " + ", ".join(MODES)
+                f"unknown mode {name!r}; choose 'all', 'pitfalls' or a comma list of: "
+                + ", ".join(MODES)
             )
         out.extend(m for m in chosen if m not in out)
     return tuple(out)
@@ -64,6 +85,13 @@ class RunOptions:
     drop_last: bool = False
     set_epoch: bool = True
     num_workers: int = 0
+    source: str = "toy"
+    shards: int = DEFAULT_SHARDS
+    # accelerate's DataLoaderConfiguration, for the prepared loaders. None: accelerate's
+    # default (dispatch for iterable datasets, not for map-style ones).
+    even_batches: bool = True
+    split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
     # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), or
     # `auto`: every batch up to PER_BATCH_GATHER_LIMIT steps per rank and epoch (trace.py).
     gather: str = "auto"
@@ -96,6 +124,28 @@ class RunOptions:
         for mode in self.modes:
             if mode not in MODES:
                 raise UsageError(f"unknown mode {mode!r}; choose from: " + ", ".join(MODES))
+        if self.source not in SOURCES:
+            raise UsageError(f"unknown source {self.source!r}; choose from: " + ", ".join(SOURCES))
+        if self.shards < 1:
+            raise UsageError(f"--shards must be at least 1, got {self.shards}")
+        if "split" in self.modes and self.source not in ("hf", "hf-stream"):
+            raise UsageError("mode split uses datasets' split_dataset_by_node: pass --source hf "
+                             "or --source hf-stream")
+        if self.source not in MAP_SOURCES:
+            needs_map = [m for m in self.modes if m in ("sampler",) + PITFALL_MODES]
+            if needs_map:
+                raise UsageError(f"mode {needs_map[0]} needs a map-style dataset (a sampler draws "
+                                 f"indices), but --source {self.source} is iterable; use "
+                                 "--source toy or hf, or modes prepared, replicated, split")
+        return self
+
+    def check_world(self, world: int) -> "RunOptions":
+        """The checks that need the world size."""
+        if self.split_batches and self.batch_size % world:
+            raise UsageError(
+                f"--split-batches slices each batch of {self.batch_size} across {world} ranks, "
+                f"so the batch size must divide by {world}; use --batch-size "
+                f"{max(world, self.batch_size - self.batch_size % world)} or drop --split-batches")
         return self
 
     def to_dict(self) -> dict:
@@ -120,6 +170,16 @@ class RunOptions:
             args.append("--no-set-epoch")
         if self.num_workers:
             args += ["--num-workers", str(self.num_workers)]
+        if self.source != "toy":
+            args += ["--source", self.source]
+        if self.shards != DEFAULT_SHARDS:
+            args += ["--shards", str(self.shards)]
+        if not self.even_batches:
+            args.append("--no-even-batches")
+        if self.split_batches:
+            args.append("--split-batches")
+        if self.dispatch_batches is not None:
+            args.append("--dispatch-batches" if self.dispatch_batches else "--no-dispatch-batches")
         if self.gather != "auto":
             args += ["--gather", self.gather]
         if self.timeout != DEFAULT_TIMEOUT:

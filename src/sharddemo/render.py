@@ -47,13 +47,19 @@ def _epoch_summary(e: dict) -> list[str]:
         f"missing {_short(e['missing'])} | duplicated "
         + _short([d['id'] for d in e['duplicates']])
     ]
+    if e["missing"]:
+        why = e["reasons"].get(e["missing_reason"]) if e["missing_reason"] else None
+        lines.append(f"why missing: {why}" if why else
+                     "why missing: NO reason: a sharded loader lost these samples")
     if e["duplicates"]:
         lines.append(f"why duplicated: {e['reasons'][e['duplicates'][0]['reason']]}"
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
     how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
     g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
     if e.get("gathered_for_metrics_count") is not None:
-        exact = "exactly the dataset" if e["gather_for_metrics_exact"] else "NOT the dataset"
+        exact = ("exactly the dataset" if e["gather_for_metrics_exact"] else
+                 "the same as gather, NOT the dataset" if e["gather_for_metrics_equals_gather"]
+                 else "NOT the dataset")
         g += f", gather_for_metrics {e['gathered_for_metrics_count']} ({exact})"
     lines.append(g)
     if not e["steps_equal"]:

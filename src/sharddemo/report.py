@@ -13,8 +13,7 @@ REPORT_SCHEMA = "sharddemo.report/1"
 # What each mode promises: sharded modes split the dataset, replicated ones repeat it.
 SHARDED = "sharded"
 REPLICATED = "replicated"
-MODE_KIND = {"prepared": SHARDED, "sampler": SHARDED, "replicated": REPLICATED}
-
+MODE_KIND = {"replicated": REPLICATED}  # every other mode claims to shard
 
 def _interleave_steps(ranks: list[list[list[int]]]) -> list[int]:
     """What a per-batch all_gather returns: step by step, rank 0's batch, then rank 1's ..."""
@@ -30,34 +29,106 @@ def _flat(batches: list[list[int]]) -> list[int]:
     return [i for batch in batches for i in batch]
 
 
-def duplicate_reason(mode: str, trace: dict, extra: int) -> tuple[str, str, bool]:
-    """Why a sample appears more than once in this mode's epoch: a short code, a sentence,
-    and whether the library's own rule accounts for all `extra` repeated samples (False:
-    something else is going on)."""
-    opts = trace.get("options", {})
+# A few words for each reason code, for the one-sentence conclusion.
+REASON_LABEL = {
+    "sampler-padding": "DistributedSampler padding",
+    "even-batches-fill": "accelerate's even_batches loop-around",
+    "shard-fill": "IterableDatasetShard's loop-around",
+    "replication": "replication",
+    "double-split": "the loader was split twice",
+    "ranks-disagree": "the ranks shuffled with different seeds",
+    "drop-last": "drop_last",
+    "unexplained": "no known reason",
+}
+
+
+def _opts(trace: dict) -> dict:
+    return trace.get("options", {})
+
+
+def _is_stream(trace: dict) -> bool:
+    return trace.get("source", _opts(trace).get("source", "toy")) in ("iterable", "hf-stream")
+
+
+def kept_with_drop_last(mode: str, trace: dict) -> Optional[int]:
+    """Samples an epoch keeps with drop_last, where the rule is exact (None: not stated)."""
     n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
-    drop_last = opts.get("drop_last", False)
+    opts = _opts(trace)
     if mode == "sampler":
-        per_rank = n // w if drop_last else math.ceil(n / w)
+        return w * ((n // w) // b * b)  # the sampler cuts to floor(N/W), the loader to full batches
+    if mode == "replicated":
+        return w * (n // b * b)
+    if mode == "prepared" and not (_is_stream(trace) or opts.get("split_batches")
+                                   or opts.get("dispatch_batches")):
+        return (n // b) // w * w * b  # complete rounds of W full batches only
+    return None
+
+
+def explain_duplicates(mode: str, trace: dict, extra: int) -> tuple[str, str, bool]:
+    """Why samples appear more than once in this mode's epoch: a code, a sentence, and
+    whether the library's own rule accounts for all `extra` repeats (False: something else
+    is going on)."""
+    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
+    opts = _opts(trace)
+    global_batch = b if opts.get("split_batches") else w * b
+    if mode == "sampler":
+        per_rank = math.ceil(n / w)
         pad = per_rank * w - n
         return ("sampler-padding",
                 f"DistributedSampler padding: every rank gets ceil({n}/{w}) = {per_rank} samples, "
                 f"so it repeats the first {pad} index(es) of the epoch's order",
-                extra == max(pad, 0))
-    if mode == "prepared":
-        steps = math.ceil(math.ceil(n / b) / w)
-        fill = steps * w * b - n
-        return ("even-batches-fill",
-                f"accelerate even_batches loop-around: every rank gets {steps} full batch(es) of "
-                f"{b}, so the last round is filled from the start of the epoch ({fill} sample(s)); "
-                "gather_for_metrics drops them",
-                extra == max(fill, 0))
+                extra == pad)
     if mode == "replicated":
         return ("replication",
                 f"replication: the loader is not sharded, so each of the {w} ranks walks all {n} "
-                "samples",
-                extra == (w - 1) * n)
+                "samples", extra == (w - 1) * n)
+    if mode == "double-split":
+        return ("double-split",
+                "double split: each rank's DistributedSampler half was dealt round-robin across "
+                "the ranks again by accelerator.prepare, and each short round filled from its start",
+                True)
+    if mode == "unseeded":
+        return ("ranks-disagree",
+                "the ranks shuffled with different seeds (use_seedable_sampler without set_seed), "
+                "so their slices of their own permutations overlap", True)
+    if mode == "prepared" and _is_stream(trace) and opts.get("dispatch_batches") is False:
+        return ("shard-fill",
+                "IterableDatasetShard: every rank reads the whole stream and the last round is "
+                "filled from its start; a stream has no length, so gather_for_metrics keeps them",
+                extra < global_batch)
+    if mode == "prepared":
+        if not (_is_stream(trace) or opts.get("split_batches") or opts.get("dispatch_batches")):
+            steps = math.ceil(math.ceil(n / b) / w)
+            fill = steps * w * b - n
+            return ("even-batches-fill",
+                    f"accelerate even_batches loop-around: every rank gets {steps} full batch(es) "
+                    f"of {b}, so the last round is filled from the start of the epoch ({fill} "
+                    "sample(s)); gather_for_metrics drops them", extra == fill)
+        return ("even-batches-fill",
+                "accelerate even_batches loop-around: the last round is filled from the start of "
+                "the epoch so every rank gets as many batches", extra < global_batch)
     return ("unexplained", "not explained by the loader's own padding", False)
+
+
+def explain_missing(mode: str, trace: dict, missing: int) -> tuple[Optional[str], str, bool]:
+    """Why samples were never seen: a code (None: no reason, a broken promise), a sentence,
+    and whether that reason accounts for all of them."""
+    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
+    if mode == "double-split":
+        return ("double-split", "double split: accelerator.prepare split the batches of each "
+                "rank's DistributedSampler half again, so the batches dealt to the other rank "
+                "are never seen", True)
+    if mode == "unseeded":
+        return ("ranks-disagree", "the ranks shuffled with different seeds, so their slices "
+                "do not cover the dataset", True)
+    if _opts(trace).get("drop_last"):
+        kept = kept_with_drop_last(mode, trace)
+        if kept is not None:
+            return ("drop-last", f"drop_last: only {kept} samples make complete batches "
+                    f"(and rounds), the other {n - min(kept, n)} are dropped", missing == n - min(kept, n))
+        return ("drop-last", "drop_last: the incomplete last batch or round is dropped",
+                missing < w * b + w)
+    return (None, "", False)
 
 
 def coverage(flat: list[list[int]], n: int) -> dict:
@@ -89,7 +160,16 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     cov = coverage(flat, n)
     steps = [len(b) for b in ranks]
     extra = cov["seen"] - cov["unique"]
-    code, reason, explained = duplicate_reason(mode, trace, extra)
+    reasons: dict[str, str] = {}
+    dup_code, explained = None, True
+    if extra:
+        dup_code, sentence, explained = explain_duplicates(mode, trace, extra)
+        reasons[dup_code] = sentence
+    miss_code, miss_explained = None, True
+    if cov["missing"]:
+        miss_code, sentence, miss_explained = explain_missing(mode, trace, len(cov["missing"]))
+        if miss_code:
+            reasons.setdefault(miss_code, sentence)
     out: dict[str, Any] = {
         "epoch": record["epoch"],
         "ranks": [
@@ -103,10 +183,12 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         "times_dataset": round(cov["seen"] / n, 4),
         "unique": cov["unique"],
         "missing": cov["missing"],
+        "missing_reason": miss_code,
+        "missing_explained": bool(miss_code) and miss_explained if cov["missing"] else True,
         "out_of_range": cov["out_of_range"],
-        "duplicates": [{"id": i, "count": c, "reason": code} for i, c in cov["duplicates"]],
-        "reasons": {code: reason} if extra else {},
-        "duplicates_explained": explained if extra else True,
+        "duplicates": [{"id": i, "count": c, "reason": dup_code} for i, c in cov["duplicates"]],
+        "duplicates_explained": explained,
+        "reasons": reasons,
     }
     out["gather"] = record.get("gather", "batch")
     out["gathered_count"] = record.get("gathered_count", len(record.get("gathered") or []))
@@ -117,6 +199,10 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         out["gathered_for_metrics"] = record.get("gathered_for_metrics")
         out["gathered_for_metrics_count"] = record["gathered_for_metrics_count"]
         out["gather_for_metrics_exact"] = record.get("gather_for_metrics_exact")
+        out["gather_for_metrics_equals_gather"] = (
+            record["gathered_for_metrics_count"] == out["gathered_count"]
+            and (record.get("gathered_for_metrics") is None
+                 or record["gathered_for_metrics"] == record.get("gathered")))
     out["ranks_same_order"] = len(flat) > 1 and all(ids == flat[0] for ids in flat[1:])
     if previous is None:
         out["order_changed"] = None
@@ -134,8 +220,10 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
     for e in epochs:
         tag = f"{mode} epoch {e['epoch']}"
         if kind == SHARDED:
-            if e["missing"]:
+            if e["missing"] and not (e["missing_reason"] == "drop-last" and e["missing_explained"]):
                 problems.append(f"{tag}: {len(e['missing'])} sample(s) never seen: {_short(e['missing'])}")
+            if not e["duplicates_explained"]:
+                problems.append(f"{tag}: duplicates the loader's own padding does not explain")
             if not e["steps_equal"]:
                 steps = [r["steps"] for r in e["ranks"]]
                 problems.append(f"{tag}: ranks take unequal step counts {steps} (DDP would hang)")
@@ -167,15 +255,23 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
                 "DistributedSampler.")
     text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
             f"dataset of {n} = {times} {sums}")
-    if first["missing"]:
-        text += f", but {len(first['missing'])} sample(s) were never seen"
+    missing, why_missing = len(first["missing"]), first["missing_reason"]
+    if missing and why_missing == "drop-last":
+        text += f"; drop_last dropped {missing}"
+    elif missing:
+        why = f" ({REASON_LABEL[why_missing]})" if why_missing else " (no known reason)"
+        text += f", but {missing} sample(s) were never seen{why}"
     if dup:
-        why = first["reasons"][first["duplicates"][0]["reason"]].split(":")[0]
-        text += f", {dup} repeated by padding ({why})"
-    if "gather_for_metrics_exact" in first:
-        text += ("; gather_for_metrics returns exactly the dataset, use it for metrics"
-                 if first["gather_for_metrics_exact"] else
-                 "; gather_for_metrics did not return exactly the dataset")
+        text += f", {dup} extra (repeated) sample(s) ({REASON_LABEL[first['duplicates'][0]['reason']]})"
+    if first.get("gather_for_metrics_exact") is not None:
+        if first["gather_for_metrics_exact"]:
+            text += "; gather_for_metrics returns exactly the dataset, use it for metrics"
+        elif first["gather_for_metrics_equals_gather"] and why_missing == "drop-last":
+            text += "; gather_for_metrics then equals gather (nothing to drop)"
+        else:
+            text += "; gather_for_metrics does NOT return exactly the dataset"
+    if not first["steps_equal"]:
+        text += f"; the ranks take {[r['steps'] for r in first['ranks']]} steps: DDP would hang"
     if len(epochs) > 1:
         changed = [e["order_changed"] for e in epochs[1:]]
         text += ("; the order changes every epoch" if all(changed)

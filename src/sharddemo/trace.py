@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from sharddemo.datasets import batch_values
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import EXPECT_ENV, MODE_HELP, RunOptions
 
@@ -36,7 +37,7 @@ def rank_label(rank: Optional[int] = None, world: Optional[int] = None) -> str:
     return f"[rank {rank}/{world}]"
 
 
-def make_accelerator(device: str, timeout: float):
+def make_accelerator(device: str, timeout: float, opts: Optional[RunOptions] = None):
     """One Accelerator for the whole run, with a short process-group timeout.
 
     On a machine without CUDA the script asks for `cpu=True`: under torchrun (which is what
@@ -44,14 +45,19 @@ def make_accelerator(device: str, timeout: float):
     launcher's real ranks. Without it, each process would set itself up alone.
     """
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
-    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
+    config = DataLoaderConfiguration()
+    if opts is not None:
+        config = DataLoaderConfiguration(split_batches=opts.split_batches,
+                                         dispatch_batches=opts.dispatch_batches,
+                                         even_batches=opts.even_batches)
+    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers, dataloader_config=config)
 
 
 def check_world(num_processes: int, env: Optional[dict] = None) -> None:
@@ -109,7 +115,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
 
     from sharddemo.loaders import build_loader
 
-    # Reseed per mode so a mode's result does not depend on which modes ran before it.
+    # Reseed per mode so a mode's result does not depend on which modes ran before it
+    # (`unseeded` then reseeds each process differently: that is its point).
     set_seed(opts.seed)
     plan = build_loader(mode, accelerator, dataset, opts)
     raw = []
@@ -120,7 +127,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     if not accelerator.is_main_process:
         return {}
     # Tensors -> plain lists only now, after the loop, so the epochs are timed as trained.
-    epochs = [finalize_epoch(r, accelerator.num_processes, len(dataset)) for r in raw]
+    epochs = [finalize_epoch(r, accelerator.num_processes, opts.dataset_size) for r in raw]
     if on_epoch is not None:
         for record in epochs:
             on_epoch(record)
@@ -145,9 +152,10 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
     gathered: list = []
     for_metrics: list = []
     metrics_cut = 0
+    remainder = None
     for batch in plan.loader:
-        batch = batch.to(device)
-        local.append(batch.reshape(-1))
+        batch = batch_values(batch).to(device)
+        local.append(batch)
         if per_batch:
             # Equal step counts do not mean equal batch sizes (without even_batches the last
             # batches differ): pad to the longest with 0, which no sample value uses, so the
@@ -157,17 +165,23 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
             gathered.append(accelerator.gather(batch))
             if plan.prepared:
                 for_metrics.append(accelerator.gather_for_metrics(batch))
-        elif equal and plan.prepared and accelerator.gradient_state.end_of_dataloader:
-            # Only the last batch of a prepared loader differs between the two gathers:
-            # gather it both ways for real to learn how many fill samples accelerate drops.
-            whole = accelerator.gather(batch)
-            metrics_cut = len(whole) - len(accelerator.gather_for_metrics(batch))
+        elif plan.prepared and accelerator.gradient_state.end_of_dataloader:
+            if equal:
+                # Only the last batch of a prepared loader differs between the two gathers:
+                # gather it both ways for real to learn how many fill samples accelerate drops.
+                whole = accelerator.gather(batch)
+                metrics_cut = len(whole) - len(accelerator.gather_for_metrics(batch))
+            else:
+                # No length to agree on beforehand (a stream): no collective here. Keep what
+                # gather_for_metrics reads to cut the last batch: the samples still owed
+                # (-1: unknown, so it cuts nothing).
+                remainder = accelerator.gradient_state.remainder
     packed, shape = _gather_batches(accelerator, local)
     return {"epoch": epoch, "gather": "batch" if per_batch else "epoch", "equal": equal,
             "prepared": plan.prepared, "packed": packed, "shape": shape,
             "gathered": torch.cat(gathered) if gathered else None,
             "for_metrics": torch.cat(for_metrics) if for_metrics else None,
-            "metrics_cut": metrics_cut}
+            "metrics_cut": metrics_cut, "remainder": remainder}
 
 
 def finalize_epoch(raw: dict, world: int, dataset_size: int) -> dict:
@@ -195,6 +209,13 @@ def finalize_epoch(raw: dict, world: int, dataset_size: int) -> dict:
         record["gathered_count"] = sum(shape[0::3])
         if raw["prepared"]:
             exact, count = None, None
+            if not raw["equal"] and raw["remainder"] is not None:
+                # gather_for_metrics keeps the first `remainder` ids of the last step when it
+                # is positive, and everything otherwise (-1: the loader had no length).
+                last = sum(int(sizes[-1]) for sizes, _ in _rank_rows(raw["packed"], shape, world)
+                           if len(sizes))
+                raw["metrics_cut"] = last - raw["remainder"] if raw["remainder"] > 0 else 0
+                raw["equal"] = len(set(shape[1::3])) == 1
             if raw["equal"]:
                 # Per batch, gather_for_metrics returns every batch whole except the last,
                 # whose tail it cuts by the count measured on the ranks: the last step's
@@ -293,12 +314,13 @@ def _safe_len(loader) -> Optional[int]:
 def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,
               trace_out: Optional[str] = None) -> Optional[dict]:
     """The whole script on one rank. Returns the trace on the main process, None elsewhere."""
-    from sharddemo.datasets import ToyDataset
+    from sharddemo.datasets import build_source
     from sharddemo.fileio import write_atomic
 
-    accelerator = make_accelerator(device, opts.timeout)
+    accelerator = make_accelerator(device, opts.timeout, opts)
     try:
         check_world(accelerator.num_processes)
+        opts.check_world(accelerator.num_processes)
         world = accelerator.num_processes
         state = accelerator.state
         backend = getattr(state, "backend", None) or "none"
@@ -313,7 +335,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             f"samples per epoch: {opts.dataset_size} if sharded, "
             f"{sums['replicated_samples_per_epoch']} if every rank walks it all"
         )
-        dataset = ToyDataset(opts.dataset_size)
+        dataset = build_source(opts.source, opts.dataset_size, opts.shards)
         modes: dict[str, Any] = {}
         timings: dict[str, float] = {}
         for mode in opts.modes:
@@ -338,6 +360,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "backend": backend,
             "distributed_type": state.distributed_type.value,
             "device": accelerator.device.type,
+            "source": opts.source,
             "dataset_size": opts.dataset_size,
             "batch_size": opts.batch_size,
             "epochs": opts.epochs,
@@ -378,6 +401,9 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
     total = record["gathered_count"]
     if record["gather"] == "batch" and small:
         talk(f"merged by accelerator.gather: {[i + 1 for i in record['gathered']]}")
+    elif small:
+        merged = [i + 1 for r in record["ranks"] for b in r["batches"] for i in b]
+        talk(f"merged by accelerator.gather of each rank's epoch: {merged}")
     else:
         how = "every batch" if record["gather"] == "batch" else "each rank's epoch"
         talk(f"merged by accelerator.gather of {how}: {total} values")
