@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import torch
 from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import DataLoaderConfiguration
 
 
 class SimAccelerator:
-    def __init__(self, world: int, rank: int, **prepare_kwargs) -> None:
+    def __init__(self, world: int, rank: int) -> None:
         self.num_processes = world
         self.process_index = rank
         self.is_main_process = rank == 0
         self.device = torch.device("cpu")
-        self.prepare_kwargs = prepare_kwargs
+        self.dataloader_config = DataLoaderConfiguration()
 
     def prepare(self, loader):
+        config = self.dataloader_config
+        if config.dispatch_batches:
+            raise NotImplementedError("dispatch needs real ranks (rank 0 broadcasts)")
         return prepare_data_loader(loader, num_processes=self.num_processes,
                                    process_index=self.process_index, put_on_device=False,
-                                   rng_types=[], **self.prepare_kwargs)
+                                   rng_types=[], split_batches=config.split_batches,
+                                   even_batches=config.even_batches,
+                                   use_seedable_sampler=config.use_seedable_sampler,
+                                   dispatch_batches=config.dispatch_batches)
 
 
 def walk(plan, epochs: int) -> list[list[list[int]]]:
@@ -34,4 +41,5 @@ def walk(plan, epochs: int) -> list[list[list[int]]]:
         if plan.sampler is not None:
             plan.sampler.set_epoch(epoch)
         out.append([values_to_ids(b) for b in plan.loader])
+    # (values_to_ids reads any source's batch: toy values or an HF `id` column)
     return out

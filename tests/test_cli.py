@@ -123,3 +123,32 @@ def test_shipped_configs_load():
         config = load_config(str(ROOT / "accelerate_configs" / name))
         assert config.num_processes == 2 and config.num_machines == 1
         assert config.distributed_type == "MULTI_GPU"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--split-batches", "--batch-size", "3"],
+     "Error: --split-batches slices each batch of 3 across 2 ranks, so the batch size must "
+     "divide by 2; use --batch-size 2 or drop --split-batches"),
+    (["--modes", "split"], "Error: mode split uses datasets' split_dataset_by_node: pass "
+                           "--source hf or --source hf-stream"),
+    (["--modes", "sampler", "--source", "iterable"],
+     "Error: mode sampler needs a map-style dataset (a sampler draws indices), but --source "
+     "iterable is iterable; use --source toy or hf, or modes prepared, replicated, split"),
+    (["--shards", "0", "--source", "hf-stream"], "Error: --shards must be at least 1, got 0"),
+])
+def test_scenario_options_bad_input(args, message):
+    result = invoke(["compare", *args])
+    assert result.exit_code == 2
+    assert error_line(result) == message
+
+
+def test_unknown_source():
+    result = invoke(["run", "--source", "hub"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--source'" in error_line(result)
+
+
+def test_trap_needs_two_processes():
+    result = invoke(["trap", "--num-processes", "1"])
+    assert result.exit_code == 2
+    assert error_line(result) == "Error: --num-processes must be at least 2 to show the trap, got 1"

@@ -104,3 +104,32 @@ def test_compare_is_reproducible_byte_for_byte(tmp_path):
         sharddemo(["compare", "--format", "json", "--output", str(path), "--seed", "5"])
     strip = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "timings"}
     assert strip(a) == strip(b)
+
+
+def test_compare_pitfalls_fail_the_check():
+    proc = sharddemo(["compare", "--modes", "pitfalls", "--dataset-size", "10", "--batch-size",
+                      "2", "--no-shuffle", "--check"], check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "double-split epoch 0: 4 sample(s) never seen: [1, 4, 6, 9]" in proc.stdout
+    assert "why missing: double split" in proc.stdout
+    error = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1 and error[0].startswith("Error: broken promise(s): double-split")
+
+
+def test_compare_hf_stream_split_on_three_ranks():
+    proc = sharddemo(["compare", "--source", "hf-stream", "--modes", "split,prepared,replicated",
+                      "--num-processes", "3", "--dataset-size", "10", "--batch-size", "3",
+                      "--format", "json", "--epochs", "1"])
+    report = json.loads(proc.stdout)
+    split = report["modes"]["split"]["epochs"][0]
+    assert [sum(r["batches"], []) for r in split["ranks"]] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert split["steps_equal"] is False  # 4 samples vs 3: 2 steps vs 1, a DDP hang
+    assert report["modes"]["replicated"]["epochs"][0]["seen"] == 30
+    assert report["source"] == "hf-stream"
+
+
+def test_trap_shows_one_process_seeing_everything():
+    proc = sharddemo(["trap"])
+    assert "What really ran: 1 process(es), DistributedType NO" in proc.stdout
+    assert "It saw 8 of 8 samples per epoch" in proc.stdout
+    assert "accelerate_configs/cpu2.yaml" in proc.stdout

@@ -166,7 +166,11 @@ def cli(debug: bool) -> None:
 @click.option("--trace-out", type=click.Path(dir_okay=False),
               help="Write the raw trace (every rank's batches, the gathers) as JSON here.")
 @click.option("--quiet", is_flag=True, help="Print nothing; use with --trace-out.")
-def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, **kw: Any) -> None:
+@click.option("--allow-alone", is_flag=True, hidden=True,
+              help="Run even when the launcher asked for more processes than joined "
+                   "(used by `sharddemo trap`).")
+def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, allow_alone: bool,
+        **kw: Any) -> None:
     """The Accelerate script: build each mode's DataLoader, walk it, gather every batch.
 
     Start it with accelerate so that it runs on several ranks; the main process prints
@@ -181,7 +185,7 @@ def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, **kw: An
         _check_output(trace_out, "--trace-out")
     from sharddemo.trace import run_trace
 
-    run_trace(opts, device=device, trace_out=trace_out,
+    run_trace(opts, device=device, trace_out=trace_out, allow_alone=allow_alone,
               say=None if quiet else (lambda line: click.echo(line)))
 
 
@@ -239,6 +243,33 @@ def compare(config_file: Optional[str], num_processes: Optional[int], modes: str
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
         return 1
     return 0
+
+
+@cli.command()
+@click.option("--num-processes", type=int, default=2, show_default=True,
+              help="How many processes to ask accelerate for.")
+@click.option("--dataset-size", type=int, default=DEFAULT_DATASET_SIZE, show_default=True,
+              help="Number of samples N.")
+@click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True,
+              help="Per-rank batch size B.")
+def trap(num_processes: int, dataset_size: int, batch_size: int) -> None:
+    """Show the silent replication trap: `accelerate launch --cpu --num_processes 2`.
+
+    On CPU that command starts ONE process, which runs, prints, and sees the whole dataset.
+    This runs it for real (with sharddemo's own guard turned off), shows what you would see,
+    how to recognise it, and the fix.
+
+    Example:
+
+        sharddemo trap --num-processes 2
+    """
+    from sharddemo.compare import trap_run
+
+    if num_processes < 2:
+        raise UsageError(f"--num-processes must be at least 2 to show the trap, got {num_processes}")
+    opts = RunOptions(dataset_size=dataset_size, batch_size=batch_size, epochs=1,
+                      modes=("prepared",)).validate()
+    click.echo(trap_run(opts, num_processes), nl=False)
 
 
 def main() -> None:

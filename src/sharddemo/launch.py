@@ -33,13 +33,18 @@ def free_port() -> int:
 
 @dataclass
 class Launch:
-    config_file: str
+    config_file: Optional[str]
     num_processes: int
     run_args: list[str]
     device: str = "auto"
     port: Optional[int] = None
+    # The launch flags instead of a config file (`sharddemo trap` uses `--cpu`).
+    flags: Optional[list[str]] = None
+    expect_world: bool = True
 
     def accelerate_args(self) -> list[str]:
+        if self.flags is not None:
+            return [*self.flags, "--num_processes", str(self.num_processes)]
         return ["--config_file", self.config_file, "--num_processes", str(self.num_processes)]
 
     def display(self) -> str:
@@ -69,7 +74,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         if launch.device != "auto":
             cmd += ["--device", launch.device]
         env = dict(os.environ)
-        env[EXPECT_ENV] = str(launch.num_processes)
+        if launch.expect_world:
+            env[EXPECT_ENV] = str(launch.num_processes)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:

@@ -46,7 +46,16 @@ def build_prepared(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
     loader = plain_loader(dataset, opts)
     even = (opts.source in MAP_SOURCES and opts.even_batches and not opts.dispatch_batches
             and not opts.split_batches)
-    return LoaderPlan(accelerator.prepare(loader), prepared=True, even_shapes=even)
+    with dataloader_config(accelerator, **prepare_settings(opts)):
+        prepared = accelerator.prepare(loader)
+    return LoaderPlan(prepared, prepared=True, even_shapes=even)
+
+
+def prepare_settings(opts: RunOptions) -> dict:
+    """The DataLoaderConfiguration fields the options set (what `Accelerator(dataloader_config=
+    DataLoaderConfiguration(...))` would say in a user's script)."""
+    return {"even_batches": opts.even_batches, "split_batches": opts.split_batches,
+            "dispatch_batches": opts.dispatch_batches}
 
 
 def build_sampler(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
@@ -107,13 +116,16 @@ def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> Loade
     1, 4, 6 and 9 are never seen by anyone.
     """
     plan = build_sampler(accelerator, dataset, opts)
-    return LoaderPlan(accelerator.prepare(plan.loader), sampler=plan.sampler, prepared=True,
-                      even_shapes=False)
+    with dataloader_config(accelerator, **prepare_settings(opts)):
+        prepared = accelerator.prepare(plan.loader)
+    return LoaderPlan(prepared, sampler=plan.sampler, prepared=True, even_shapes=False)
 
 
 @contextlib.contextmanager
 def dataloader_config(accelerator, **changes):
-    """Prepare with other DataLoaderConfiguration settings for one loader, then restore."""
+    """Prepare one loader with these DataLoaderConfiguration settings, then restore the
+    Accelerator's: every mode (and every test scenario) can share one Accelerator, so one
+    process start serves them all."""
     old = accelerator.dataloader_config
     accelerator.dataloader_config = dataclasses.replace(old, **changes)
     try:
@@ -134,7 +146,7 @@ def build_unseeded(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
     torch.manual_seed(opts.seed + accelerator.process_index)
     loader = DataLoader(dataset, batch_size=opts.batch_size, shuffle=True,
                         drop_last=opts.drop_last, num_workers=opts.num_workers)
-    with dataloader_config(accelerator, use_seedable_sampler=True):
+    with dataloader_config(accelerator, use_seedable_sampler=True, **prepare_settings(opts)):
         prepared = accelerator.prepare(loader)
     return LoaderPlan(prepared, prepared=True)
 

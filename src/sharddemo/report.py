@@ -51,13 +51,14 @@ def _is_stream(trace: dict) -> bool:
 
 
 def kept_with_drop_last(mode: str, trace: dict) -> Optional[int]:
-    """Samples an epoch keeps with drop_last, where the rule is exact (None: not stated)."""
+    """Distinct samples an epoch keeps with drop_last, where the rule is exact (None: not
+    stated)."""
     n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
     opts = _opts(trace)
     if mode == "sampler":
         return w * ((n // w) // b * b)  # the sampler cuts to floor(N/W), the loader to full batches
     if mode == "replicated":
-        return w * (n // b * b)
+        return n // b * b  # every rank keeps the same full batches
     if mode == "prepared" and not (_is_stream(trace) or opts.get("split_batches")
                                    or opts.get("dispatch_batches")):
         return (n // b) // w * w * b  # complete rounds of W full batches only
@@ -228,8 +229,11 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
                 steps = [r["steps"] for r in e["ranks"]]
                 problems.append(f"{tag}: ranks take unequal step counts {steps} (DDP would hang)")
         else:
+            # With drop_last every rank still sees all the full batches, not the dropped tail.
+            whole = kept_with_drop_last(mode, trace) if _opts(trace).get("drop_last") else n
             for r in e["ranks"]:
-                if sorted(set(_flat(r["batches"]))) != list(range(n)):
+                ids = set(_flat(r["batches"]))
+                if len(ids) < whole or not ids <= set(range(n)):
                     problems.append(f"{tag}: rank {r['rank']} did not see the whole dataset")
         if e["out_of_range"]:
             problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
@@ -250,11 +254,17 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     if kind == REPLICATED:
         order = ("in the same order, so the ranks train on identical batches"
                  if first["ranks_same_order"] else "each in its own order")
+        dropped = (f"; drop_last dropped {len(first['missing'])} on every rank"
+                   if first["missing"] and first["missing_reason"] == "drop-last" else "")
         return (f"Every rank walked the whole dataset {order}: {seen} samples per epoch for "
-                f"a dataset of {n} = {times} {sums}; shard it with accelerator.prepare or a "
-                "DistributedSampler.")
-    text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
-            f"dataset of {n} = {times} {sums}")
+                f"a dataset of {n} = {times} {sums}{dropped}; shard it with accelerator.prepare "
+                "or a DistributedSampler.")
+    if w == 1:
+        text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
+                f"dataset of {n} = {times}: nothing was sharded {sums}")
+    else:
+        text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
+                f"dataset of {n} = {times} {sums}")
     missing, why_missing = len(first["missing"]), first["missing_reason"]
     if missing and why_missing == "drop-last":
         text += f"; drop_last dropped {missing}"
@@ -316,6 +326,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "global_batch": trace["batch_size"] * trace["world_size"],
         "epochs": trace["epochs"],
         "seed": trace["seed"],
+        "source": trace.get("source", "toy"),
         "options": trace.get("options", {}),
         "config_file": config_file,
         "launch_command": launch_command,

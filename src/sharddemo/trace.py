@@ -37,7 +37,7 @@ def rank_label(rank: Optional[int] = None, world: Optional[int] = None) -> str:
     return f"[rank {rank}/{world}]"
 
 
-def make_accelerator(device: str, timeout: float, opts: Optional[RunOptions] = None):
+def make_accelerator(device: str, timeout: float):
     """One Accelerator for the whole run, with a short process-group timeout.
 
     On a machine without CUDA the script asks for `cpu=True`: under torchrun (which is what
@@ -45,19 +45,14 @@ def make_accelerator(device: str, timeout: float, opts: Optional[RunOptions] = N
     launcher's real ranks. Without it, each process would set itself up alone.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import InitProcessGroupKwargs
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
-    config = DataLoaderConfiguration()
-    if opts is not None:
-        config = DataLoaderConfiguration(split_batches=opts.split_batches,
-                                         dispatch_batches=opts.dispatch_batches,
-                                         even_batches=opts.even_batches)
-    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers, dataloader_config=config)
+    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
 
 
 def check_world(num_processes: int, env: Optional[dict] = None) -> None:
@@ -312,14 +307,18 @@ def _safe_len(loader) -> Optional[int]:
 
 
 def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,
-              trace_out: Optional[str] = None) -> Optional[dict]:
-    """The whole script on one rank. Returns the trace on the main process, None elsewhere."""
+              trace_out: Optional[str] = None, allow_alone: bool = False) -> Optional[dict]:
+    """The whole script on one rank. Returns the trace on the main process, None elsewhere.
+
+    `allow_alone` skips the check that the launcher really started every process asked
+    for: `sharddemo trap` uses it to show what that silent failure looks like."""
     from sharddemo.datasets import build_source
     from sharddemo.fileio import write_atomic
 
-    accelerator = make_accelerator(device, opts.timeout, opts)
+    accelerator = make_accelerator(device, opts.timeout)
     try:
-        check_world(accelerator.num_processes)
+        if not allow_alone:
+            check_world(accelerator.num_processes)
         opts.check_world(accelerator.num_processes)
         world = accelerator.num_processes
         state = accelerator.state

@@ -1,0 +1,67 @@
+"""Run by tests/test_scenarios.py under `accelerate launch`: every loader option, pitfall and
+source of the scenarios issue, in one process group (one launch per world size).
+
+    accelerate launch --config_file accelerate_configs/cpu2.yaml tests/rank_scenarios.py OUT.json
+"""
+
+import json
+import sys
+
+from sharddemo.datasets import build_source
+from sharddemo.options import RunOptions
+from sharddemo.trace import check_world, make_accelerator, trace_mode
+
+# name -> (mode, options). N and B are picked so that each option shows its effect.
+SCENARIOS = {
+    "drop-last/prepared": ("prepared", dict(dataset_size=10, batch_size=3, drop_last=True)),
+    "drop-last/sampler": ("sampler", dict(dataset_size=10, batch_size=3, drop_last=True)),
+    "drop-last/replicated": ("replicated", dict(dataset_size=10, batch_size=3, drop_last=True)),
+    "no-shuffle/prepared": ("prepared", dict(dataset_size=10, batch_size=3, shuffle=False)),
+    "no-shuffle/sampler": ("sampler", dict(dataset_size=10, batch_size=3, shuffle=False)),
+    "no-even-batches/prepared": ("prepared", dict(dataset_size=7, batch_size=3, even_batches=False)),
+    "split-batches/prepared": ("prepared", dict(dataset_size=10, batch_size=6, split_batches=True)),
+    "dispatch/prepared": ("prepared", dict(dataset_size=10, batch_size=3, shuffle=False,
+                                           dispatch_batches=True)),
+    "workers0/sampler": ("sampler", dict(dataset_size=20, batch_size=4)),
+    "workers2/sampler": ("sampler", dict(dataset_size=20, batch_size=4, num_workers=2)),
+    "workers0/prepared": ("prepared", dict(dataset_size=20, batch_size=4)),
+    "workers2/prepared": ("prepared", dict(dataset_size=20, batch_size=4, num_workers=2)),
+    "no-set-epoch/sampler": ("sampler", dict(dataset_size=16, batch_size=4, set_epoch=False)),
+    "double-split": ("double-split", dict(dataset_size=10, batch_size=2, shuffle=False)),
+    "unseeded": ("unseeded", dict(dataset_size=10, batch_size=2)),
+    "toy/prepared": ("prepared", dict(dataset_size=10, batch_size=3)),
+    "toy/sampler": ("sampler", dict(dataset_size=10, batch_size=3)),
+    "toy/replicated": ("replicated", dict(dataset_size=10, batch_size=3)),
+    "hf/prepared": ("prepared", dict(dataset_size=10, batch_size=3, source="hf")),
+    "hf/sampler": ("sampler", dict(dataset_size=10, batch_size=3, source="hf")),
+    "hf/replicated": ("replicated", dict(dataset_size=10, batch_size=3, source="hf")),
+    "hf/split": ("split", dict(dataset_size=10, batch_size=3, source="hf")),
+    "iterable/prepared": ("prepared", dict(dataset_size=10, batch_size=3, source="iterable")),
+    "iterable/prepared-shard": ("prepared", dict(dataset_size=10, batch_size=3, source="iterable",
+                                                 dispatch_batches=False)),
+    "iterable/replicated": ("replicated", dict(dataset_size=10, batch_size=3, source="iterable")),
+    "hf-stream/split": ("split", dict(dataset_size=12, batch_size=2, source="hf-stream", shards=4)),
+    "hf-stream/prepared": ("prepared", dict(dataset_size=12, batch_size=2, source="hf-stream")),
+    "hf-stream/replicated": ("replicated", dict(dataset_size=12, batch_size=2, source="hf-stream")),
+}
+
+
+def main(out_path: str) -> None:
+    accelerator = make_accelerator("cpu", timeout=30)
+    check_world(accelerator.num_processes)
+    results = {}
+    for name, (mode, kwargs) in SCENARIOS.items():
+        opts = RunOptions(epochs=2, seed=5, modes=(mode,), **kwargs).validate()
+        dataset = build_source(opts.source, opts.dataset_size, opts.shards)
+        trace = trace_mode(accelerator, mode, dataset, opts)
+        if accelerator.is_main_process:
+            results[name] = {"mode": mode, "options": opts.to_dict(), "trace": trace}
+    if accelerator.is_main_process:
+        results = {"world": accelerator.num_processes, "scenarios": results}
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
