@@ -69,3 +69,22 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
         "",
     ]
     return "\n".join(lines) + render_table(report)
+
+
+def audit_run(opts, *, config_file: Optional[str] = None, num_processes: Optional[int] = None,
+              debug: bool = False) -> dict:
+    """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
+    from sharddemo.audit import precheck_target
+
+    precheck_target(opts.target)
+    path = config_file or default_config_path()
+    config = load_config(path)
+    if num_processes is not None and num_processes < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {num_processes}")
+    world = num_processes or config.num_processes
+    device = "cpu" if config.raw.get("use_cpu") else "auto"
+    launch = Launch(config_file=path, num_processes=world, run_args=opts.to_run_args(),
+                    device=device, command="audit-rank")
+    trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
+                       debug=debug, timeout=opts.max_time)
+    return build_report(trace, launch_command=launch.display(), config_file=path)

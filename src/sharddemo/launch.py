@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from sharddemo.errors import RunFailed
+from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import RunOptions
 from sharddemo.options import EXPECT_ENV
 
@@ -41,6 +41,8 @@ class Launch:
     # The launch flags instead of a config file (`sharddemo trap` uses `--cpu`).
     flags: Optional[list[str]] = None
     expect_world: bool = True
+    # The sharddemo command the ranks run.
+    command: str = "run"
 
     def accelerate_args(self) -> list[str]:
         if self.flags is not None:
@@ -50,8 +52,8 @@ class Launch:
     def display(self) -> str:
         """The line a user can paste to rerun this by hand (no port: accelerate picks one)."""
         device = [] if self.device == "auto" else ["--device", self.device]
-        words = (["accelerate", "launch", *self.accelerate_args(), "-m", "sharddemo", "run",
-                  *self.run_args, *device])
+        words = (["accelerate", "launch", *self.accelerate_args(), "-m", "sharddemo",
+                  self.command, *self.run_args, *device])
         return shlex.join(words)
 
 
@@ -70,7 +72,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         trace_path = os.path.join(tmp, "trace.json")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch.accelerate_args(),
                "--main_process_port", str(port),
-               "-m", "sharddemo", "run", *launch.run_args, "--quiet", "--trace-out", trace_path]
+               "-m", "sharddemo", launch.command, *launch.run_args, "--quiet",
+               "--trace-out", trace_path]
         if launch.device != "auto":
             cmd += ["--device", launch.device]
         env = dict(os.environ)
@@ -103,7 +106,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         if code != 0:
             with open(err_path, encoding="utf-8", errors="replace") as handle:
                 stderr = handle.read()
-            raise RunFailed(explain_failure(stderr, code, debug))
+            message, usage = explain_failure(stderr, code, debug)
+            raise (UsageError if usage else RunFailed)(message)
         try:
             with open(trace_path, encoding="utf-8") as handle:
                 return json.load(handle)
@@ -139,21 +143,25 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-RANK_ERROR = re.compile(r"^\[rank \d+/\d+\] Error: .*$", re.M)
+RANK_ERROR = re.compile(r"\[rank (\d+)/\d+\] (Error|Usage error): (.*?)(?=\[rank \d+/\d+\] |$)",
+                        re.M)
 
 
-def explain_failure(stderr: str, code: int, debug: bool) -> str:
-    """The ranks' own `Error:` lines when they wrote any, else the end of what they printed."""
-    lines = RANK_ERROR.findall(stderr)
-    if lines:
-        seen: list[str] = []
-        for line in lines:
-            if line not in seen:
-                seen.append(line)
-        text = "; ".join(s.replace(" Error: ", " ", 1) for s in seen)
-    else:
-        tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
-        text = f"the launch exited with code {code}: " + (" | ".join(tail) or "no output")
+def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
+    """The ranks' own error lines when they wrote any, else the end of what they printed.
+    Returns the message and whether it was a usage error (bad input, exit code 2)."""
+    found = RANK_ERROR.findall(stderr)
     if debug:
         sys.stderr.write(stderr)
-    return text
+    if found:
+        usage = any(kind == "Usage error" for _, kind, _ in found)
+        seen: list[str] = []
+        for rank, kind, message in found:
+            if usage and kind != "Usage error":
+                continue  # the others only saw the usage error's rank go away
+            line = f"rank {rank}: {message}"
+            if line not in seen:
+                seen.append(line)
+        return "; ".join(seen), usage
+    tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
+    return f"the launch exited with code {code}: " + (" | ".join(tail) or "no output"), False

@@ -88,9 +88,29 @@ def render_table(report: dict) -> str:
                 out.append(f"    rank {r['rank']}  {r['steps']} step(s): {batches_text(r['batches'])}")
             out += ["    " + line for line in _epoch_summary(e)]
         out.append(f"  => {data['conclusion']}")
+        if "verdicts" in data:
+            out += ["", "  verdicts:"] + ["    " + line for line in verdict_lines(data["verdicts"])]
         for problem in data["broken_promises"]:
             out.append(f"  !! {problem}")
     return "\n".join(out) + "\n"
+
+
+def verdict_lines(verdicts: list) -> list[str]:
+    """One line per verdict: PASS, or FAIL with the epochs and what went wrong."""
+    order: list[str] = []
+    for v in verdicts:
+        if v["verdict"] not in order:
+            order.append(v["verdict"])
+    lines = []
+    for name in order:
+        mine = [v for v in verdicts if v["verdict"] == name]
+        failed = [v for v in mine if not v["ok"]]
+        if not failed:
+            lines.append(f"PASS {name}")
+        else:
+            epochs = ", ".join(str(v["epoch"]) for v in failed)
+            lines.append(f"FAIL {name} (epoch {epochs}): {failed[0]['detail']}")
+    return lines
 
 
 def render_markdown(report: dict) -> str:
@@ -107,6 +127,8 @@ def render_markdown(report: dict) -> str:
         for e in data["epochs"]:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
         out += ["", f"**{data['conclusion']}**", ""]
+        if "verdicts" in data:
+            out += [f"- {line}" for line in verdict_lines(data["verdicts"])] + [""]
         for problem in data["broken_promises"]:
             out.append(f"- broken: {problem}")
     return "\n".join(out).rstrip() + "\n"

@@ -38,12 +38,23 @@ REASON_LABEL = {
     "double-split": "the loader was split twice",
     "ranks-disagree": "the ranks shuffled with different seeds",
     "drop-last": "drop_last",
+    "padding": "the loader's own padding",
     "unexplained": "no known reason",
 }
 
 
+def mode_kind(mode: str, trace: dict) -> str:
+    if mode == "audit":
+        return REPLICATED if _expect(trace) == "replicated" else SHARDED
+    return MODE_KIND.get(mode, SHARDED)
+
+
 def _opts(trace: dict) -> dict:
     return trace.get("options", {})
+
+
+def _expect(trace: dict) -> str:
+    return _opts(trace).get("audit", {}).get("expect", "sharded")
 
 
 def _is_stream(trace: dict) -> bool:
@@ -92,6 +103,14 @@ def explain_duplicates(mode: str, trace: dict, extra: int) -> tuple[str, str, bo
         return ("ranks-disagree",
                 "the ranks shuffled with different seeds (use_seedable_sampler without set_seed), "
                 "so their slices of their own permutations overlap", True)
+    if mode == "audit":
+        if _expect(trace) == "replicated":
+            return ("replication", f"replication: the loader is meant to give each of the {w} "
+                    "ranks every sample", True)
+        return ("padding",
+                f"padding: fewer repeats than one global batch ({global_batch}), as a "
+                "DistributedSampler's padding or accelerate's even_batches fill make",
+                extra < global_batch)
     if mode == "prepared" and _is_stream(trace) and opts.get("dispatch_batches") is False:
         return ("shard-fill",
                 "IterableDatasetShard: every rank reads the whole stream and the last round is "
@@ -122,6 +141,9 @@ def explain_missing(mode: str, trace: dict, missing: int) -> tuple[Optional[str]
     if mode == "unseeded":
         return ("ranks-disagree", "the ranks shuffled with different seeds, so their slices "
                 "do not cover the dataset", True)
+    if _opts(trace).get("drop_last") and mode == "audit":
+        return ("drop-last", "drop_last: the loader drops its incomplete last batch or round",
+                missing < w * b + w)
     if _opts(trace).get("drop_last"):
         kept = kept_with_drop_last(mode, trace)
         if kept is not None:
@@ -216,7 +238,7 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
     """What `--check` fails on: a sharded mode with missing samples or unequal step counts,
     a replicated one whose ranks did not each see everything."""
-    n, kind = trace["dataset_size"], MODE_KIND.get(mode, SHARDED)
+    n, kind = trace["dataset_size"], mode_kind(mode, trace)
     problems = []
     for e in epochs:
         tag = f"{mode} epoch {e['epoch']}"
@@ -242,6 +264,60 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
     return problems
 
 
+VERDICTS = {
+    "no-missing-samples": "every sample is seen each epoch (drop_last may drop less than a round)",
+    "no-unexplained-duplicates": "samples repeat no more than the loader's own padding explains",
+    "equal-step-counts": "every rank takes the same number of steps (else DDP hangs)",
+    "order-changes-each-epoch": "a shuffled loader gives a new order each epoch (set_epoch)",
+    "no-silent-replication": "ranks do not all receive the same, whole dataset",
+    "every-rank-sees-everything": "each rank receives the whole dataset (--expect replicated)",
+}
+
+
+def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
+    """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]."""
+    n, w = trace["dataset_size"], trace["world_size"]
+    expect = _expect(trace)
+    out = []
+
+    def add(name, epoch, ok, detail=""):
+        out.append({"verdict": name, "epoch": epoch, "ok": bool(ok), "detail": detail})
+
+    previous = None
+    for e in epochs:
+        k = e["epoch"]
+        ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
+        add("no-missing-samples", k, ok,
+            "" if ok else f"{len(e['missing'])} never seen: {_short(e['missing'])}")
+        if expect == "sharded":
+            ok = e["duplicates_explained"]
+            extra = e["seen"] - e["unique"]
+            add("no-unexplained-duplicates", k, ok, "" if ok else
+                f"{extra} repeats, more than the loader's padding explains")
+        steps = [r["steps"] for r in e["ranks"]]
+        add("equal-step-counts", k, e["steps_equal"],
+            "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
+        per_rank = [set(_flat(r["batches"])) for r in e["ranks"]]
+        everyone = all(len(ids) >= n for ids in per_rank)
+        if expect == "sharded":
+            ok = w == 1 or not everyone
+            add("no-silent-replication", k, ok, "" if ok else
+                f"all {w} ranks received the whole dataset: the loader is not sharded")
+        else:
+            add("every-rank-sees-everything", k, everyone, "" if everyone else
+                "ranks " + ", ".join(str(r) for r, ids in enumerate(per_rank) if len(ids) < n)
+                + " did not receive the whole dataset")
+        if previous is not None:
+            flat = [_flat(r["batches"]) for r in e["ranks"]]
+            before = [_flat(r["batches"]) for r in previous["ranks"]]
+            shuffled = any(ids != sorted(ids) for ids in flat)
+            ok = flat != before or not shuffled
+            add("order-changes-each-epoch", k, ok, "" if ok else
+                "the same shuffled order as the previous epoch: set_epoch is never called")
+        previous = e
+    return out
+
+
 def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     """One sentence in plain words, with the arithmetic stated."""
     n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
@@ -249,7 +325,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     sums = f"(world size {w} x per-rank batch {b} = global batch {w * b})"
     seen = first["seen"]
     times = f"{first['times_dataset']:g}x"
-    kind = MODE_KIND.get(mode, SHARDED)
+    kind = mode_kind(mode, trace)
     dup = sum(d["count"] - 1 for d in first["duplicates"])
     if kind == REPLICATED:
         order = ("in the same order, so the ranks train on identical batches"
@@ -305,16 +381,24 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         for record in data["epochs"]:
             epochs.append(analyse_epoch(mode, trace, record, previous))
             previous = record
-        broken = broken_promises(mode, trace, epochs)
+        if mode == "audit":
+            verdicts = audit_verdicts(trace, epochs)
+            broken = [f"{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
+                      for v in verdicts if not v["ok"]]
+        else:
+            verdicts = None
+            broken = broken_promises(mode, trace, epochs)
         problems += broken
         modes[mode] = {
             "description": data.get("description", ""),
-            "kind": MODE_KIND.get(mode, SHARDED),
+            "kind": mode_kind(mode, trace),
             "prepared": data.get("prepared", False),
             "epochs": epochs,
             "broken_promises": broken,
             "conclusion": conclude(mode, trace, epochs),
         }
+        if verdicts is not None:
+            modes[mode]["verdicts"] = verdicts
     report = {
         "schema": REPORT_SCHEMA,
         "world_size": trace["world_size"],

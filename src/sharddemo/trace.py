@@ -129,12 +129,13 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     return {"description": MODE_HELP[mode], "prepared": plan.prepared, "epochs": epochs}
 
 
-def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
+def trace_epoch(accelerator, plan, epoch: int, strategy: str,
+                values_of: Callable[[Any], torch.Tensor] = batch_values) -> dict:
     """One epoch of one loader on this rank, exactly as a training loop walks it.
 
     What it adds to the loop: a reference to each batch kept on the rank and, per batch or
     once at the end, tensor gathers. The result holds tensors; `finalize_epoch` turns them
-    into lists on the main process.
+    into lists on the main process. `values_of` reads a batch's sample values (id + 1).
     """
     device = accelerator.device
     # Step counts first: a per-batch gather with unequal counts would hang or abort.
@@ -149,7 +150,7 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str) -> dict:
     metrics_cut = 0
     remainder = None
     for batch in plan.loader:
-        batch = batch_values(batch).to(device)
+        batch = values_of(batch).to(device)
         local.append(batch)
         if per_batch:
             # Equal step counts do not mean equal batch sizes (without even_batches the last
@@ -411,6 +412,10 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
         talk(f"accelerator.gather_for_metrics returned {record['gathered_for_metrics_count']}")
 
 
-def rank_fail(message: str) -> None:
-    """One line on stderr, from the rank that failed."""
-    print(f"{rank_label()} Error: {message}", file=sys.stderr, flush=True)
+def rank_fail(message: str, usage: bool = False) -> None:
+    """One line on stderr, from the rank that failed. `sharddemo compare` and `audit` read
+    these lines back: `Usage error` ones become exit code 2, the others 1."""
+    kind = "Usage error" if usage else "Error"
+    # One write call, so that lines from ranks failing together do not interleave.
+    sys.stderr.write(f"{rank_label()} {kind}: {message}\n")
+    sys.stderr.flush()

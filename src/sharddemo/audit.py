@@ -1,0 +1,307 @@
+"""`sharddemo audit`: run a user's own DataLoader factory on real ranks and prove that it shards.
+
+The factory is `make_loader(accelerator) -> DataLoader`, named as `package.module:make_loader`
+or `path/to/file.py:make_loader`. Every rank calls it with its own Accelerator and walks what
+it returns exactly as a training loop does (prepared or not: the user's code decides). The
+ids each rank received come from an id field of the batches (`--id-field`) or, for map-style
+datasets, from the indices the loader's own sampler handed out, recorded without changing
+what the loader yields (workers included: indices are drawn in the main process).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+from sharddemo.errors import RunFailed, UsageError
+
+AUDIT_MODE = "audit"
+EXPECTATIONS = ("sharded", "replicated")
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    target: str
+    epochs: int = 2
+    id_field: Optional[str] = None
+    expect: str = "sharded"
+    set_epoch: bool = False
+    dataset_size: Optional[int] = None
+    timeout: float = 60.0
+    gather: str = "auto"
+    # The whole launch's limit: a loader that hangs outside any collective ends here.
+    max_time: float = 3600.0
+
+    def validate(self) -> "AuditOptions":
+        parse_target(self.target)
+        if self.epochs < 1:
+            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
+        if self.expect not in EXPECTATIONS:
+            raise UsageError(f"--expect must be sharded or replicated, got {self.expect!r}")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise UsageError(f"--dataset-size must be at least 1, got {self.dataset_size}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        if not self.max_time > 0:
+            raise UsageError(f"--max-time must be a positive number of seconds, got {self.max_time}")
+        return self
+
+    def to_run_args(self) -> list[str]:
+        args = [self.target, "--epochs", str(self.epochs), "--expect", self.expect,
+                "--timeout", f"{self.timeout:g}"]
+        if self.id_field is not None:
+            args += ["--id-field", self.id_field]
+        if self.set_epoch:
+            args.append("--set-epoch")
+        if self.dataset_size is not None:
+            args += ["--dataset-size", str(self.dataset_size)]
+        if self.gather != "auto":
+            args += ["--gather", self.gather]
+        return args
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """`module:name` or `file.py:name` -> (module or path, name)."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name or not name.replace(".", "_").isidentifier():
+        raise UsageError(f"factory {target!r} is not of the form package.module:make_loader or "
+                         "path/to/file.py:make_loader")
+    return where, name
+
+
+def precheck_target(target: str) -> None:
+    """Catch a missing file or module before any rank starts (the import itself runs on the
+    ranks, where the factory is used)."""
+    where, _ = parse_target(target)
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise UsageError(f"factory file {where} does not exist; pass path/to/file.py:make_loader")
+        return
+    try:
+        spec = importlib.util.find_spec(where)
+    except (ImportError, ValueError) as exc:
+        spec, why = None, f" ({exc})"
+    else:
+        why = ""
+    if spec is None:
+        raise UsageError(f"module {where} cannot be found{why}; check the name, or install or add "
+                         "its folder to PYTHONPATH, or pass path/to/file.py:make_loader")
+
+
+def load_factory(target: str) -> Callable:
+    where, name = parse_target(target)
+    try:
+        if where.endswith(".py") or os.sep in where:
+            path = os.path.abspath(where)
+            module_name = "sharddemo_user_" + os.path.splitext(os.path.basename(path))[0]
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # lets dataclasses and pickling find it
+            sys.path.insert(0, os.path.dirname(path))
+            spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+    except Exception as exc:
+        raise UsageError(f"{where} does not import: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"{where} has no {name!r}; name the function that builds your "
+                             f"loader, e.g. {where}:make_loader")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{where}:{name} is not a function but a {type(obj).__name__}; it must "
+                         "be callable as make_loader(accelerator)")
+    return obj
+
+
+class IndexRecorder:
+    """Stands in for a DataLoader's batch sampler (or sampler): yields exactly what the real
+    one yields and keeps each batch of indices until its batch is delivered. Everything else
+    (len, set_epoch, attributes) goes to the real one."""
+
+    def __init__(self, inner, batched: bool) -> None:
+        self._inner = inner
+        self._batched = batched
+        self.pending: collections.deque = collections.deque()
+
+    def __iter__(self):
+        for item in self._inner:
+            self.pending.append(list(item) if self._batched else [item])
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def _base_loader(loader):
+    """The torch DataLoader inside accelerate's wrappers (they delegate to `base_dataloader`)."""
+    return getattr(loader, "__dict__", {}).get("base_dataloader", loader)
+
+
+def id_reader(loader, id_field: Optional[str]) -> Callable:
+    """A function batch -> sample values (id + 1), by id field or by recorded indices."""
+    import torch
+
+    if id_field is not None:
+        key: Any = int(id_field) if id_field.lstrip("-").isdigit() else id_field
+
+        def by_field(batch):
+            try:
+                ids = batch[key]
+            except (KeyError, IndexError, TypeError) as exc:
+                kind = type(batch).__name__
+                raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
+                                 f"field ({type(exc).__name__}: {exc})") from None
+            return torch.as_tensor(ids).reshape(-1).to(torch.int64) + 1
+
+        return by_field
+    if type(loader).__name__ == "DataLoaderDispatcher":
+        raise UsageError("this loader dispatches batches from rank 0 (dispatch_batches), so the "
+                         "other ranks fetch no indices; pass --id-field with a field of the "
+                         "batches that holds each sample's id")
+    base = _base_loader(loader)
+    dataset = getattr(base, "dataset", None)
+    from torch.utils.data import IterableDataset
+
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(base, "sampler"):
+        raise UsageError("the loader reads an iterable dataset, which has no indices to record; "
+                         "pass --id-field with a field of the batches that holds each sample's id")
+    batched = base.batch_sampler is not None
+    recorder = IndexRecorder(base.batch_sampler if batched else base.sampler, batched)
+    # DataLoader refuses to have its sampler set after construction: set it underneath.
+    object.__setattr__(base, "batch_sampler" if batched else "sampler", recorder)
+
+    def by_index(batch):
+        if not recorder.pending:
+            raise RunFailed("the loader delivered a batch its sampler never drew; pass --id-field")
+        return torch.tensor(recorder.pending.popleft(), dtype=torch.int64) + 1
+
+    return by_index
+
+
+@dataclass
+class _Plan:
+    loader: Any
+    sampler: Any = None
+    prepared: bool = False
+    even_shapes: bool = False  # unknown: pad every per-batch gather
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    """What a training loop that calls set_epoch does."""
+    sampler = getattr(_base_loader(loader), "sampler", None)
+    for obj in (getattr(sampler, "_inner", sampler), loader):
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return
+
+
+def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,
+               say: Optional[Callable[[str], None]] = None) -> Optional[dict]:
+    """The rank side: build the user's loader, walk it, gather what every rank saw."""
+    import json
+
+    import torch
+
+    from sharddemo.fileio import write_atomic
+    from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, finalize_epoch,
+                                 make_accelerator, trace_epoch)
+
+    factory = load_factory(opts.target)
+    accelerator = make_accelerator(device, opts.timeout)
+    try:
+        check_world(accelerator.num_processes)
+        world = accelerator.num_processes
+        try:
+            loader = factory(accelerator)
+        except (UsageError, RunFailed):
+            raise
+        except Exception as exc:
+            raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
+        if not hasattr(loader, "__iter__") or (opts.id_field is None
+                                               and not hasattr(_base_loader(loader), "sampler")):
+            raise UsageError(f"the factory {opts.target} returned an object of type "
+                             f"{type(loader).__name__}, not a DataLoader; return the loader your "
+                             "training loop walks (or pass --id-field for another iterable of "
+                             "batches)")
+        values_of = id_reader(loader, opts.id_field)
+        prepared = type(loader).__name__ in ("DataLoaderShard", "DataLoaderDispatcher")
+        plan = _Plan(loader, prepared=prepared)
+        raw = []
+        start = time.perf_counter()
+        for epoch in range(opts.epochs):
+            if opts.set_epoch:
+                _set_epoch(loader, epoch)
+            try:
+                raw.append(trace_epoch(accelerator, plan, epoch, opts.gather, values_of=values_of))
+            except (UsageError, RunFailed):
+                raise
+            except Exception as exc:
+                raise RunFailed(f"epoch {epoch} of the loader raised {type(exc).__name__}: {exc}") from exc
+        elapsed = time.perf_counter() - start
+        size = _dataset_size(loader, opts, raw, world)
+        batch = getattr(_base_loader(loader), "batch_size", None)
+        peak = _gather_ints(accelerator, [_peak_rss_kb()])
+        if not accelerator.is_main_process:
+            return None
+        epochs = [finalize_epoch(r, world, size) for r in raw]
+        if batch is None:
+            batch = max((len(b) for e in epochs for r in e["ranks"] for b in r["batches"]), default=1)
+        state = accelerator.state
+        trace = {
+            "schema": "sharddemo.trace/1",
+            "world_size": world,
+            "backend": getattr(state, "backend", None) or "none",
+            "distributed_type": state.distributed_type.value,
+            "device": accelerator.device.type,
+            "source": "user",
+            "dataset_size": size,
+            "batch_size": batch,
+            "epochs": opts.epochs,
+            "seed": 0,
+            "options": {"audit": asdict(opts),
+                        "drop_last": bool(getattr(_base_loader(loader), "drop_last", False))},
+            "modes": {AUDIT_MODE: {"description": f"your loader from {opts.target}",
+                                   "prepared": prepared, "epochs": epochs}},
+            "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},
+                        "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
+        }
+        if trace_out:
+            write_atomic(trace_out, json.dumps(trace, separators=(",", ":")))
+        return trace
+    finally:
+        accelerator.end_training()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _dataset_size(loader, opts: AuditOptions, raw: list, world: int) -> int:
+    """N: --dataset-size, else len(dataset), else one past the largest id any rank saw."""
+    if opts.dataset_size is not None:
+        return opts.dataset_size
+    dataset = getattr(_base_loader(loader), "dataset", None)
+    try:
+        return len(dataset)
+    except TypeError:
+        pass
+    from sharddemo.trace import _rank_rows
+
+    top = 0
+    for r in raw:
+        for _, ids in _rank_rows(r["packed"], r["shape"], world) if "packed" in r else []:
+            if len(ids):
+                top = max(top, int(ids.max()) + 1)
+    return max(top, 1)

@@ -1,0 +1,59 @@
+"""Audit a DataLoader factory from a test suite, on real CPU ranks.
+
+    from sharddemo.testing import assert_shards
+
+    def test_my_loader_shards():
+        assert_shards("my_project.data:make_train_loader", num_processes=2)
+
+`assert_shards` launches the factory on `num_processes` gloo ranks exactly as
+`sharddemo audit` does and raises AssertionError naming every failed verdict. A function
+object works too, when its module can be imported by path (a test file, a package).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable, Optional, Union
+
+from sharddemo.audit import AuditOptions
+
+__all__ = ["audit", "assert_shards"]
+
+
+def _target(factory: Union[str, Callable]) -> str:
+    if isinstance(factory, str):
+        return factory
+    path = inspect.getsourcefile(factory)
+    if path is None or factory.__qualname__ != factory.__name__:
+        raise ValueError("pass a module-level function, or a 'module:name' / 'file.py:name' string")
+    return f"{os.path.abspath(path)}:{factory.__name__}"
+
+
+def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int = 2,
+          id_field: Optional[str] = None, expect: str = "sharded", set_epoch: bool = False,
+          dataset_size: Optional[int] = None, timeout: float = 60.0,
+          max_time: float = 600.0) -> dict:
+    """Run the audit and return its report (the JSON `sharddemo audit --format json` prints).
+    Raises sharddemo.errors.ShardDemoError when the factory cannot be run."""
+    from sharddemo.compare import audit_run
+    from sharddemo.config import CPU_CONFIG, config_dirs
+
+    opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
+                        set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,
+                        max_time=max_time).validate()
+    config = next((os.path.join(d, CPU_CONFIG) for d in config_dirs()
+                   if os.path.isfile(os.path.join(d, CPU_CONFIG))), None)
+    return audit_run(opts, config_file=config, num_processes=num_processes)
+
+
+def assert_shards(factory: Union[str, Callable], **kwargs) -> dict:
+    """Audit the factory; raise AssertionError listing the failed verdicts, else return the
+    report. Takes audit()'s keyword arguments."""
+    report = audit(factory, **kwargs)
+    failed = [f"{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
+              for mode in report["modes"].values() for v in mode.get("verdicts", []) if not v["ok"]]
+    if failed:
+        raise AssertionError(f"{_target(factory)} does not shard correctly on "
+                             f"{report['world_size']} ranks:\n  " + "\n  ".join(failed))
+    return report

@@ -1,0 +1,55 @@
+"""DataLoader factories for the audit tests: make_x(accelerator) -> DataLoader."""
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+N = 60
+
+
+def _dataset(n=N):
+    return TensorDataset(torch.arange(n), torch.randn(n, 2))
+
+
+def sampler_with_workers(accelerator):
+    """Not prepared, DistributedSampler, 2 workers: ids come from the recorded indices."""
+    sampler = DistributedSampler(_dataset(), num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, shuffle=True, seed=3)
+    return DataLoader(_dataset(), batch_size=4, sampler=sampler, num_workers=2)
+
+
+def hf_with_id_field(accelerator):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"sample_id": list(range(N)), "x": [float(i) for i in range(N)]})
+    return accelerator.prepare(DataLoader(ds.with_format("torch"), batch_size=5, shuffle=True))
+
+
+def tuple_ids(accelerator):
+    """Batches are (ids, features): --id-field 0."""
+    return accelerator.prepare(DataLoader(_dataset(), batch_size=4, shuffle=True))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(N))
+
+
+def stream_without_ids(accelerator):
+    return DataLoader(Stream(), batch_size=4)
+
+
+def everyone_everything(accelerator):
+    """Not prepared, no sampler: meant to replicate (say, an eval set every rank scores)."""
+    return DataLoader(_dataset(), batch_size=4, shuffle=False)
+
+
+def unequal_lengths(accelerator):
+    """A split by hand whose shards differ in length: the ranks take different step counts."""
+    from torch.utils.data import Subset
+
+    r, w = accelerator.process_index, accelerator.num_processes
+    return DataLoader(Subset(_dataset(N + 1), list(range(r, N + 1, w))), batch_size=1)
+
+
+def raises(accelerator):
+    raise RuntimeError("cannot open the shards")

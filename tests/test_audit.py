@@ -1,0 +1,123 @@
+"""sharddemo audit and sharddemo.testing on 2 and 3 real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT, sharddemo
+from torch.utils.data import DistributedSampler
+
+from sharddemo.testing import assert_shards
+
+FACTORIES = str(ROOT / "tests" / "factories.py")
+
+
+def audit(target, *args, check=True, nproc=2):
+    proc = sharddemo(["audit", target, "--num-processes", str(nproc), "--format", "json", *args],
+                     check=False)
+    if check and proc.returncode not in (0, 1):
+        pytest.fail(f"audit exited {proc.returncode}\n{proc.stderr}")
+    return proc
+
+
+def verdicts(proc):
+    report = json.loads(proc.stdout)
+    out = {}
+    for v in report["modes"]["audit"]["verdicts"]:
+        out[v["verdict"]] = out.get(v["verdict"], True) and v["ok"]
+    return report, out
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("example,failing", [
+    ("good", set()),
+    ("double_split", {"no-missing-samples"}),
+    ("no_set_epoch", {"order-changes-each-epoch"}),
+])
+def test_examples_give_the_right_verdicts(example, failing, nproc):
+    proc = audit(f"examples/{example}.py:make_loader", nproc=nproc)
+    report, got = verdicts(proc)
+    assert report["world_size"] == nproc
+    assert {name for name, ok in got.items() if not ok} == failing
+    assert proc.returncode == (1 if failing else 0)
+    if failing:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1 and errors[0].startswith("Error: verdict(s) failed: ")
+        assert all(name in errors[0] for name in failing)
+
+
+def test_set_epoch_flag_fixes_the_forgotten_set_epoch():
+    proc = audit("examples/no_set_epoch.py:make_loader", "--set-epoch")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_recorded_indices_with_workers_are_the_samplers(tmp_path):
+    proc = audit(f"{FACTORIES}:sampler_with_workers", "--set-epoch")
+    report, got = verdicts(proc)
+    assert all(got.values()), got
+    for e in report["modes"]["audit"]["epochs"]:
+        for r in e["ranks"]:
+            ref = DistributedSampler(range(60), num_replicas=2, rank=r["rank"], shuffle=True, seed=3)
+            ref.set_epoch(e["epoch"])
+            ids = list(ref)
+            assert r["batches"] == [ids[i:i + 4] for i in range(0, len(ids), 4)]
+
+
+@pytest.mark.parametrize("target,field", [("hf_with_id_field", "sample_id"), ("tuple_ids", "0")])
+def test_id_field(target, field):
+    proc = audit(f"{FACTORIES}:{target}", "--id-field", field, nproc=3)
+    report, got = verdicts(proc)
+    assert all(got.values()), got
+    e = report["modes"]["audit"]["epochs"][0]
+    assert e["missing"] == [] and report["dataset_size"] == 60
+
+
+def test_expect_replicated_flips_the_replication_check():
+    proc = audit(f"{FACTORIES}:everyone_everything")
+    _, got = verdicts(proc)
+    assert got["no-silent-replication"] is False and proc.returncode == 1
+    proc = audit(f"{FACTORIES}:everyone_everything", "--expect", "replicated")
+    _, got = verdicts(proc)
+    assert got["every-rank-sees-everything"] is True and proc.returncode == 0, proc.stderr
+
+
+def test_unequal_lengths_fail_with_the_step_counts():
+    proc = audit(f"{FACTORIES}:unequal_lengths")
+    report, got = verdicts(proc)
+    assert got["equal-step-counts"] is False and proc.returncode == 1
+    steps = [r["steps"] for r in report["modes"]["audit"]["epochs"][0]["ranks"]]
+    assert steps == [31, 30]
+    assert "equal-step-counts (epoch 0, 1)" in proc.stderr
+
+
+@pytest.mark.parametrize("target,code,message", [
+    (f"{FACTORIES}:stream_without_ids", 2,
+     "Error: rank 0: the loader reads an iterable dataset, which has no indices to record; pass --id-field"),
+    (f"{FACTORIES}:raises", 1,
+     "Error: rank 0: the factory {t} raised RuntimeError: cannot open the shards"),
+    (f"{FACTORIES}:nothing", 2, "Error: rank 0: {f} has no 'nothing'"),
+    (f"{FACTORIES}:N", 2, "Error: rank 0: {f}:N is not a function but a int"),
+    ("tests/no_such_file.py:f", 2, "Error: factory file tests/no_such_file.py does not exist"),
+    ("no_such_module_xyz:f", 2, "Error: module no_such_module_xyz cannot be found"),
+    ("not-a-target", 2, "Error: factory 'not-a-target' is not of the form"),
+])
+def test_bad_factories(target, code, message):
+    proc = sharddemo(["audit", target], check=False, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(message.format(t=target, f=FACTORIES)), lines[0]
+
+
+def test_testing_api_passes_and_fails():
+    report = assert_shards("examples/good.py:make_loader", num_processes=2)
+    assert report["world_size"] == 2
+    with pytest.raises(AssertionError, match="order-changes-each-epoch"):
+        assert_shards(str(ROOT / "examples" / "no_set_epoch.py") + ":make_loader")
+
+
+def test_testing_api_takes_a_function():
+    import factories
+
+    assert_shards(factories.everyone_everything, expect="replicated")
