@@ -92,6 +92,14 @@ def render_doc(results: dict) -> str:
                      "the demos); above that it keeps the ids on the rank and gathers them once "
                      "per epoch, because a small gather costs more than a toy step and would "
                      "dominate. `--gather batch|epoch` forces either.")
+    a = results.get("audit")
+    if a:
+        out.append(f"| audit of a 1,000,000-sample prepared loader (2 ranks, 1 epoch) | "
+                   f"{a['wall_s']:.1f} s wall, {a['peak_rank_mb']:.0f} MB per rank | "
+                   f"{a['target']} | {_met(a)} |")
+        notes.append(f"- audit ({_when(a)}): `sharddemo audit benchmarks/audit_1m.py:make_loader "
+                     "--epochs 1`, the whole command: start-up, the walk with ids recorded from "
+                     "the sampler, the report and its verdicts.")
     gpu = results.get("gpu")
     if gpu:
         if gpu.get("skipped"):
