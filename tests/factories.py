@@ -53,3 +53,55 @@ def unequal_lengths(accelerator):
 
 def raises(accelerator):
     raise RuntimeError("cannot open the shards")
+
+
+class Faulty(torch.utils.data.Dataset):
+    """Fails on one rank at its `after`-th fetch: raises, kills itself, or stalls."""
+
+    def __init__(self, rank, how, after=5, n=N):
+        self.rank, self.how, self.after, self.n, self.fetched = rank, how, after, n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        self.fetched += 1
+        if self.rank == 1 and self.fetched == self.after:
+            if self.how == "raise":
+                raise ValueError(f"corrupt sample {index}")
+            if self.how == "kill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "stall":
+                import time
+
+                time.sleep(600)  # alive, but never reaches the next collective
+        return torch.tensor(index)
+
+
+def _faulty(accelerator, how):
+    dataset = Faulty(accelerator.process_index, how)
+    return accelerator.prepare(DataLoader(dataset, batch_size=2, shuffle=False))
+
+
+def raise_mid_epoch(accelerator):
+    return _faulty(accelerator, "raise")
+
+
+def kill_mid_epoch(accelerator):
+    return _faulty(accelerator, "kill")
+
+
+def stall_mid_epoch(accelerator):
+    return _faulty(accelerator, "stall")
+
+
+def ragged_shapes(accelerator):
+    """Equal step counts, different batch sizes per rank: a plain gather would abort."""
+    from torch.utils.data import Subset
+
+    r = accelerator.process_index
+    return DataLoader(Subset(_dataset(), list(range(r, N, 2 if r == 0 else 2))),
+                      batch_size=3 if r == 0 else 2)

@@ -198,10 +198,54 @@ def _check_output(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path} cannot be written ({exc}); pick another path") from None
 
 
+def launch_options(func: Callable) -> Callable:
+    """How `compare` and `audit` launch their ranks, with accelerate launch's own names."""
+    options = [
+        click.option("--config-file", help="accelerate config [default: "
+                     "accelerate_configs/cpu2.yaml, or 2gpu.yaml where two or more GPUs are "
+                     "visible]."),
+        click.option("--num-processes", type=int,
+                     help="Override the config's num_processes (all ranks, on every machine)."),
+        click.option("--main-process-port", type=int,
+                     help="Rendezvous port [default: a free port on this machine; give the "
+                          "same one on every machine of a multi-node job]."),
+        click.option("--num-machines", type=int,
+                     help="Machines in a multi-node job [default: the config's]."),
+        click.option("--machine-rank", type=int, default=0, show_default=True,
+                     help="This machine's rank in a multi-node job (0 writes the report)."),
+        click.option("--main-process-ip", help="Address of machine rank 0 (multi-node)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _settings(kw: dict):
+    from sharddemo.launch import LaunchSettings
+
+    return LaunchSettings(config_file=kw.pop("config_file"), num_processes=kw.pop("num_processes"),
+                          main_process_port=kw.pop("main_process_port"),
+                          num_machines=kw.pop("num_machines"), machine_rank=kw.pop("machine_rank"),
+                          main_process_ip=kw.pop("main_process_ip"))
+
+
+def _show(result: dict, fmt: str, output: Optional[str], machine_rank: int) -> bool:
+    """Print and write the report; False when another machine writes it."""
+    if not result:
+        click.echo(f"This node (machine rank {machine_rank}) ran its ranks; machine rank 0 "
+                   "prints and writes the report.")
+        return False
+    from sharddemo.compare import write_report
+    from sharddemo.render import render
+
+    click.echo(render(result, fmt), nl=False)
+    if output:
+        write_report(result, output)
+    return True
+
+
 @cli.command()
-@click.option("--config-file", help="accelerate config [default: accelerate_configs/cpu2.yaml, "
-              "or 2gpu.yaml where two or more GPUs are visible].")
-@click.option("--num-processes", type=int, help="Override the config's num_processes.")
+@launch_options
 @click.option("--modes", default="all", show_default=True,
               help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
                    "or a comma list of: " + ", ".join(MODES) + ".")
@@ -213,8 +257,7 @@ def _check_output(path: str, flag: str) -> None:
 @click.option("--check", is_flag=True,
               help="Exit 1 when a mode breaks what it promises (missing samples, unequal steps, "
                    "a replicated rank that did not see everything).")
-def compare(config_file: Optional[str], num_processes: Optional[int], modes: str, fmt: str,
-            output: Optional[str], check: bool, **kw: Any) -> int:
+def compare(modes: str, fmt: str, output: Optional[str], check: bool, **kw: Any) -> int:
     """Run the modes on real ranks in one launch and show side by side what each rank saw.
 
     For every mode and epoch: each rank's batches (0-based sample ids), step counts,
@@ -225,20 +268,15 @@ def compare(config_file: Optional[str], num_processes: Optional[int], modes: str
 
         sharddemo compare --dataset-size 10 --batch-size 3 --format markdown
     """
+    settings = _settings(kw)
     opts = _options(modes, kw)
     if output:
         _check_output(output, "--output")
     from sharddemo.compare import compare_run
 
-    result = compare_run(opts, config_file=config_file, num_processes=num_processes,
-                         debug=_debug())
-    from sharddemo.render import render
-
-    click.echo(render(result, fmt), nl=False)
-    if output:
-        from sharddemo.compare import write_report
-
-        write_report(result, output)
+    result = compare_run(opts, settings, debug=_debug())
+    if not _show(result, fmt, output, settings.machine_rank):
+        return 0
     if check and result["broken_promises"]:
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
         return 1
@@ -281,16 +319,14 @@ def _audit_options(kw: dict) -> "AuditOptions":
 
 @cli.command()
 @audit_options
-@click.option("--config-file", help="accelerate config [default: as for compare].")
-@click.option("--num-processes", type=int, help="Override the config's num_processes.")
+@launch_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
 @click.option("--max-time", type=float, default=3600.0, show_default=True,
               help="Seconds the whole audit may take before it is stopped.")
-def audit(config_file: Optional[str], num_processes: Optional[int], fmt: str,
-          output: Optional[str], **kw: Any) -> int:
+def audit(fmt: str, output: Optional[str], **kw: Any) -> int:
     """Prove that your own DataLoader shards correctly, on real ranks.
 
     FACTORY is `package.module:make_loader` or `path/to/file.py:make_loader`, a function
@@ -303,16 +339,15 @@ def audit(config_file: Optional[str], num_processes: Optional[int], fmt: str,
 
         sharddemo audit examples/good.py:make_loader --num-processes 3
     """
+    settings = _settings(kw)
     opts = _audit_options(kw)
     if output:
         _check_output(output, "--output")
-    from sharddemo.compare import audit_run, write_report
-    from sharddemo.render import render
+    from sharddemo.compare import audit_run
 
-    result = audit_run(opts, config_file=config_file, num_processes=num_processes, debug=_debug())
-    click.echo(render(result, fmt), nl=False)
-    if output:
-        write_report(result, output)
+    result = audit_run(opts, settings, debug=_debug())
+    if not _show(result, fmt, output, settings.machine_rank):
+        return 0
     failed = _failed_verdicts(result)
     if failed:
         _error("verdict(s) failed: " + "; ".join(failed))

@@ -2,33 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import UsageError
-from sharddemo.launch import Launch, run_launch
+from sharddemo.launch import Launch, LaunchSettings, run_launch
 from sharddemo.options import RunOptions
 from sharddemo.report import build_report
 
 
-def make_launch(opts: RunOptions, config_file: Optional[str],
-                num_processes: Optional[int]) -> Launch:
-    path = config_file or default_config_path()
+def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "run",
+                check: Optional[Callable[[int], object]] = None) -> Launch:
+    """Settings from the command line + the config file -> the launch to run."""
+    path = settings.config_file or default_config_path()
     config = load_config(path)
-    if num_processes is not None and num_processes < 1:
-        raise UsageError(f"--num-processes must be at least 1, got {num_processes}")
-    world = num_processes or config.num_processes
-    opts.check_world(world)
+    if settings.num_processes is not None and settings.num_processes < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {settings.num_processes}")
+    world = settings.num_processes or config.num_processes
+    machines = settings.num_machines or config.num_machines
+    if machines > 1:
+        if not settings.main_process_ip or not settings.main_process_port:
+            raise UsageError("a multi-node launch needs --main-process-ip and "
+                             "--main-process-port, the same on every machine")
+        if not 0 <= settings.machine_rank < machines:
+            raise UsageError(f"--machine-rank must be 0..{machines - 1}, got {settings.machine_rank}")
+        if world % machines:
+            raise UsageError(f"--num-processes counts every rank on every machine: {world} does "
+                             f"not divide by {machines} machines")
+    if settings.main_process_port is not None and not 0 < settings.main_process_port < 65536:
+        raise UsageError(f"--main-process-port must be 1..65535, got {settings.main_process_port}")
+    if check is not None:
+        check(world)
     # A config that says use_cpu stays on CPU even where GPUs are visible.
     device = "cpu" if config.raw.get("use_cpu") else "auto"
-    return Launch(config_file=path, num_processes=world, run_args=opts.to_run_args(),
-                  device=device)
+    return Launch(config_file=path, num_processes=world, run_args=run_args, device=device,
+                  port=settings.main_process_port, command=command, num_machines=machines,
+                  machine_rank=settings.machine_rank, main_process_ip=settings.main_process_ip)
 
 
-def compare_run(opts: RunOptions, *, config_file: Optional[str] = None,
-                num_processes: Optional[int] = None, debug: bool = False) -> dict:
-    launch = make_launch(opts, config_file, num_processes)
+def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
+                debug: bool = False) -> dict:
+    launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
     trace = run_launch(launch, opts, debug=debug)
+    if not trace:
+        return {}
     return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)
 
 
@@ -71,20 +88,14 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
     return "\n".join(lines) + render_table(report)
 
 
-def audit_run(opts, *, config_file: Optional[str] = None, num_processes: Optional[int] = None,
-              debug: bool = False) -> dict:
+def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = False) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
     from sharddemo.audit import precheck_target
 
     precheck_target(opts.target)
-    path = config_file or default_config_path()
-    config = load_config(path)
-    if num_processes is not None and num_processes < 1:
-        raise UsageError(f"--num-processes must be at least 1, got {num_processes}")
-    world = num_processes or config.num_processes
-    device = "cpu" if config.raw.get("use_cpu") else "auto"
-    launch = Launch(config_file=path, num_processes=world, run_args=opts.to_run_args(),
-                    device=device, command="audit-rank")
+    launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
                        debug=debug, timeout=opts.max_time)
-    return build_report(trace, launch_command=launch.display(), config_file=path)
+    if not trace:
+        return {}
+    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)

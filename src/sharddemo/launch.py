@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import RunOptions
-from sharddemo.options import EXPECT_ENV
+from sharddemo.options import EXPECT_ENV, NODE_ENV, RunOptions
 
 
 def free_port() -> int:
@@ -29,6 +28,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How to launch, with accelerate launch's own names: one machine by default, or one
+    node of a multi-node job."""
+
+    config_file: Optional[str] = None
+    num_processes: Optional[int] = None  # all ranks, over every machine
+    main_process_port: Optional[int] = None
+    num_machines: Optional[int] = None
+    machine_rank: int = 0
+    main_process_ip: Optional[str] = None
 
 
 @dataclass
@@ -43,16 +55,27 @@ class Launch:
     expect_world: bool = True
     # The sharddemo command the ranks run.
     command: str = "run"
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: Optional[str] = None
 
     def accelerate_args(self) -> list[str]:
         if self.flags is not None:
-            return [*self.flags, "--num_processes", str(self.num_processes)]
-        return ["--config_file", self.config_file, "--num_processes", str(self.num_processes)]
+            args = [*self.flags, "--num_processes", str(self.num_processes)]
+        else:
+            args = ["--config_file", self.config_file, "--num_processes", str(self.num_processes)]
+        if self.num_machines > 1:
+            args += ["--num_machines", str(self.num_machines),
+                     "--machine_rank", str(self.machine_rank),
+                     "--main_process_ip", str(self.main_process_ip)]
+        return args
 
     def display(self) -> str:
-        """The line a user can paste to rerun this by hand (no port: accelerate picks one)."""
+        """The line a user can paste to rerun this by hand (the port only when one was
+        given: on one machine accelerate picks a free one)."""
         device = [] if self.device == "auto" else ["--device", self.device]
-        words = (["accelerate", "launch", *self.accelerate_args(), "-m", "sharddemo",
+        port = ["--main_process_port", str(self.port)] if self.port else []
+        words = (["accelerate", "launch", *self.accelerate_args(), *port, "-m", "sharddemo",
                   self.command, *self.run_args, *device])
         return shlex.join(words)
 
@@ -79,6 +102,7 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         env = dict(os.environ)
         if launch.expect_world:
             env[EXPECT_ENV] = str(launch.num_processes)
+        env[NODE_ENV] = str(launch.machine_rank)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:
@@ -108,6 +132,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
                 stderr = handle.read()
             message, usage = explain_failure(stderr, code, debug)
             raise (UsageError if usage else RunFailed)(message)
+        if launch.machine_rank != 0 and not os.path.exists(trace_path):
+            return {}  # another node's main process writes the report
         try:
             with open(trace_path, encoding="utf-8") as handle:
                 return json.load(handle)
@@ -143,25 +169,64 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-RANK_ERROR = re.compile(r"\[rank (\d+)/\d+\] (Error|Usage error): (.*?)(?=\[rank \d+/\d+\] |$)",
+RANK_ERROR = re.compile(r"\[rank (\d+)/(\d+)\] (Error|Usage error): (.*?)(?=\[rank \d+/\d+\] |$)",
                         re.M)
+# torchrun's own line for a process that ended: a negative exit code is a signal.
+TORCHRUN_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+TIMED_OUT = re.compile(r"Timed out|timed out|Timeout|DistBackendError.*time", re.S)
+PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|"
+                       r"connection reset", re.I)
 
 
 def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
-    """The ranks' own error lines when they wrote any, else the end of what they printed.
-    Returns the message and whether it was a usage error (bad input, exit code 2)."""
-    found = RANK_ERROR.findall(stderr)
+    """What went wrong, in one line, from the ranks' own error lines and torchrun's exit
+    report. Returns the message and whether it was a usage error (bad input, exit code 2).
+
+    The root cause comes first: a rank's own exception, or a rank killed by a signal, or a
+    rank that stopped answering (its peers time out waiting for it). Ranks that only lost
+    the connection to a failed peer are mentioned last, briefly.
+    """
+    import signal as _signal
+
     if debug:
         sys.stderr.write(stderr)
-    if found:
-        usage = any(kind == "Usage error" for _, kind, _ in found)
-        seen: list[str] = []
-        for rank, kind, message in found:
-            if usage and kind != "Usage error":
-                continue  # the others only saw the usage error's rank go away
-            line = f"rank {rank}: {message}"
-            if line not in seen:
-                seen.append(line)
-        return "; ".join(seen), usage
+    found = RANK_ERROR.findall(stderr)
+    usage = [f"rank {r}: {m.strip()}" for r, _, kind, m in found if kind == "Usage error"]
+    if usage:
+        return "; ".join(dict.fromkeys(usage)), True
+    world = int(found[0][1]) if found else 0
+    causes, waited, lost = [], [], []
+    reported = set()
+    for rank, _, _, message in found:
+        message = message.strip()
+        reported.add(int(rank))
+        if TIMED_OUT.search(message):
+            waited.append(int(rank))
+        elif PEER_GONE.search(message):
+            lost.append(int(rank))
+        else:
+            causes.append(f"rank {rank}: {message}")
+    for exit_code, rank in TORCHRUN_EXIT.findall(stderr):
+        if int(exit_code) < 0:
+            number = -int(exit_code)
+            try:
+                name = _signal.Signals(number).name
+            except ValueError:
+                name = f"signal {number}"
+            causes.insert(0, f"rank {rank} was killed by signal {number} ({name}) and said nothing")
+            reported.add(int(rank))
+    if waited:
+        silent = [r for r in range(world) if r not in reported] if world else []
+        who = (f"rank {', '.join(map(str, silent))} stopped answering" if silent
+               else "a rank stopped answering")
+        causes.append(f"{who}: rank {', '.join(map(str, sorted(set(waited))))} gave up waiting "
+                      "for it at the process-group timeout (--timeout)")
+    if lost:
+        ranks = ", ".join(map(str, sorted(set(lost))))
+        causes.append(f"rank {ranks} then lost the connection to the failed rank"
+                      if causes else f"rank {ranks} lost the connection to a peer that failed "
+                      "without a message")
+    if causes:
+        return "; ".join(dict.fromkeys(causes)), False
     tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
     return f"the launch exited with code {code}: " + (" | ".join(tail) or "no output"), False

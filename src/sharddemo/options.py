@@ -50,6 +50,8 @@ GATHER_STRATEGIES = ("auto", "batch", "epoch")
 
 # Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
+# Set by `sharddemo compare` for its ranks: the machine rank of this node.
+NODE_ENV = "SHARDDEMO_MACHINE_RANK"
 
 
 def parse_modes(text: str) -> tuple[str, ...]:

@@ -226,7 +226,8 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
             record["gathered_for_metrics_count"] == out["gathered_count"]
             and (record.get("gathered_for_metrics") is None
                  or record["gathered_for_metrics"] == record.get("gathered")))
-    out["ranks_same_order"] = len(flat) > 1 and all(ids == flat[0] for ids in flat[1:])
+    out["ranks_same_order"] = (len(flat) > 1 and bool(flat[0])
+                               and all(ids == flat[0] for ids in flat[1:]))
     if previous is None:
         out["order_changed"] = None
     else:
@@ -327,6 +328,12 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     times = f"{first['times_dataset']:g}x"
     kind = mode_kind(mode, trace)
     dup = sum(d["count"] - 1 for d in first["duplicates"])
+    if seen == 0:
+        return (f"Every rank received nothing: no batch of this dataset of {n} is complete "
+                f"(drop_last with per-rank batch {b} and {w} ranks), so no step is taken at all "
+                f"{sums}.")
+    if n < w:
+        sums += f"; there are more ranks ({w}) than samples ({n})"
     if kind == REPLICATED:
         order = ("in the same order, so the ranks train on identical batches"
                  if first["ranks_same_order"] else "each in its own order")

@@ -38,13 +38,14 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
     Raises sharddemo.errors.ShardDemoError when the factory cannot be run."""
     from sharddemo.compare import audit_run
     from sharddemo.config import CPU_CONFIG, config_dirs
+    from sharddemo.launch import LaunchSettings
 
     opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
                         set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,
                         max_time=max_time).validate()
     config = next((os.path.join(d, CPU_CONFIG) for d in config_dirs()
                    if os.path.isfile(os.path.join(d, CPU_CONFIG))), None)
-    return audit_run(opts, config_file=config, num_processes=num_processes)
+    return audit_run(opts, LaunchSettings(config_file=config, num_processes=num_processes))
 
 
 def assert_shards(factory: Union[str, Callable], **kwargs) -> dict:

@@ -118,7 +118,15 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     for epoch in range(opts.epochs):
         if plan.sampler is not None:
             plan.sampler.set_epoch(epoch)
-        raw.append(trace_epoch(accelerator, plan, epoch, opts.gather))
+        try:
+            _inject_fault(accelerator.process_index, mode, epoch)
+            raw.append(trace_epoch(accelerator, plan, epoch, opts.gather))
+        except (UsageError, RunFailed):
+            raise
+        except Exception as exc:
+            done = ("" if not epoch else f"; its epoch 0 completed" if epoch == 1
+                    else f"; its epochs 0-{epoch - 1} completed")
+            raise RunFailed(f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}") from exc
     if not accelerator.is_main_process:
         return {}
     # Tensors -> plain lists only now, after the loop, so the epochs are timed as trained.
@@ -294,6 +302,29 @@ def _split_batches(packed: torch.Tensor, shape: list[int], world: int) -> list[l
     return out
 
 
+# For testing sharddemo's own fault handling: "HOW:RANK:MODE:EPOCH" makes that rank raise
+# (HOW=raise), die by SIGKILL (kill) or hang outside any collective (stall) when that mode's
+# epoch starts. Unset in normal use.
+FAULT_ENV = "SHARDDEMO_INJECT_FAULT"
+
+
+def _inject_fault(rank: int, mode: str, epoch: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    how, want_rank, want_mode, want_epoch = spec.split(":")
+    if (int(want_rank), want_mode, int(want_epoch)) != (rank, mode, epoch):
+        return
+    if how == "raise":
+        raise ValueError(f"injected fault ({FAULT_ENV}={spec})")
+    if how == "kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "stall":
+        time.sleep(3600)
+
+
 def _peak_rss_kb() -> int:
     import resource
 
@@ -346,10 +377,13 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                     accelerator, mode, dataset, opts,
                     on_epoch=lambda rec: _print_epoch(talk, rec, world, opts.dataset_size),
                 )
-            except (UsageError, RunFailed):
+            except UsageError:
                 raise
-            except Exception as exc:  # name the mode: the rank is named by the caller
-                raise RunFailed(f"mode {mode}: {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # name the mode; the rank is named by the caller
+                message = str(exc) if isinstance(exc, RunFailed) else (
+                    f"mode {mode}: {type(exc).__name__}: {exc}")
+                done = f" (modes completed before it: {', '.join(modes)})" if modes else ""
+                raise RunFailed(message + done) from exc
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = _gather_ints(accelerator, [_peak_rss_kb()])
         if not main:
