@@ -218,7 +218,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
 
     from sharddemo.fileio import write_atomic
     from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, finalize_epoch,
-                                 make_accelerator, trace_epoch)
+                                 make_accelerator, placement, trace_epoch)
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -255,6 +255,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         size = _dataset_size(loader, opts, raw, world)
         batch = getattr(_base_loader(loader), "batch_size", None)
         peak = _gather_ints(accelerator, [_peak_rss_kb()])
+        where = placement(accelerator)
         if not accelerator.is_main_process:
             return None
         epochs = [finalize_epoch(r, world, size) for r in raw]
@@ -274,6 +275,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             "seed": 0,
             "options": {"audit": asdict(opts),
                         "drop_last": bool(getattr(_base_loader(loader), "drop_last", False))},
+            "placement": where,
             "modes": {AUDIT_MODE: {"description": f"your loader from {opts.target}",
                                    "prepared": prepared, "epochs": epochs}},
             "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},

@@ -211,8 +211,9 @@ def launch_options(func: Callable) -> Callable:
                           "same one on every machine of a multi-node job]."),
         click.option("--num-machines", type=int,
                      help="Machines in a multi-node job [default: the config's]."),
-        click.option("--machine-rank", type=int, default=0, show_default=True,
-                     help="This machine's rank in a multi-node job (0 writes the report)."),
+        click.option("--machine-rank", type=int,
+                     help="This machine's rank in a multi-node job; 0 writes the report "
+                          "[default: the config's, else 0]."),
         click.option("--main-process-ip", help="Address of machine rank 0 (multi-node)."),
     ]
     for option in reversed(options):
@@ -229,11 +230,10 @@ def _settings(kw: dict):
                           main_process_ip=kw.pop("main_process_ip"))
 
 
-def _show(result: dict, fmt: str, output: Optional[str], machine_rank: int) -> bool:
+def _show(result: dict, fmt: str, output: Optional[str]) -> bool:
     """Print and write the report; False when another machine writes it."""
     if not result:
-        click.echo(f"This node (machine rank {machine_rank}) ran its ranks; machine rank 0 "
-                   "prints and writes the report.")
+        click.echo("This node ran its ranks; machine rank 0 prints and writes the report.")
         return False
     from sharddemo.compare import write_report
     from sharddemo.render import render
@@ -275,7 +275,7 @@ def compare(modes: str, fmt: str, output: Optional[str], check: bool, **kw: Any)
     from sharddemo.compare import compare_run
 
     result = compare_run(opts, settings, debug=_debug())
-    if not _show(result, fmt, output, settings.machine_rank):
+    if not _show(result, fmt, output):
         return 0
     if check and result["broken_promises"]:
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
@@ -346,7 +346,7 @@ def audit(fmt: str, output: Optional[str], **kw: Any) -> int:
     from sharddemo.compare import audit_run
 
     result = audit_run(opts, settings, debug=_debug())
-    if not _show(result, fmt, output, settings.machine_rank):
+    if not _show(result, fmt, output):
         return 0
     failed = _failed_verdicts(result)
     if failed:

@@ -20,24 +20,32 @@ def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "r
         raise UsageError(f"--num-processes must be at least 1, got {settings.num_processes}")
     world = settings.num_processes or config.num_processes
     machines = settings.num_machines or config.num_machines
+    rank = settings.machine_rank if settings.machine_rank is not None else int(
+        config.raw.get("machine_rank", 0) or 0)
+    ip, port = settings.main_process_ip, settings.main_process_port
     if machines > 1:
-        if not settings.main_process_ip or not settings.main_process_port:
+        # Every machine must agree: take the config's address and port unless given.
+        ip = ip or config.raw.get("main_process_ip")
+        port = port or config.raw.get("main_process_port")
+        if not ip or not port:
             raise UsageError("a multi-node launch needs --main-process-ip and "
                              "--main-process-port, the same on every machine")
-        if not 0 <= settings.machine_rank < machines:
-            raise UsageError(f"--machine-rank must be 0..{machines - 1}, got {settings.machine_rank}")
+        if not 0 <= rank < machines:
+            raise UsageError(f"--machine-rank must be 0..{machines - 1}, got {rank}")
         if world % machines:
             raise UsageError(f"--num-processes counts every rank on every machine: {world} does "
                              f"not divide by {machines} machines")
-    if settings.main_process_port is not None and not 0 < settings.main_process_port < 65536:
-        raise UsageError(f"--main-process-port must be 1..65535, got {settings.main_process_port}")
+    elif rank:
+        raise UsageError(f"--machine-rank {rank} needs a multi-node launch: pass --num-machines")
+    if port is not None and not 0 < int(port) < 65536:
+        raise UsageError(f"--main-process-port must be 1..65535, got {port}")
     if check is not None:
         check(world)
     # A config that says use_cpu stays on CPU even where GPUs are visible.
     device = "cpu" if config.raw.get("use_cpu") else "auto"
     return Launch(config_file=path, num_processes=world, run_args=run_args, device=device,
-                  port=settings.main_process_port, command=command, num_machines=machines,
-                  machine_rank=settings.machine_rank, main_process_ip=settings.main_process_ip)
+                  port=int(port) if port else None, command=command, num_machines=machines,
+                  machine_rank=rank, main_process_ip=ip)
 
 
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),

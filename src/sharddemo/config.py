@@ -121,6 +121,6 @@ def load_config(path: str, keys: Optional[set[str]] = None) -> LaunchConfig:
                          "set it to 1 or more, or pass --num-processes")
     machines = data.get("num_machines", 1)
     if not isinstance(machines, int) or machines < 1:
-        raise UsageError(f"config file {path} asks for num_machines: {machines!r}; set it to 1")
+        raise UsageError(f"config file {path} asks for num_machines: {machines!r}; set it to 1 or more")
     return LaunchConfig(path=path, distributed_type=str(data.get("distributed_type", "NO")),
                         num_processes=nproc, num_machines=machines, raw=data)

@@ -39,7 +39,7 @@ class LaunchSettings:
     num_processes: Optional[int] = None  # all ranks, over every machine
     main_process_port: Optional[int] = None
     num_machines: Optional[int] = None
-    machine_rank: int = 0
+    machine_rank: Optional[int] = None
     main_process_ip: Optional[str] = None
 
 

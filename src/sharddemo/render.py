@@ -64,6 +64,8 @@ def _epoch_summary(e: dict) -> list[str]:
     lines.append(g)
     if not e["steps_equal"]:
         lines.append("UNEQUAL step counts across ranks: DDP training would hang on this")
+    if len(e.get("by_node", {})) > 1:
+        lines.append("by node: " + ", ".join(f"node {k} saw {v}" for k, v in e["by_node"].items()))
     order = []
     if e["order_changed"] is not None:
         order.append("order changed from the previous epoch" if e["order_changed"]
@@ -75,8 +77,21 @@ def _epoch_summary(e: dict) -> list[str]:
     return lines
 
 
+def placement_line(report: dict) -> str:
+    """`node 0 (host): rank 0 (local 0), rank 1 (local 1) | node 1 ...`, for several nodes."""
+    parts = []
+    for node, ranks in report.get("nodes", {}).items():
+        where = {p["rank"]: p for p in report["placement"]}
+        host = where[ranks[0]].get("host")
+        parts.append(f"node {node}" + (f" ({host})" if host else "") + ": " + ", ".join(
+            f"rank {r} (local {where[r]['local_rank']})" for r in ranks))
+    return " | ".join(parts)
+
+
 def render_table(report: dict) -> str:
     out = ["sharddemo compare: " + header(report)[0]]
+    if len(report.get("nodes", {})) > 1:
+        out.append("ranks by node: " + placement_line(report))
     if report.get("launch_command"):
         out.append(f"rerun by hand: {report['launch_command']}")
     for mode, data in report["modes"].items():

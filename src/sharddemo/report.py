@@ -406,6 +406,15 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         }
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
+    where = trace.get("placement") or [
+        {"rank": r, "local_rank": r, "node": 0, "host": None} for r in range(trace["world_size"])]
+    nodes: dict[str, list[int]] = {}
+    for p in where:
+        nodes.setdefault(str(p["node"]), []).append(p["rank"])
+    for data in modes.values():
+        for e in data["epochs"]:
+            e["by_node"] = {node: sum(e["ranks"][r]["samples"] for r in ranks)
+                            for node, ranks in nodes.items()}
     report = {
         "schema": REPORT_SCHEMA,
         "world_size": trace["world_size"],
@@ -421,6 +430,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "options": trace.get("options", {}),
         "config_file": config_file,
         "launch_command": launch_command,
+        "placement": where,
+        "nodes": nodes,
         "modes": modes,
         "broken_promises": problems,
     }

@@ -23,7 +23,7 @@ import torch
 
 from sharddemo.datasets import batch_values
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, MODE_HELP, RunOptions
+from sharddemo.options import EXPECT_ENV, MODE_HELP, NODE_ENV, RunOptions
 
 TRACE_SCHEMA = "sharddemo.trace/1"
 
@@ -325,6 +325,22 @@ def _inject_fault(rank: int, mode: str, epoch: int) -> None:
         time.sleep(3600)
 
 
+def placement(accelerator) -> list[dict]:
+    """Where every rank runs: global rank, local rank, node (machine rank) and host, as the
+    main process sees them after one gather. The reference takes `local_rank` from
+    `get_rank()`, which is only right on the first machine; here both are recorded."""
+    import socket
+
+    from accelerate.utils import gather_object
+
+    node = os.environ.get(NODE_ENV) or os.environ.get("GROUP_RANK") or "0"
+    mine = {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
+            "node": int(node), "host": socket.gethostname()}
+    if accelerator.num_processes == 1:
+        return [mine]
+    return sorted(gather_object([mine]), key=lambda p: p["rank"])
+
+
 def _peak_rss_kb() -> int:
     import resource
 
@@ -386,6 +402,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                 raise RunFailed(message + done) from exc
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = _gather_ints(accelerator, [_peak_rss_kb()])
+        where = placement(accelerator)
         if not main:
             return None
         trace = {
@@ -401,6 +418,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "seed": opts.seed,
             "options": opts.to_dict(),
             "arithmetic": sums,
+            "placement": where,
             "modes": modes,
             # Not reproducible, so kept apart from the rest of the trace.
             "timings": {"mode_s": timings, "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},

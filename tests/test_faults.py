@@ -1,0 +1,178 @@
+"""Reliability on real gloo ranks: a rank that raises, is killed, or stalls; Ctrl-C; busy
+ports; ragged batches. Each case fails fast with one clear line and leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+from conftest import ROOT, launch_env, sharddemo
+
+FACTORIES = str(ROOT / "tests" / "factories.py")
+
+
+def tagged_env(**extra) -> tuple[dict, str]:
+    """An environment with a unique token, to find every process the run started."""
+    token = uuid.uuid4().hex
+    env = launch_env()
+    env["SHARDDEMO_TEST_TOKEN"] = token
+    env.update(extra)
+    return env, token
+
+
+def survivors(token: str) -> list:
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get("SHARDDEMO_TEST_TOKEN") == token and proc.pid != os.getpid():
+                left.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return left
+
+
+def assert_nothing_left(token: str) -> None:
+    deadline = time.monotonic() + 5
+    while survivors(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = survivors(token)
+    assert not left, f"processes left running: {[p.info['cmdline'] for p in left]}"
+
+
+def one_error(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["audit", f"{FACTORIES}:raise_mid_epoch"],
+     "Error: rank 1: epoch 0 of the loader raised ValueError: corrupt sample"),
+    (["compare", "--modes", "prepared,sampler"],
+     "Error: rank 1: mode sampler, epoch 1: ValueError: injected fault"),
+])
+def test_a_rank_that_raises(args, expected):
+    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="raise:1:sampler:1")
+    start = time.monotonic()
+    proc = sharddemo(args, check=False, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1
+    line = one_error(proc)
+    assert line.startswith(expected), line
+    if args[0] == "compare":  # what completed before the failure
+        assert "its epoch 0 completed (modes completed before it: prepared)" in line
+    assert "rank 0 then lost the connection to the failed rank" in line or "rank 0" not in line
+    assert elapsed < 15, f"took {elapsed:.1f}s"
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize("args", [
+    ["audit", f"{FACTORIES}:kill_mid_epoch"],
+    ["compare", "--modes", "replicated"],
+])
+def test_a_rank_that_is_killed(args):
+    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="kill:1:replicated:0")
+    start = time.monotonic()
+    proc = sharddemo(args, check=False, env=env)
+    assert proc.returncode == 1
+    assert one_error(proc).startswith(
+        "Error: rank 1 was killed by signal 9 (SIGKILL) and said nothing")
+    assert time.monotonic() - start < 15
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize("args", [
+    ["audit", f"{FACTORIES}:stall_mid_epoch", "--timeout", "4"],
+    ["compare", "--modes", "sampler", "--timeout", "4"],
+])
+def test_a_rank_that_stalls(args):
+    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="stall:1:sampler:0")
+    start = time.monotonic()
+    proc = sharddemo(args, check=False, env=env)
+    assert proc.returncode == 1
+    assert one_error(proc) == ("Error: rank 1 stopped answering: rank 0 gave up waiting for it "
+                               "at the process-group timeout (--timeout)")
+    assert time.monotonic() - start < 4 + 15
+    assert_nothing_left(token)
+
+
+def test_ctrl_c_stops_every_rank_and_writes_nothing(tmp_path):
+    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="stall:1:sampler:0")
+    out = tmp_path / "report.json"
+    proc = subprocess.Popen([sys.executable, "-m", "sharddemo", "compare", "--modes", "sampler",
+                             "--output", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the ranks are up
+        ranks = [p for p in survivors(token) if "run" in (p.info["cmdline"] or [])]
+        if len(ranks) >= 2:
+            break
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("compare did not stop within 15 s of Ctrl-C")
+    assert proc.returncode == 130, stderr
+    assert time.monotonic() - sent < 10
+    assert stderr.strip().splitlines()[-1] == (
+        "Error: interrupted; all ranks were stopped and no report was written")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    assert_nothing_left(token)
+
+
+def test_busy_default_port_is_not_used():
+    with socket.socket() as other_job:
+        other_job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            other_job.bind(("127.0.0.1", 29500))
+        except OSError:
+            pytest.skip("port 29500 is taken by something else already")
+        other_job.listen(1)
+        proc = sharddemo(["compare", "--modes", "sampler", "--epochs", "1"])
+        assert "seen 8 = 1x the dataset" in proc.stdout
+
+
+def test_an_explicit_port_is_used(tmp_path):
+    from sharddemo.launch import free_port
+
+    port = free_port()
+    proc = sharddemo(["compare", "--modes", "sampler", "--epochs", "1", "--main-process-port",
+                      str(port)])
+    assert f"--main_process_port {port}" in proc.stdout
+
+
+def test_ragged_batch_shapes_neither_hang_nor_corrupt():
+    import json
+
+    proc = sharddemo(["audit", f"{FACTORIES}:ragged_shapes", "--format", "json"], check=False)
+    report = json.loads(proc.stdout)
+    e = report["modes"]["audit"]["epochs"][0]
+    sizes = [[len(b) for b in r["batches"]] for r in e["ranks"]]
+    assert sizes == [[3] * 10, [2] * 10]  # the same step count, different shapes
+    assert e["gather"] == "batch" and e["gathered_matches_ranks"] is True
+    assert e["seen"] == 50
+
+
+def test_more_ranks_than_samples_with_drop_last_says_so():
+    proc = sharddemo(["compare", "--dataset-size", "1", "--num-processes", "3", "--drop-last",
+                      "--epochs", "1", "--modes", "sampler,prepared"])
+    assert proc.stdout.count("Every rank received nothing") == 2
+
+
+def test_more_ranks_than_samples_is_explained():
+    proc = sharddemo(["compare", "--dataset-size", "2", "--num-processes", "3", "--epochs", "1",
+                      "--modes", "sampler"])
+    assert "there are more ranks (3) than samples (2)" in proc.stdout
+    assert "DistributedSampler padding" in proc.stdout
