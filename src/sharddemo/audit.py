@@ -218,7 +218,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
 
     from sharddemo.fileio import write_atomic
     from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, finalize_epoch,
-                                 make_accelerator, placement, trace_epoch)
+                                 make_accelerator, placement, progress_reporter, trace_epoch)
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -246,7 +246,8 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             if opts.set_epoch:
                 _set_epoch(loader, epoch)
             try:
-                raw.append(trace_epoch(accelerator, plan, epoch, opts.gather, values_of=values_of))
+                raw.append(trace_epoch(accelerator, plan, epoch, opts.gather, values_of=values_of,
+                                       progress=progress_reporter(accelerator, f"audit:epoch{epoch}")))
             except (UsageError, RunFailed):
                 raise
             except Exception as exc:

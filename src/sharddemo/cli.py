@@ -230,8 +230,8 @@ def _settings(kw: dict):
                           main_process_ip=kw.pop("main_process_ip"))
 
 
-def _show(result: dict, fmt: str, output: Optional[str]) -> bool:
-    """Print and write the report; False when another machine writes it."""
+def _show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = None) -> bool:
+    """Print and write the report (and the picture); False when another machine does."""
     if not result:
         click.echo("This node ran its ranks; machine rank 0 prints and writes the report.")
         return False
@@ -241,7 +241,29 @@ def _show(result: dict, fmt: str, output: Optional[str]) -> bool:
     click.echo(render(result, fmt), nl=False)
     if output:
         write_report(result, output)
+    if plot:
+        from sharddemo.plot import plot_report
+
+        plot_report(result, plot)
     return True
+
+
+def _check_plot(plot: Optional[str]) -> None:
+    if plot:
+        _check_output(plot, "--plot")
+        from sharddemo.plot import check_plot_available
+
+        check_plot_available()
+
+
+def _progress(fmt: str) -> bool:
+    """A progress bar only for people: a terminal, and not the JSON format."""
+    return fmt != "json" and sys.stderr.isatty()
+
+
+plot_option = click.option("--plot", type=click.Path(dir_okay=False),
+                           help="Also draw the split to this PNG: a panel per mode, a row per "
+                                "epoch and rank (needs pip install 'sharddemo[plot]').")
 
 
 @cli.command()
@@ -254,10 +276,12 @@ def _show(result: dict, fmt: str, output: Optional[str]) -> bool:
               help="How to print the report.")
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Also write the JSON report here (whole or not at all).")
+@plot_option
 @click.option("--check", is_flag=True,
               help="Exit 1 when a mode breaks what it promises (missing samples, unequal steps, "
                    "a replicated rank that did not see everything).")
-def compare(modes: str, fmt: str, output: Optional[str], check: bool, **kw: Any) -> int:
+def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], check: bool,
+            **kw: Any) -> int:
     """Run the modes on real ranks in one launch and show side by side what each rank saw.
 
     For every mode and epoch: each rank's batches (0-based sample ids), step counts,
@@ -272,10 +296,11 @@ def compare(modes: str, fmt: str, output: Optional[str], check: bool, **kw: Any)
     opts = _options(modes, kw)
     if output:
         _check_output(output, "--output")
+    _check_plot(plot)
     from sharddemo.compare import compare_run
 
-    result = compare_run(opts, settings, debug=_debug())
-    if not _show(result, fmt, output):
+    result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+    if not _show(result, fmt, output, plot):
         return 0
     if check and result["broken_promises"]:
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
@@ -326,7 +351,8 @@ def _audit_options(kw: dict) -> "AuditOptions":
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
 @click.option("--max-time", type=float, default=3600.0, show_default=True,
               help="Seconds the whole audit may take before it is stopped.")
-def audit(fmt: str, output: Optional[str], **kw: Any) -> int:
+@plot_option
+def audit(fmt: str, output: Optional[str], plot: Optional[str], **kw: Any) -> int:
     """Prove that your own DataLoader shards correctly, on real ranks.
 
     FACTORY is `package.module:make_loader` or `path/to/file.py:make_loader`, a function
@@ -343,10 +369,11 @@ def audit(fmt: str, output: Optional[str], **kw: Any) -> int:
     opts = _audit_options(kw)
     if output:
         _check_output(output, "--output")
+    _check_plot(plot)
     from sharddemo.compare import audit_run
 
-    result = audit_run(opts, settings, debug=_debug())
-    if not _show(result, fmt, output):
+    result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+    if not _show(result, fmt, output, plot):
         return 0
     failed = _failed_verdicts(result)
     if failed:

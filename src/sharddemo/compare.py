@@ -49,9 +49,9 @@ def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "r
 
 
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
-                debug: bool = False) -> dict:
+                debug: bool = False, progress: bool = False) -> dict:
     launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
-    trace = run_launch(launch, opts, debug=debug)
+    trace = run_launch(launch, opts, debug=debug, progress=progress)
     if not trace:
         return {}
     return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)
@@ -96,14 +96,15 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
     return "\n".join(lines) + render_table(report)
 
 
-def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = False) -> dict:
+def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = False,
+              progress: bool = False) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
     from sharddemo.audit import precheck_target
 
     precheck_target(opts.target)
     launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
-                       debug=debug, timeout=opts.max_time)
+                       debug=debug, timeout=opts.max_time, progress=progress)
     if not trace:
         return {}
     return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)

@@ -6,18 +6,21 @@ import os
 import tempfile
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place.
-
-    A reader sees the old file, or the whole new one, never a half-written report.
+def write_atomic(path: str, text) -> None:
+    """Write `text` (str, or bytes) to a temporary file beside `path`, then rename it into
+    place. A reader sees the old file, or the whole new one, never a half-written report.
     """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".sharddemo-", suffix=".tmp", dir=directory)
+    data = text.encode("utf-8") if isinstance(text, str) else text
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what a plain open() would have given
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, NODE_ENV, RunOptions
+from sharddemo.options import EXPECT_ENV, NODE_ENV, PROGRESS_ENV, RunOptions
 
 
 def free_port() -> int:
@@ -88,7 +88,7 @@ def outer_timeout(opts: RunOptions) -> float:
 
 
 def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
-               timeout: Optional[float] = None) -> dict:
+               timeout: Optional[float] = None, progress: bool = False) -> dict:
     """Run the launch; return the trace the main process wrote. Raises RunFailed."""
     port = launch.port or free_port()
     with tempfile.TemporaryDirectory(prefix="sharddemo-") as tmp:
@@ -103,6 +103,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         if launch.expect_world:
             env[EXPECT_ENV] = str(launch.num_processes)
         env[NODE_ENV] = str(launch.machine_rank)
+        if progress:
+            env[PROGRESS_ENV] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:
@@ -113,8 +115,9 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
+            bar = ProgressBar(out_path) if progress else None
             try:
-                code = proc.wait(timeout=limit)
+                code = _wait(proc, limit, bar)
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 raise RunFailed(
@@ -125,6 +128,8 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
                 kill_group(proc)
                 raise
             finally:
+                if bar is not None:
+                    bar.close()
                 if proc.poll() is None:
                     kill_group(proc)
         if code != 0:
@@ -139,6 +144,64 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
                 return json.load(handle)
         except (OSError, ValueError):
             raise RunFailed("the ranks exited without writing their trace") from None
+
+
+def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"]) -> int:
+    """Wait for the launch, updating the progress bar meanwhile."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                raise
+            if bar is not None:
+                bar.update()
+
+
+class ProgressBar:
+    """One bar on the terminal, fed by the main rank's progress lines (the ranks themselves
+    never draw one), shown only once the run has lasted `delay` seconds."""
+
+    def __init__(self, stdout_path: str, delay: float = 1.0) -> None:
+        self.path = stdout_path
+        self.offset = 0
+        self.bar = None
+        self.label = None
+        self.show_after = time.monotonic() + delay
+
+    def update(self) -> None:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        self.offset += end + 1
+        lines = [line for line in chunk[:end].decode("utf-8", "replace").splitlines()
+                 if line.startswith(PROGRESS_PREFIX)]
+        if not lines:
+            return
+        _, label, step, total = lines[-1].split(" ")
+        if time.monotonic() < self.show_after:
+            return
+        from tqdm import tqdm
+
+        if label != self.label:
+            self.close()
+            self.label = label
+            self.bar = tqdm(total=None if total == "?" else int(total), desc=label, unit="step",
+                            leave=False, file=sys.stderr)
+        self.bar.n = int(step)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
@@ -168,6 +231,8 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
 
+
+PROGRESS_PREFIX = "sharddemo-progress"
 
 RANK_ERROR = re.compile(r"\[rank (\d+)/(\d+)\] (Error|Usage error): (.*?)(?=\[rank \d+/\d+\] |$)",
                         re.M)

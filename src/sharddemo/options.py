@@ -52,6 +52,8 @@ GATHER_STRATEGIES = ("auto", "batch", "epoch")
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
 # Set by `sharddemo compare` for its ranks: the machine rank of this node.
 NODE_ENV = "SHARDDEMO_MACHINE_RANK"
+# Set by `sharddemo compare` / `audit` when a person watches: the main rank reports progress.
+PROGRESS_ENV = "SHARDDEMO_PROGRESS"
 
 
 def parse_modes(text: str) -> tuple[str, ...]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from sharddemo.plot import grid_lines
+
 
 def _ids(ids, limit: int = 0) -> str:
     if limit and len(ids) > limit:
@@ -101,6 +103,7 @@ def render_table(report: dict) -> str:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:
                 out.append(f"    rank {r['rank']}  {r['steps']} step(s): {batches_text(r['batches'])}")
+            out += ["    " + line for line in grid_lines(report, e)]
             out += ["    " + line for line in _epoch_summary(e)]
         out.append(f"  => {data['conclusion']}")
         if "verdicts" in data:

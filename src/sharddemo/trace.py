@@ -23,7 +23,7 @@ import torch
 
 from sharddemo.datasets import batch_values
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, MODE_HELP, NODE_ENV, RunOptions
+from sharddemo.options import EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, RunOptions
 
 TRACE_SCHEMA = "sharddemo.trace/1"
 
@@ -120,7 +120,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
             plan.sampler.set_epoch(epoch)
         try:
             _inject_fault(accelerator.process_index, mode, epoch)
-            raw.append(trace_epoch(accelerator, plan, epoch, opts.gather))
+            raw.append(trace_epoch(accelerator, plan, epoch, opts.gather,
+                                   progress=progress_reporter(accelerator, f"{mode}:epoch{epoch}")))
         except (UsageError, RunFailed):
             raise
         except Exception as exc:
@@ -137,8 +138,26 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     return {"description": MODE_HELP[mode], "prepared": plan.prepared, "epochs": epochs}
 
 
+def progress_reporter(accelerator, label: str) -> Optional[Callable[[int, Optional[int]], None]]:
+    """On the main rank, when `compare` asked for it: a line on stdout at most twice a
+    second, `sharddemo-progress LABEL STEP TOTAL`, which compare turns into one bar."""
+    if not accelerator.is_main_process or os.environ.get(PROGRESS_ENV) != "1":
+        return None
+    last = [0.0]
+
+    def report(step: int, total: Optional[int]) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5:
+            last[0] = now
+            sys.stdout.write(f"sharddemo-progress {label} {step} {total or '?'}\n")
+            sys.stdout.flush()
+
+    return report
+
+
 def trace_epoch(accelerator, plan, epoch: int, strategy: str,
-                values_of: Callable[[Any], torch.Tensor] = batch_values) -> dict:
+                values_of: Callable[[Any], torch.Tensor] = batch_values,
+                progress: Optional[Callable[[int, Optional[int]], None]] = None) -> dict:
     """One epoch of one loader on this rank, exactly as a training loop walks it.
 
     What it adds to the loop: a reference to each batch kept on the rank and, per batch or
@@ -160,6 +179,8 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str,
     for batch in plan.loader:
         batch = values_of(batch).to(device)
         local.append(batch)
+        if progress is not None:
+            progress(len(local), steps)
         if per_batch:
             # Equal step counts do not mean equal batch sizes (without even_batches the last
             # batches differ): pad to the longest with 0, which no sample value uses, so the

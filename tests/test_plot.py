@@ -1,0 +1,118 @@
+"""Pictures, the terminal grid and progress: the PNG is a valid image of the documented size
+and draws what the report says; the grid marks each sample's rank."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import sharddemo
+
+from sharddemo.cli import cli
+from sharddemo.plot import HEADER_PX, PANEL_PX, WIDTH_PX, plot_report
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plot")
+    png, out = tmp / "split.png", tmp / "report.json"
+    proc = sharddemo(["compare", "--dataset-size", "10", "--batch-size", "3", "--plot", str(png),
+                      "--output", str(out)])
+    return proc, png, json.loads(out.read_text())
+
+
+def test_compare_writes_a_png_of_the_documented_size(small_report):
+    _, png, report = small_report
+    assert png_size(png) == (WIDTH_PX, HEADER_PX + PANEL_PX * len(report["modes"]))
+
+
+def test_the_picture_draws_the_report(small_report, tmp_path):
+    _, _, report = small_report
+    drawn = plot_report(report, str(tmp_path / "again.png"))
+    for mode, data in report["modes"].items():
+        for shown, e in zip(drawn[mode], data["epochs"]):
+            assert shown["placed"] == {r["rank"]: r["samples"] for r in e["ranks"]}
+            assert shown["missing"] == len(e["missing"])
+            assert shown["duplicated"] == len(e["duplicates"])
+    # N = 10, B = 3 on 2 ranks: the even-batches fill repeats 2 samples; replication all 10.
+    assert drawn["prepared"][0]["duplicated"] == 2 and drawn["replicated"][0]["duplicated"] == 10
+
+
+def test_large_n_is_binned_and_marks_missing_samples(tmp_path):
+    n = 100_000
+    ranks = [{"rank": 0, "batches": [list(range(0, 50_000))]},
+             {"rank": 1, "batches": [list(range(50_000, 99_000))]}]
+    trace = {"world_size": 2, "backend": "gloo", "dataset_size": n, "batch_size": 50_000,
+             "epochs": 1, "seed": 0, "modes": {"sampler": {"epochs": [
+                 {"epoch": 0, "ranks": ranks, "gathered": None, "gather": "epoch",
+                  "gathered_count": 99_000}]}}}
+    from sharddemo.report import build_report
+
+    report = build_report(trace)
+    drawn = plot_report(report, str(tmp_path / "big.png"))
+    assert drawn["sampler"][0] == {"epoch": 0, "placed": {0: 50_000, 1: 49_000},
+                                   "missing": 1_000, "duplicated": 0}
+    assert png_size(tmp_path / "big.png") == (WIDTH_PX, HEADER_PX + PANEL_PX)
+
+
+def test_terminal_grid_shows_the_split(small_report):
+    proc, _, _ = small_report
+    out = proc.stdout
+    assert "ids    0123456789" in out
+    grids = [line.split()[1] for line in out.splitlines() if line.strip().startswith("rank   ")]
+    assert len(grids) == 6  # 3 modes x 2 epochs
+    prepared, sampler, replicated = grids[0], grids[2], grids[4]
+    assert set(replicated) == {"+"}
+    assert set(sampler) <= {"0", "1", "+"} and "-" not in sampler
+    assert prepared.count("+") == 2  # the two samples the even-batches fill repeats
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = CliRunner().invoke(cli, ["compare", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2
+    assert result.output.strip() == ("Error: --plot needs matplotlib, which is not installed: "
+                                     "pip install 'sharddemo[plot]'")
+
+
+def test_no_progress_when_output_is_not_a_terminal(small_report):
+    proc, _, _ = small_report
+    assert "sharddemo-progress" not in proc.stdout + proc.stderr
+    assert "step/s" not in proc.stderr and "it/s" not in proc.stderr
+
+
+def test_progress_comes_from_the_main_rank_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from sharddemo.trace import progress_reporter
+
+    monkeypatch.setenv("SHARDDEMO_PROGRESS", "1")
+    assert progress_reporter(SimpleNamespace(is_main_process=False), "x") is None
+    assert progress_reporter(SimpleNamespace(is_main_process=True), "x") is not None
+    monkeypatch.delenv("SHARDDEMO_PROGRESS")
+    assert progress_reporter(SimpleNamespace(is_main_process=True), "x") is None
+
+
+def test_progress_bar_follows_the_main_ranks_lines(tmp_path):
+    from sharddemo.launch import ProgressBar
+
+    log = tmp_path / "stdout.log"
+    log.write_text("sharddemo-progress sampler:epoch0 10 100\nsharddemo-progress sampler:epoch0 40 100\n")
+    bar = ProgressBar(str(log), delay=0)
+    bar.update()
+    assert bar.label == "sampler:epoch0" and bar.bar.n == 40 and bar.bar.total == 100
+    with open(log, "a") as handle:
+        handle.write("sharddemo-progress replicated:epoch0 5 ?\n")
+    bar.update()
+    assert bar.label == "replicated:epoch0" and bar.bar.n == 5 and bar.bar.total is None
+    bar.close()
