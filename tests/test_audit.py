@@ -71,6 +71,9 @@ def test_id_field(target, field):
     assert all(got.values()), got
     e = report["modes"]["audit"]["epochs"][0]
     assert e["missing"] == [] and report["dataset_size"] == 60
+    import jsonschema
+
+    jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()))
 
 
 def test_expect_replicated_flips_the_replication_check():
@@ -95,7 +98,7 @@ def test_unequal_lengths_fail_with_the_step_counts():
     (f"{FACTORIES}:stream_without_ids", 2,
      "Error: rank 0: the loader reads an iterable dataset, which has no indices to record; pass --id-field"),
     (f"{FACTORIES}:raises", 1,
-     "Error: rank 0: the factory {t} raised RuntimeError: cannot open the shards"),
+     "Error: rank 0, 1: the factory {t} raised RuntimeError: cannot open the shards"),
     (f"{FACTORIES}:nothing", 2, "Error: rank 0: {f} has no 'nothing'"),
     (f"{FACTORIES}:N", 2, "Error: rank 0: {f}:N is not a function but a int"),
     ("tests/no_such_file.py:f", 2, "Error: factory file tests/no_such_file.py does not exist"),

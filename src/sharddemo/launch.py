@@ -262,6 +262,7 @@ def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
     world = int(found[0][1]) if found else 0
     causes, waited, lost = [], [], []
     reported = set()
+    same: dict[str, list[int]] = {}  # one message, every rank that said it
     for rank, _, _, message in found:
         message = message.strip()
         reported.add(int(rank))
@@ -270,7 +271,11 @@ def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
         elif PEER_GONE.search(message):
             lost.append(int(rank))
         else:
-            causes.append(f"rank {rank}: {message}")
+            same.setdefault(message, [])
+            if int(rank) not in same[message]:
+                same[message].append(int(rank))
+    for message, ranks in same.items():
+        causes.append(f"rank {', '.join(map(str, sorted(ranks)))}: {message}")
     for exit_code, rank in TORCHRUN_EXIT.findall(stderr):
         if int(exit_code) < 0:
             number = -int(exit_code)

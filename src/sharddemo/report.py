@@ -1,6 +1,8 @@
-"""Pure analysis of a trace: coverage, duplicates and why, balance, order, a conclusion.
+"""Pure analysis of a trace: coverage, duplicates and why, balance, order, a conclusion, and
+the audit's verdicts.
 
-Plain Python over plain data (the JSON the ranks wrote), so it is tested without processes.
+Plain data in, plain data out (the JSON the ranks wrote; numpy only to count ids fast), so it
+is tested without processes.
 """
 
 from __future__ import annotations
