@@ -212,13 +212,9 @@ def _set_epoch(loader, epoch: int) -> None:
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,
                say: Optional[Callable[[str], None]] = None) -> Optional[dict]:
     """The rank side: build the user's loader, walk it, gather what every rank saw."""
-    import json
-
-    import torch
-
-    from sharddemo.fileio import write_atomic
     from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, finalize_epoch,
-                                 make_accelerator, placement, progress_reporter, trace_epoch)
+                                 make_accelerator, placement, progress_reporter, teardown,
+                                 trace_epoch, write_trace)
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -283,12 +279,10 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
                         "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
         }
         if trace_out:
-            write_atomic(trace_out, json.dumps(trace, separators=(",", ":")))
+            write_trace(trace, trace_out)
         return trace
     finally:
-        accelerator.end_training()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        teardown(accelerator)
 
 
 def _dataset_size(loader, opts: AuditOptions, raw: list, world: int) -> int:

@@ -248,7 +248,10 @@ def _show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = N
     return True
 
 
-def _check_plot(plot: Optional[str]) -> None:
+def _check_files(output: Optional[str], plot: Optional[str]) -> None:
+    """Refuse now, before any rank starts, what could not be written later."""
+    if output:
+        _check_output(output, "--output")
     if plot:
         _check_output(plot, "--plot")
         from sharddemo.plot import check_plot_available
@@ -294,9 +297,7 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     """
     settings = _settings(kw)
     opts = _options(modes, kw)
-    if output:
-        _check_output(output, "--output")
-    _check_plot(plot)
+    _check_files(output, plot)
     from sharddemo.compare import compare_run
 
     result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))
@@ -367,9 +368,7 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], **kw: Any) -> in
     """
     settings = _settings(kw)
     opts = _audit_options(kw)
-    if output:
-        _check_output(output, "--output")
-    _check_plot(plot)
+    _check_files(output, plot)
     from sharddemo.compare import audit_run
 
     result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))

@@ -382,7 +382,6 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
     `allow_alone` skips the check that the launcher really started every process asked
     for: `sharddemo trap` uses it to show what that silent failure looks like."""
     from sharddemo.datasets import build_source
-    from sharddemo.fileio import write_atomic
 
     accelerator = make_accelerator(device, opts.timeout)
     try:
@@ -445,14 +444,26 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "timings": {"mode_s": timings, "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
         }
         if trace_out:
-            import json
-
-            write_atomic(trace_out, json.dumps(trace, separators=(",", ":")))
+            write_trace(trace, trace_out)
         return trace
     finally:
-        accelerator.end_training()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        teardown(accelerator)
+
+
+def write_trace(trace: dict, path: str) -> None:
+    """The main rank's trace, whole or not at all (compact: it can hold 10^7 ids)."""
+    import json
+
+    from sharddemo.fileio import write_atomic
+
+    write_atomic(path, json.dumps(trace, separators=(",", ":")))
+
+
+def teardown(accelerator) -> None:
+    """End the run and leave the process group, as the DDP tutorial's destroy does."""
+    accelerator.end_training()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 # Above this dataset size `run` prints counts instead of every value.
