@@ -197,7 +197,8 @@ class _Plan:
     loader: Any
     sampler: Any = None
     prepared: bool = False
-    even_shapes: bool = False  # unknown: pad every per-batch gather
+    even_shapes: bool = False  # unknown: ask the ranks, pad every per-batch gather
+    max_value: Any = None
 
 
 def _set_epoch(loader, epoch: int) -> None:

@@ -104,7 +104,11 @@ def batch_values(batch: Any) -> torch.Tensor:
     """A batch from any source -> its sample values (id + 1), a 1-D int64 tensor."""
     if isinstance(batch, dict):
         return batch["id"].reshape(-1).to(torch.int64) + 1
-    return batch.reshape(-1).to(torch.int64)
+    # The common case (a 1-D int64 batch of toy values) costs no tensor operation: this runs
+    # once per batch inside the traced loop.
+    if batch.dim() != 1:
+        batch = batch.reshape(-1)
+    return batch if batch.dtype == torch.int64 else batch.to(torch.int64)
 
 
 def values_to_ids(values: Any) -> list[int]:

@@ -24,9 +24,11 @@ class LoaderPlan:
     sampler: Optional[DistributedSampler] = None
     # True when accelerator.prepare wrapped the loader (gather_for_metrics then knows the padding).
     prepared: bool = False
-    # True when every rank's batch at a given step has the same shape, so a plain per-batch
-    # gather is safe; False makes the trace pad each batch across ranks first.
+    # True when every rank takes the same steps with the same batch shapes, by construction,
+    # so plain gathers are safe without asking; False makes the trace check and pad first.
     even_shapes: bool = True
+    # The largest sample value the loader can yield (N for the built-in sources), if known.
+    max_value: Optional[int] = None
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -176,4 +178,8 @@ BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
 
 
 def build_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
-    return BUILDERS[mode](accelerator, dataset, opts)
+    plan = BUILDERS[mode](accelerator, dataset, opts)
+    plan.max_value = opts.dataset_size
+    if opts.source not in MAP_SOURCES:
+        plan.even_shapes = False  # a stream's length is unknown until it ends
+    return plan

@@ -165,9 +165,14 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str,
     into lists on the main process. `values_of` reads a batch's sample values (id + 1).
     """
     device = accelerator.device
-    # Step counts first: a per-batch gather with unequal counts would hang or abort.
+    # Step counts first: a per-batch gather with unequal counts would hang or abort. A plan
+    # that is even by construction (every rank the same steps and batch shapes: sampler,
+    # replicated, prepared with even_batches) needs no gather to know it.
     steps = _safe_len(plan.loader)
-    counts = _gather_ints(accelerator, [steps if steps is not None else -1])
+    if plan.even_shapes and steps is not None:
+        counts = [steps] * accelerator.num_processes
+    else:
+        counts = _gather_ints(accelerator, [steps if steps is not None else -1])
     equal = len(set(counts)) == 1 and counts[0] >= 0
     per_batch = equal and (strategy == "batch" or
                            (strategy == "auto" and counts[0] <= PER_BATCH_GATHER_LIMIT))
@@ -177,7 +182,9 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str,
     metrics_cut = 0
     remainder = None
     for batch in plan.loader:
-        batch = values_of(batch).to(device)
+        batch = values_of(batch)
+        if batch.device != device:
+            batch = batch.to(device)
         local.append(batch)
         if progress is not None:
             progress(len(local), steps)
@@ -201,7 +208,8 @@ def trace_epoch(accelerator, plan, epoch: int, strategy: str,
                 # gather_for_metrics reads to cut the last batch: the samples still owed
                 # (-1: unknown, so it cuts nothing).
                 remainder = accelerator.gradient_state.remainder
-    packed, shape = _gather_batches(accelerator, local)
+    packed, shape = _gather_batches(accelerator, local, even=plan.even_shapes and equal,
+                                    max_value=plan.max_value)
     return {"epoch": epoch, "gather": "batch" if per_batch else "epoch", "equal": equal,
             "prepared": plan.prepared, "packed": packed, "shape": shape,
             "gathered": torch.cat(gathered) if gathered else None,
@@ -278,26 +286,41 @@ def _gather_ints(accelerator, values: list[int]) -> list[int]:
     return accelerator.gather(tensor).tolist()
 
 
-def _gather_batches(accelerator, local: list):
-    """Every rank's batches, gathered in two collectives: a small one for the shapes, then
-    one tensor holding each rank's batch sizes followed by its values.
+def _gather_batches(accelerator, local: list, even: bool = False,
+                    max_value: Optional[int] = None):
+    """Every rank's batches, gathered as one tensor per rank: a header (number of ids and
+    of batches), the batch sizes, then the values.
 
     Ranks may hold different numbers of batches and samples (no even_batches, split by
-    node, ...), so the tensor is padded to the longest first: gather needs equal shapes, and
-    gloo cannot gather an empty tensor (torch issue 85234). Values travel as int32 when they
-    fit, which makes the gather of a large epoch about four times cheaper on gloo.
+    node, ...), so a small gather of the shapes comes first and the tensor is padded to the
+    longest: gather needs equal shapes, and gloo cannot gather an empty tensor (torch issue
+    85234). A plan that is even by construction skips that gather: every rank's shape is this
+    rank's, which the headers confirm after the gather. Values travel as int32 when they fit,
+    which makes the gather of a large epoch about four times cheaper on gloo.
     """
     device = accelerator.device
     ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64, device=device)
-    sizes = torch.tensor([len(b) for b in local], dtype=torch.int64, device=device)
-    top = int(ids.abs().max()) if ids.numel() else 0
-    shape = _gather_ints(accelerator, [ids.numel(), sizes.numel(), top])
-    width = max(1, max(shape[0::3][r] + shape[1::3][r] for r in range(len(shape) // 3)))
+    n_ids, n_batches = ids.numel(), len(local)
+    if even:
+        top = max_value if max_value is not None else (int(ids.abs().max()) if n_ids else 0)
+        shape = [n_ids, n_batches, top] * accelerator.num_processes
+    else:
+        top = int(ids.abs().max()) if n_ids else 0
+        shape = _gather_ints(accelerator, [n_ids, n_batches, top])
+    width = 2 + max(1, max(shape[0::3][r] + shape[1::3][r] for r in range(len(shape) // 3)))
     dtype = torch.int32 if max(shape[2::3]) < 2**31 - 1 else torch.int64
     packed = torch.zeros(width, dtype=dtype, device=device)
-    packed[:sizes.numel()] = sizes
-    packed[sizes.numel():sizes.numel() + ids.numel()] = ids
-    return accelerator.gather(packed).to("cpu"), shape
+    packed[0], packed[1] = n_ids, n_batches
+    if n_batches:
+        packed[2:2 + n_batches] = torch.tensor([len(b) for b in local], dtype=dtype)
+    packed[2 + n_batches:2 + n_batches + n_ids] = ids
+    gathered = accelerator.gather(packed).to("cpu")
+    if even:
+        heads = gathered.view(accelerator.num_processes, width)[:, :2].tolist()
+        if any(head != [n_ids, n_batches] for head in heads):
+            raise RunFailed(f"ranks held different numbers of ids and batches {heads} in a loader "
+                            "that should be even; rerun with --gather batch to see them")
+    return gathered, shape
 
 
 def _rank_rows(packed: torch.Tensor, shape: list[int], world: int) -> list:
@@ -306,7 +329,7 @@ def _rank_rows(packed: torch.Tensor, shape: list[int], world: int) -> list:
     rows = []
     for r in range(world):
         n_ids, n_batches = shape[3 * r], shape[3 * r + 1]
-        row = packed[r * width:(r + 1) * width].to(torch.int64)
+        row = packed[r * width + 2:(r + 1) * width].to(torch.int64)  # past the header
         rows.append((row[:n_batches], row[n_batches:n_batches + n_ids] - 1))
     return rows
 
