@@ -44,15 +44,19 @@ def render_doc(results: dict) -> str:
         if not o["met"]:
             extra = [1000 * (o[m]["traced_s"] - o[m]["bare_s"]) for m in ("prepared", "sampler")]
             loop = [1000 * o[m]["bare_s"] for m in ("prepared", "sampler")]
+            per = [ms * 1000 / 500_000 for ms in loop]  # each rank walks half of 10^6
+            need = max(extra) / 0.05 * 1000 / 500_000
             notes.append(f"  The target is missed: the toy loader's epoch is only {min(loop):.0f}-"
-                         f"{max(loop):.0f} ms (0.16-0.23 us a sample), and what the trace adds is "
+                         f"{max(loop):.0f} ms ({min(per):.2f}-{max(per):.2f} us a sample on each "
+                         "rank), and what the trace adds is "
                          f"fixed per epoch, {min(extra):.0f}-{max(extra):.0f} ms here: the gather of "
                          "every rank's 10^6 ids as one int32 tensor (5-7 ms on gloo with two busy "
                          "cores), concatenating and packing them (about 2 ms), one more small gather "
                          "where the loader is not even by construction, and ranks waiting for each "
                          "other at the gather. Keeping each batch costs a list append; reading its "
-                         "ids, no tensor operation. A real dataset (any fetch above ~0.5 us a "
-                         "sample) brings the ratio under 1.05; on this one, closing it needs the "
+                         "ids, no tensor operation. A real dataset (any loader slower than "
+                         f"{need:.1f} us a sample on each rank) brings the ratio under 1.05; on "
+                         "this one, closing it needs the "
                          "id gather itself to shrink (for example sending each rank's ids as a "
                          "permutation seed where the sampler is known), which would no longer "
                          "observe what the ranks received.")
