@@ -116,3 +116,42 @@ def test_progress_bar_follows_the_main_ranks_lines(tmp_path):
     bar.update()
     assert bar.label == "replicated:epoch0" and bar.bar.n == 5 and bar.bar.total is None
     bar.close()
+
+
+def test_one_progress_bar_on_a_terminal():
+    """On a (pseudo-)terminal a long run shows one bar, fed by the main rank."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    from conftest import ROOT, launch_env
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "sharddemo", "compare", "--dataset-size",
+                             "4000000", "--modes", "sampler", "--epochs", "1", "--batch-size",
+                             "64"], stdout=subprocess.DEVNULL, stderr=slave,
+                            stdin=subprocess.DEVNULL, cwd=ROOT, env=launch_env())
+    os.close(slave)
+    data, deadline = b"", time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    assert proc.returncode == 0
+    frames = [f for f in data.decode("utf-8", "replace").replace("\r", "\n").splitlines()
+              if "step" in f and "/" in f]
+    assert frames, "no progress bar was drawn"
+    assert {f.split(":")[0] + ":" + f.split(":")[1] for f in frames} == {"sampler:epoch0"}
+    assert all("/31250" in f for f in frames)  # 4,000,000 / 2 ranks / 64: the main rank's steps

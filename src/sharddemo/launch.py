@@ -188,13 +188,19 @@ class ProgressBar:
         _, label, step, total = lines[-1].split(" ")
         if time.monotonic() < self.show_after:
             return
+        import shutil
+
         from tqdm import tqdm
 
         if label != self.label:
             self.close()
             self.label = label
+            # A terminal that reports no size (a fresh pseudo-terminal says 0 x 0) would make
+            # tqdm hide the bar: fall back to 100 x 20.
+            size = shutil.get_terminal_size((100, 20))
             self.bar = tqdm(total=None if total == "?" else int(total), desc=label, unit="step",
-                            leave=False, file=sys.stderr)
+                            leave=False, file=sys.stderr, ncols=size.columns or 100,
+                            nrows=size.lines or 20)
         self.bar.n = int(step)
         self.bar.refresh()
 
