@@ -1,6 +1,5 @@
 """The factory for the audit scale figure: 1,000,000 samples, prepared, batch 512."""
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 N = 1_000_000

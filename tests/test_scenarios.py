@@ -12,7 +12,7 @@ from conftest import accelerate_launch
 from sim import SimAccelerator, walk
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from sharddemo.datasets import ToyIterable, build_source, values_to_ids
+from sharddemo.datasets import ToyIterable, build_source
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.report import build_report

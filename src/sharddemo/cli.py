@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import click
 
@@ -18,6 +18,9 @@ from sharddemo.errors import ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
                                DEFAULT_SEED, DEFAULT_SHARDS, DEFAULT_TIMEOUT, GATHER_STRATEGIES,
                                MODES, SOURCE_HELP, SOURCES, RunOptions, parse_modes)
+
+if TYPE_CHECKING:  # imported lazily at run time: `--help` must not pay for it
+    from sharddemo.audit import AuditOptions
 
 FORMATS = ("table", "json", "markdown")
 

@@ -125,7 +125,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         except (UsageError, RunFailed):
             raise
         except Exception as exc:
-            done = ("" if not epoch else f"; its epoch 0 completed" if epoch == 1
+            done = ("" if not epoch else "; its epoch 0 completed" if epoch == 1
                     else f"; its epochs 0-{epoch - 1} completed")
             raise RunFailed(f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}") from exc
     if not accelerator.is_main_process:
