@@ -97,7 +97,7 @@ def arithmetic(world: int, opts: RunOptions) -> dict:
 
 # Up to this many steps per rank and epoch, every batch is gathered as it comes (the
 # reference's way, and what a training loop would do). Beyond it, ids are kept on the rank and
-# gathered once at the end of the epoch: a gather costs ~0.3 ms on gloo, more than a whole
+# gathered once at the end of the epoch: a small gather costs 0.5-1.5 ms on gloo here, more than a whole
 # step of a toy loader, so per-batch gathers would dominate a large run (docs/benchmarks.md).
 PER_BATCH_GATHER_LIMIT = 100
 
