@@ -176,3 +176,14 @@ def test_more_ranks_than_samples_is_explained():
                       "--modes", "sampler"])
     assert "there are more ranks (3) than samples (2)" in proc.stdout
     assert "DistributedSampler padding" in proc.stdout
+
+
+def test_a_killed_rank_on_a_second_machine_is_named_by_its_global_rank():
+    from sharddemo.launch import explain_failure
+
+    stderr = ("[rank 2/4] Error: mode sampler, epoch 0: RuntimeError: Connection reset by peer\n"
+              "E1202 ... failed (exitcode: -9) local_rank: 1 (pid: 5) of binary: python\n")
+    message, usage = explain_failure(stderr, 1, False, first_rank=2)
+    assert not usage
+    assert message == ("rank 3 was killed by signal 9 (SIGKILL) and said nothing; "
+                       "rank 2 then lost the connection to the failed rank")

@@ -51,7 +51,11 @@ def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "r
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
                 debug: bool = False, progress: bool = False) -> dict:
     launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
-    trace = run_launch(launch, opts, debug=debug, progress=progress)
+    return _report(launch, run_launch(launch, opts, debug=debug, progress=progress))
+
+
+def _report(launch: Launch, trace: dict) -> dict:
+    """The trace -> the report; {} on a node whose machine rank 0 reports instead."""
     if not trace:
         return {}
     return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)
@@ -105,6 +109,4 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
                        debug=debug, timeout=opts.max_time, progress=progress)
-    if not trace:
-        return {}
-    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)
+    return _report(launch, trace)

@@ -135,7 +135,10 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         if code != 0:
             with open(err_path, encoding="utf-8", errors="replace") as handle:
                 stderr = handle.read()
-            message, usage = explain_failure(stderr, code, debug)
+            # torchrun names a dead process by its local rank: on machine m of a
+            # multi-node job, global rank = m * ranks per machine + local rank.
+            first = launch.machine_rank * (launch.num_processes // max(launch.num_machines, 1))
+            message, usage = explain_failure(stderr, code, debug, first_rank=first)
             raise (UsageError if usage else RunFailed)(message)
         if launch.machine_rank != 0 and not os.path.exists(trace_path):
             return {}  # another node's main process writes the report
@@ -249,7 +252,8 @@ PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connectio
                        r"connection reset", re.I)
 
 
-def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
+def explain_failure(stderr: str, code: int, debug: bool,
+                    first_rank: int = 0) -> tuple[str, bool]:
     """What went wrong, in one line, from the ranks' own error lines and torchrun's exit
     report. Returns the message and whether it was a usage error (bad input, exit code 2).
 
@@ -282,7 +286,8 @@ def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
                 same[message].append(int(rank))
     for message, ranks in same.items():
         causes.append(f"rank {', '.join(map(str, sorted(ranks)))}: {message}")
-    for exit_code, rank in TORCHRUN_EXIT.findall(stderr):
+    for exit_code, local in TORCHRUN_EXIT.findall(stderr):
+        rank = first_rank + int(local)
         if int(exit_code) < 0:
             number = -int(exit_code)
             try:
@@ -290,7 +295,7 @@ def explain_failure(stderr: str, code: int, debug: bool) -> tuple[str, bool]:
             except ValueError:
                 name = f"signal {number}"
             causes.insert(0, f"rank {rank} was killed by signal {number} ({name}) and said nothing")
-            reported.add(int(rank))
+            reported.add(rank)
     if waited:
         silent = [r for r in range(world) if r not in reported] if world else []
         who = (f"rank {', '.join(map(str, silent))} stopped answering" if silent

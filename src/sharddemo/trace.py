@@ -224,7 +224,9 @@ def finalize_epoch(raw: dict, world: int, dataset_size: int) -> dict:
     rank order, which `ranks` already holds, so only its count is kept: that keeps a
     10-million-sample trace to one copy of the ids.
     """
-    ranks = _split_batches(raw["packed"], raw["shape"], world)
+    shape = raw["shape"]
+    rows = _rank_rows(raw["packed"], shape, world)  # unpacked once, used below
+    ranks = _split_batches(rows)
     record: dict[str, Any] = {"epoch": raw["epoch"], "gather": raw["gather"],
                               "ranks": [{"rank": r, "batches": b} for r, b in enumerate(ranks)]}
     if raw["gather"] == "batch":
@@ -236,34 +238,32 @@ def finalize_epoch(raw: dict, world: int, dataset_size: int) -> dict:
             record["gathered_for_metrics"] = (metrics - 1).tolist()
             record["gathered_for_metrics_count"] = len(metrics)
             record["gather_for_metrics_exact"] = _exactly_once(metrics - 1, dataset_size)
-    else:
-        shape = raw["shape"]
-        record["gathered"] = None
-        record["gathered_count"] = sum(shape[0::3])
-        if raw["prepared"]:
-            exact, count = None, None
-            if not raw["equal"] and raw["remainder"] is not None:
-                # gather_for_metrics keeps the first `remainder` ids of the last step when it
-                # is positive, and everything otherwise (-1: the loader had no length).
-                last = sum(int(sizes[-1]) for sizes, _ in _rank_rows(raw["packed"], shape, world)
-                           if len(sizes))
-                raw["metrics_cut"] = last - raw["remainder"] if raw["remainder"] > 0 else 0
-                raw["equal"] = len(set(shape[1::3])) == 1
-            if raw["equal"]:
-                # Per batch, gather_for_metrics returns every batch whole except the last,
-                # whose tail it cuts by the count measured on the ranks: the last step's
-                # batches in rank order, minus their last `cut` ids.
-                cut = raw["metrics_cut"]
-                rows = _rank_rows(raw["packed"], shape, world)
-                last_step = [ids[len(ids) - int(sizes[-1]):] for sizes, ids in rows if len(sizes)]
-                dropped = torch.cat(last_step)[-cut:] if cut else torch.empty(0, dtype=torch.int64)
-                counts = torch.bincount(torch.cat([ids for _, ids in rows]), minlength=dataset_size)
-                counts -= torch.bincount(dropped, minlength=dataset_size)
-                count = record["gathered_count"] - cut
-                exact = len(counts) == dataset_size and bool((counts == 1).all())
-            record["gathered_for_metrics"] = None
-            record["gathered_for_metrics_count"] = count
-            record["gather_for_metrics_exact"] = exact
+        return record
+    record["gathered"] = None
+    record["gathered_count"] = sum(shape[0::3])
+    if not raw["prepared"]:
+        return record
+    exact, count = None, None
+    equal, cut = raw["equal"], raw["metrics_cut"]
+    if not equal and raw["remainder"] is not None:
+        # gather_for_metrics keeps the first `remainder` ids of the last step when it is
+        # positive, and everything otherwise (-1: the loader had no length).
+        last = sum(int(sizes[-1]) for sizes, _ in rows if len(sizes))
+        cut = last - raw["remainder"] if raw["remainder"] > 0 else 0
+        equal = len(set(shape[1::3])) == 1
+    if equal:
+        # Per batch, gather_for_metrics returns every batch whole except the last, whose
+        # tail it cuts by the count measured on the ranks: the last step's batches in rank
+        # order, minus their last `cut` ids.
+        last_step = [ids[len(ids) - int(sizes[-1]):] for sizes, ids in rows if len(sizes)]
+        dropped = torch.cat(last_step)[-cut:] if cut else torch.empty(0, dtype=torch.int64)
+        counts = torch.bincount(torch.cat([ids for _, ids in rows]), minlength=dataset_size)
+        counts -= torch.bincount(dropped, minlength=dataset_size)
+        count = record["gathered_count"] - cut
+        exact = len(counts) == dataset_size and bool((counts == 1).all())
+    record["gathered_for_metrics"] = None
+    record["gathered_for_metrics_count"] = count
+    record["gather_for_metrics_exact"] = exact
     return record
 
 
@@ -334,10 +334,10 @@ def _rank_rows(packed: torch.Tensor, shape: list[int], world: int) -> list:
     return rows
 
 
-def _split_batches(packed: torch.Tensor, shape: list[int], world: int) -> list[list[list[int]]]:
-    """Each rank's batches of ids, as lists."""
+def _split_batches(rows: list) -> list[list[list[int]]]:
+    """Each rank's (sizes, ids) row -> its batches of ids, as lists."""
     out = []
-    for sizes, ids in _rank_rows(packed, shape, world):
+    for sizes, ids in rows:
         flat, batches, start = ids.tolist(), [], 0
         for size in sizes.tolist():
             batches.append(flat[start:start + size])
