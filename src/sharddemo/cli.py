@@ -59,12 +59,12 @@ class SafeGroup(click.Group):
             from sharddemo.errors import UsageError as _Usage
 
             if _in_rank():
-                rank = os.environ.get("RANK", "0")
-                # The same bad input reaches every rank: let rank 0 alone say so.
-                if not isinstance(exc, _Usage) or rank == "0":
-                    from sharddemo.trace import rank_fail
+                # Every failing rank says so before it exits: the launcher stops the others
+                # as soon as one exits, so a rank that waited for another to speak could be
+                # killed with nothing said. `compare` groups ranks with the same message.
+                from sharddemo.trace import rank_fail
 
-                    rank_fail(str(exc), usage=isinstance(exc, _Usage))
+                rank_fail(str(exc), usage=isinstance(exc, _Usage))
             else:
                 _error(str(exc))
             if _debug():

@@ -252,6 +252,16 @@ PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connectio
                        r"connection reset", re.I)
 
 
+def _by_message(lines: list) -> list[str]:
+    """[(rank, message)] -> `rank 0, 1: message`, one entry per distinct message."""
+    same: dict[str, list[int]] = {}
+    for rank, message in lines:
+        ranks = same.setdefault(message.strip(), [])
+        if int(rank) not in ranks:
+            ranks.append(int(rank))
+    return [f"rank {', '.join(map(str, sorted(r)))}: {m}" for m, r in same.items()]
+
+
 def explain_failure(stderr: str, code: int, debug: bool,
                     first_rank: int = 0) -> tuple[str, bool]:
     """What went wrong, in one line, from the ranks' own error lines and torchrun's exit
@@ -266,26 +276,21 @@ def explain_failure(stderr: str, code: int, debug: bool,
     if debug:
         sys.stderr.write(stderr)
     found = RANK_ERROR.findall(stderr)
-    usage = [f"rank {r}: {m.strip()}" for r, _, kind, m in found if kind == "Usage error"]
+    usage = [(rank, message) for rank, _, kind, message in found if kind == "Usage error"]
     if usage:
-        return "; ".join(dict.fromkeys(usage)), True
+        return "; ".join(_by_message(usage)), True
     world = int(found[0][1]) if found else 0
-    causes, waited, lost = [], [], []
+    waited, lost, own = [], [], []
     reported = set()
-    same: dict[str, list[int]] = {}  # one message, every rank that said it
     for rank, _, _, message in found:
-        message = message.strip()
         reported.add(int(rank))
         if TIMED_OUT.search(message):
             waited.append(int(rank))
         elif PEER_GONE.search(message):
             lost.append(int(rank))
         else:
-            same.setdefault(message, [])
-            if int(rank) not in same[message]:
-                same[message].append(int(rank))
-    for message, ranks in same.items():
-        causes.append(f"rank {', '.join(map(str, sorted(ranks)))}: {message}")
+            own.append((rank, message))
+    causes = _by_message(own)
     for exit_code, local in TORCHRUN_EXIT.findall(stderr):
         rank = first_rank + int(local)
         if int(exit_code) < 0:
