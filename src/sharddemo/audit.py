@@ -152,7 +152,8 @@ def _base_loader(loader):
 
 
 def id_reader(loader, id_field: Optional[str]) -> Callable:
-    """A function batch -> sample values (id + 1), by id field or by recorded indices."""
+    """A function batch -> the 0-based sample ids it holds (a 1-D int64 CPU tensor), by id
+    field or by recorded indices."""
     import torch
 
     if id_field is not None:
@@ -165,7 +166,12 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
                 kind = type(batch).__name__
                 raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
                                  f"field ({type(exc).__name__}: {exc})") from None
-            return torch.as_tensor(ids).reshape(-1).to(torch.int64) + 1
+            ids = torch.as_tensor(ids)
+            if ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
+                raise UsageError(f"--id-field {id_field} selects one number per batch (the batches "
+                                 f"are tensors of shape {tuple(batch.shape)}), not the ids of its "
+                                 "samples; name the field of a dict or tuple batch that holds them")
+            return ids.reshape(-1).to("cpu", torch.int64)
 
         return by_field
     if type(loader).__name__ == "DataLoaderDispatcher":
@@ -187,18 +193,9 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
     def by_index(batch):
         if not recorder.pending:
             raise RunFailed("the loader delivered a batch its sampler never drew; pass --id-field")
-        return torch.tensor(recorder.pending.popleft(), dtype=torch.int64) + 1
+        return torch.tensor(recorder.pending.popleft(), dtype=torch.int64)
 
     return by_index
-
-
-@dataclass
-class _Plan:
-    loader: Any
-    sampler: Any = None
-    prepared: bool = False
-    even_shapes: bool = False  # unknown: ask the ranks, pad every per-batch gather
-    max_value: Any = None
 
 
 def _set_epoch(loader, epoch: int) -> None:
@@ -213,9 +210,11 @@ def _set_epoch(loader, epoch: int) -> None:
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,
                say: Optional[Callable[[str], None]] = None) -> Optional[dict]:
     """The rank side: build the user's loader, walk it, gather what every rank saw."""
-    from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, finalize_epoch,
-                                 make_accelerator, placement, progress_reporter, teardown,
-                                 trace_epoch, write_trace)
+    from sharddemo.collect import exchange_ints
+    from sharddemo.options import PROGRESS_ENV
+    from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, make_accelerator,
+                                 placement, teardown, write_trace)
+    from sharddemo.walk import describe_loader, is_prepared, progress_reporter, walk_epoch
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -234,31 +233,40 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
                              f"{type(loader).__name__}, not a DataLoader; return the loader your "
                              "training loop walks (or pass --id-field for another iterable of "
                              "batches)")
-        values_of = id_reader(loader, opts.id_field)
-        prepared = type(loader).__name__ in ("DataLoaderShard", "DataLoaderDispatcher")
-        plan = _Plan(loader, prepared=prepared)
-        raw = []
+        read_ids = id_reader(loader, opts.id_field)
+        prepared = is_prepared(loader)
+        records = []
         start = time.perf_counter()
         for epoch in range(opts.epochs):
             if opts.set_epoch:
                 _set_epoch(loader, epoch)
             try:
-                raw.append(trace_epoch(accelerator, plan, epoch, opts.gather, values_of=values_of,
-                                       progress=progress_reporter(accelerator, f"audit:epoch{epoch}")))
+                record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
+                                    strategy=opts.gather,
+                                    progress=progress_reporter(accelerator, f"audit:epoch{epoch}",
+                                                               PROGRESS_ENV))
             except (UsageError, RunFailed):
                 raise
             except Exception as exc:
                 raise RunFailed(f"epoch {epoch} of the loader raised {type(exc).__name__}: {exc}") from exc
+            records.append(record)
         elapsed = time.perf_counter() - start
-        size = _dataset_size(loader, opts, raw, world)
-        batch = getattr(_base_loader(loader), "batch_size", None)
+        size = _dataset_size(loader, opts, records)
+        # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
+        sizes = exchange_ints(accelerator, [size])
+        size = max(row[0] for row in sizes)
+        base = _base_loader(loader)
+        batch = getattr(base, "batch_size", None)
         peak = _gather_ints(accelerator, [_peak_rss_kb()])
         where = placement(accelerator)
+        description = describe_loader(loader)
         if not accelerator.is_main_process:
             return None
-        epochs = [finalize_epoch(r, world, size) for r in raw]
+        epochs = [r.to_dict() for r in records]
         if batch is None:
             batch = max((len(b) for e in epochs for r in e["ranks"] for b in r["batches"]), default=1)
+        split = bool(description.get("split_batches"))
+        per_rank = max(1, batch // world) if split else batch
         state = accelerator.state
         trace = {
             "schema": "sharddemo.trace/1",
@@ -269,13 +277,14 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             "source": "user",
             "dataset_size": size,
             "batch_size": batch,
+            "global_batch": per_rank * world,
             "epochs": opts.epochs,
             "seed": 0,
-            "options": {"audit": asdict(opts),
-                        "drop_last": bool(getattr(_base_loader(loader), "drop_last", False))},
+            "options": {"audit": asdict(opts), "drop_last": description["drop_last"]},
             "placement": where,
             "modes": {AUDIT_MODE: {"description": f"your loader from {opts.target}",
-                                   "prepared": prepared, "epochs": epochs}},
+                                   "prepared": prepared, "loader": description,
+                                   "epochs": epochs}},
             "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},
                         "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
         }
@@ -286,8 +295,9 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         teardown(accelerator)
 
 
-def _dataset_size(loader, opts: AuditOptions, raw: list, world: int) -> int:
-    """N: --dataset-size, else len(dataset), else one past the largest id any rank saw."""
+def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
+    """N: --dataset-size, else len(dataset), else one past the largest id this rank saw (the
+    ranks then agree on the largest)."""
     if opts.dataset_size is not None:
         return opts.dataset_size
     dataset = getattr(_base_loader(loader), "dataset", None)
@@ -295,11 +305,11 @@ def _dataset_size(loader, opts: AuditOptions, raw: list, world: int) -> int:
         return len(dataset)
     except TypeError:
         pass
-    from sharddemo.trace import _rank_rows
-
-    top = 0
-    for r in raw:
-        for _, ids in _rank_rows(r["packed"], r["shape"], world) if "packed" in r else []:
-            if len(ids):
-                top = max(top, int(ids.max()) + 1)
-    return max(top, 1)
+    top = -1
+    for record in records:
+        if record is None:
+            continue
+        for batches in record.ranks:
+            for batch in batches:
+                top = max([top, *batch])
+    return top + 1

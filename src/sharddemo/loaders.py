@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from sharddemo.options import MAP_SOURCES, RunOptions
+from sharddemo.options import RunOptions
 
 
 @dataclass
@@ -24,11 +24,9 @@ class LoaderPlan:
     sampler: Optional[DistributedSampler] = None
     # True when accelerator.prepare wrapped the loader (gather_for_metrics then knows the padding).
     prepared: bool = False
-    # True when every rank takes the same steps with the same batch shapes, by construction,
-    # so plain gathers are safe without asking; False makes the trace check and pad first.
-    even_shapes: bool = True
-    # The largest sample value the loader can yield (N for the built-in sources), if known.
-    max_value: Optional[int] = None
+    # What a pitfall mode sets up on purpose and no loader object shows: `ranks-disagree` for
+    # `unseeded` (every process seeds itself differently). None for the honest modes.
+    hint: Optional[str] = None
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -46,11 +44,9 @@ def build_prepared(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
     rank 1 [[3,4,5],[9,0,1]]. `gather` then returns 12 ids, `gather_for_metrics` 10.
     """
     loader = plain_loader(dataset, opts)
-    even = (opts.source in MAP_SOURCES and opts.even_batches and not opts.dispatch_batches
-            and not opts.split_batches)
     with dataloader_config(accelerator, **prepare_settings(opts)):
         prepared = accelerator.prepare(loader)
-    return LoaderPlan(prepared, prepared=True, even_shapes=even)
+    return LoaderPlan(prepared, prepared=True)
 
 
 def prepare_settings(opts: RunOptions) -> dict:
@@ -120,7 +116,7 @@ def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> Loade
     plan = build_sampler(accelerator, dataset, opts)
     with dataloader_config(accelerator, **prepare_settings(opts)):
         prepared = accelerator.prepare(plan.loader)
-    return LoaderPlan(prepared, sampler=plan.sampler, prepared=True, even_shapes=False)
+    return LoaderPlan(prepared, sampler=plan.sampler, prepared=True)
 
 
 @contextlib.contextmanager
@@ -150,7 +146,7 @@ def build_unseeded(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
                         drop_last=opts.drop_last, num_workers=opts.num_workers)
     with dataloader_config(accelerator, use_seedable_sampler=True, **prepare_settings(opts)):
         prepared = accelerator.prepare(loader)
-    return LoaderPlan(prepared, prepared=True)
+    return LoaderPlan(prepared, prepared=True, hint="ranks-disagree")
 
 
 def build_split(accelerator, dataset, opts: RunOptions) -> LoaderPlan:
@@ -164,7 +160,7 @@ def build_split(accelerator, dataset, opts: RunOptions) -> LoaderPlan:
 
     shard = split_dataset_by_node(dataset, rank=accelerator.process_index,
                                   world_size=accelerator.num_processes)
-    return LoaderPlan(plain_loader(shard, opts), even_shapes=False)
+    return LoaderPlan(plain_loader(shard, opts))
 
 
 BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
@@ -178,8 +174,4 @@ BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
 
 
 def build_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
-    plan = BUILDERS[mode](accelerator, dataset, opts)
-    plan.max_value = opts.dataset_size
-    if opts.source not in MAP_SOURCES:
-        plan.even_shapes = False  # a stream's length is unknown until it ends
-    return plan
+    return BUILDERS[mode](accelerator, dataset, opts)

@@ -63,9 +63,16 @@ def _epoch_summary(e: dict) -> list[str]:
                  "the same as gather, NOT the dataset" if e["gather_for_metrics_equals_gather"]
                  else "NOT the dataset")
         g += f", gather_for_metrics {e['gathered_for_metrics_count']} ({exact})"
+    elif "gathered_for_metrics_count" in e:
+        g += ", gather_for_metrics never reached the last step (a rank ran out of batches first)"
     lines.append(g)
     if not e["steps_equal"]:
-        lines.append("UNEQUAL step counts across ranks: DDP training would hang on this")
+        steps = [r["steps"] for r in e["ranks"]]
+        lines.append(f"UNEQUAL step counts across ranks {steps}: a training loop hangs at step "
+                     f"{e['hang_at_step']} (sharddemo kept every rank answering)")
+    elif e.get("ragged_steps"):
+        lines.append(f"batch sizes differ between ranks at step(s) {_short(e['ragged_steps'])}: "
+                     "a plain accelerator.gather of them fails on gloo")
     if len(e.get("by_node", {})) > 1:
         lines.append("by node: " + ", ".join(f"node {k} saw {v}" for k, v in e["by_node"].items()))
     order = []

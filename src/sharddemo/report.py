@@ -7,7 +7,6 @@ is tested without processes.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 REPORT_SCHEMA = "sharddemo.report/1"
@@ -17,13 +16,21 @@ SHARDED = "sharded"
 REPLICATED = "replicated"
 MODE_KIND = {"replicated": REPLICATED}  # every other mode claims to shard
 
-def _interleave_steps(ranks: list[list[list[int]]]) -> list[int]:
+def interleave_steps(ranks: list[list[list[int]]]) -> list[int]:
     """What a per-batch all_gather returns: step by step, rank 0's batch, then rank 1's ..."""
     out: list[int] = []
     for step in range(max((len(b) for b in ranks), default=0)):
         for batches in ranks:
             if step < len(batches):
                 out.extend(batches[step])
+    return out
+
+
+def _interleave_samples(flat: list[list[int]]) -> list[int]:
+    """The order a DistributedSampler deals from: rank r's i-th id sits at i * W + r."""
+    out: list[int] = []
+    for i in range(max((len(ids) for ids in flat), default=0)):
+        out.extend(ids[i] for ids in flat if i < len(ids))
     return out
 
 
@@ -40,8 +47,24 @@ REASON_LABEL = {
     "double-split": "the loader was split twice",
     "ranks-disagree": "the ranks shuffled with different seeds",
     "drop-last": "drop_last",
-    "padding": "the loader's own padding",
     "unexplained": "no known reason",
+}
+
+REASON_SENTENCE = {
+    "sampler-padding": "DistributedSampler padding: every rank gets ceil(N/W) samples, so the "
+                       "sampler repeats the first indices of the epoch's order",
+    "even-batches-fill": "accelerate even_batches loop-around: the last round of batches is "
+                         "filled from the start of the epoch so every rank gets as many batches; "
+                         "gather_for_metrics drops them",
+    "shard-fill": "IterableDatasetShard: the last global batch is filled from the start of the "
+                  "stream",
+    "replication": "replication: the loader is not sharded, so every rank walks the same samples",
+    "double-split": "double split: a loader that already has a DistributedSampler was sharded "
+                    "again by accelerator.prepare, so each rank's half is dealt round-robin "
+                    "across the ranks once more",
+    "ranks-disagree": "the ranks shuffled with different seeds (use_seedable_sampler without "
+                      "set_seed), so their slices of their own permutations overlap",
+    "unexplained": "not explained by the loader's own padding",
 }
 
 
@@ -59,101 +82,98 @@ def _expect(trace: dict) -> str:
     return _opts(trace).get("audit", {}).get("expect", "sharded")
 
 
-def _is_stream(trace: dict) -> bool:
-    return trace.get("source", _opts(trace).get("source", "toy")) in ("iterable", "hf-stream")
+def global_batch(trace: dict) -> int:
+    """Samples per step over all ranks, as the trace states it."""
+    return int(trace.get("global_batch") or trace["batch_size"] * trace["world_size"])
 
 
-def kept_with_drop_last(mode: str, trace: dict) -> Optional[int]:
-    """Distinct samples an epoch keeps with drop_last, where the rule is exact (None: not
-    stated)."""
-    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
-    opts = _opts(trace)
-    if mode == "sampler":
-        return w * ((n // w) // b * b)  # the sampler cuts to floor(N/W), the loader to full batches
-    if mode == "replicated":
-        return n // b * b  # every rank keeps the same full batches
-    if mode == "prepared" and not (_is_stream(trace) or opts.get("split_batches")
-                                   or opts.get("dispatch_batches")):
-        return (n // b) // w * w * b  # complete rounds of W full batches only
-    return None
+def tail_repeats_head(order: list[int]) -> Optional[int]:
+    """If `order` is a run of distinct ids followed by that run dealt again from its start
+    (tiled when short), the number of ids dealt again; else None.
+
+    [3, 1, 4, 0, 2, 3, 1] -> 2 (the last two repeat the first two); [3, 1, 3, 1] -> 2;
+    [0, 1, 1, 0] -> None. This is what padding by "repeat the start of the epoch" leaves,
+    whether a DistributedSampler, accelerate's even_batches or IterableDatasetShard did it.
+    """
+    import numpy as np
+
+    arr = np.asarray(order, dtype=np.int64)
+    unique = len(np.unique(arr))
+    head = arr[:unique]
+    if len(np.unique(head)) != unique:
+        return None
+    tail = arr[unique:]
+    if len(tail) and not np.array_equal(tail, np.resize(head, len(tail))):
+        return None
+    return int(len(tail))
 
 
-def explain_duplicates(mode: str, trace: dict, extra: int) -> tuple[str, str, bool]:
-    """Why samples appear more than once in this mode's epoch: a code, a sentence, and
-    whether the library's own rule accounts for all `extra` repeats (False: something else
-    is going on)."""
-    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
-    opts = _opts(trace)
-    global_batch = b if opts.get("split_batches") else w * b
-    if mode == "sampler":
-        per_rank = math.ceil(n / w)
-        pad = per_rank * w - n
-        return ("sampler-padding",
-                f"DistributedSampler padding: every rank gets ceil({n}/{w}) = {per_rank} samples, "
-                f"so it repeats the first {pad} index(es) of the epoch's order",
-                extra == pad)
-    if mode == "replicated":
-        return ("replication",
-                f"replication: the loader is not sharded, so each of the {w} ranks walks all {n} "
-                "samples", extra == (w - 1) * n)
-    if mode == "double-split":
-        return ("double-split",
-                "double split: each rank's DistributedSampler half was dealt round-robin across "
-                "the ranks again by accelerator.prepare, and each short round filled from its start",
-                True)
-    if mode == "unseeded":
-        return ("ranks-disagree",
-                "the ranks shuffled with different seeds (use_seedable_sampler without set_seed), "
-                "so their slices of their own permutations overlap", True)
-    if mode == "audit":
-        if _expect(trace) == "replicated":
-            return ("replication", f"replication: the loader is meant to give each of the {w} "
-                    "ranks every sample", True)
-        return ("padding",
-                f"padding: fewer repeats than one global batch ({global_batch}), as a "
-                "DistributedSampler's padding or accelerate's even_batches fill make",
-                extra < global_batch)
-    if mode == "prepared" and _is_stream(trace) and opts.get("dispatch_batches") is False:
-        return ("shard-fill",
-                "IterableDatasetShard: every rank reads the whole stream and the last round is "
-                "filled from its start; a stream has no length, so gather_for_metrics keeps them",
-                extra < global_batch)
-    if mode == "prepared":
-        if not (_is_stream(trace) or opts.get("split_batches") or opts.get("dispatch_batches")):
-            steps = math.ceil(math.ceil(n / b) / w)
-            fill = steps * w * b - n
-            return ("even-batches-fill",
-                    f"accelerate even_batches loop-around: every rank gets {steps} full batch(es) "
-                    f"of {b}, so the last round is filled from the start of the epoch ({fill} "
-                    "sample(s)); gather_for_metrics drops them", extra == fill)
-        return ("even-batches-fill",
-                "accelerate even_batches loop-around: the last round is filled from the start of "
-                "the epoch so every rank gets as many batches", extra < global_batch)
-    return ("unexplained", "not explained by the loader's own padding", False)
+def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
+    """The reason code of the padding the loader's own objects can do, and the order it deals
+    from: 'sample' (a DistributedSampler interleaves single ids) or 'batch' (accelerate deals
+    whole batches round-robin). (None, '') when nothing in the loader pads."""
+    if loader.get("batch_sampler_shard") or loader.get("dispatcher"):
+        if loader.get("even_batches") is not False:
+            return "even-batches-fill", "batch"
+        return None, ""
+    if loader.get("iterable_shard"):
+        return "shard-fill", "batch"
+    if loader.get("distributed_sampler"):
+        return "sampler-padding", "sample"
+    return None, ""
 
 
-def explain_missing(mode: str, trace: dict, missing: int) -> tuple[Optional[str], str, bool]:
-    """Why samples were never seen: a code (None: no reason, a broken promise), a sentence,
-    and whether that reason accounts for all of them."""
-    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
-    if mode == "double-split":
-        return ("double-split", "double split: accelerator.prepare split the batches of each "
-                "rank's DistributedSampler half again, so the batches dealt to the other rank "
-                "are never seen", True)
-    if mode == "unseeded":
-        return ("ranks-disagree", "the ranks shuffled with different seeds, so their slices "
-                "do not cover the dataset", True)
-    if _opts(trace).get("drop_last") and mode == "audit":
-        return ("drop-last", "drop_last: the loader drops its incomplete last batch or round",
-                missing < w * b + w)
-    if _opts(trace).get("drop_last"):
-        kept = kept_with_drop_last(mode, trace)
-        if kept is not None:
-            return ("drop-last", f"drop_last: only {kept} samples make complete batches "
-                    f"(and rounds), the other {n - min(kept, n)} are dropped", missing == n - min(kept, n))
-        return ("drop-last", "drop_last: the incomplete last batch or round is dropped",
-                missing < w * b + w)
-    return (None, "", False)
+def is_double_split(loader: dict) -> bool:
+    """A DistributedSampler inside a loader that accelerate shards again."""
+    return bool(loader.get("distributed_sampler") and loader.get("prepared")
+                and (loader.get("batch_sampler_shard") or loader.get("iterable_shard")))
+
+
+def _replicated(flat: list[list[int]]) -> bool:
+    """Every rank walked the same samples, each once: the loader is not sharded."""
+    if len(flat) < 2 or not flat[0]:
+        return False
+    first = sorted(flat[0])
+    return (len(set(first)) == len(first)
+            and all(sorted(ids) == first for ids in flat[1:]))
+
+
+def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optional[str],
+                       kind: str, world: int, batch: int) -> tuple[str, bool]:
+    """Why samples appear more than once in this epoch, found in the records: which ids
+    repeat and where. Returns a reason code and whether it accounts for every repeat
+    (False: a broken promise)."""
+    flat = [_flat(b) for b in ranks]
+    if is_double_split(loader):
+        return "double-split", True
+    if hint:
+        return hint, True
+    code, order = padding_mechanism(loader)
+    if code is not None:
+        dealt = interleave_steps(ranks) if order == "batch" else _interleave_samples(flat)
+        again = tail_repeats_head(dealt)
+        # A DistributedSampler pads fewer than W ids; accelerate fills less than one round.
+        limit = world if order == "sample" else world * batch
+        if again is not None and 0 < again < max(limit, 1):
+            return code, True
+    if _replicated(flat):
+        return "replication", kind == REPLICATED
+    return code or "unexplained", False
+
+
+def explain_missing(missing: int, loader: dict, hint: Optional[str],
+                    global_size: int) -> tuple[Optional[str], bool]:
+    """Why samples were never seen: a code (None: no reason, a broken promise) and whether
+    that reason accounts for all of them. drop_last can drop less than one global batch:
+    an incomplete last batch on each rank, or an incomplete last round of batches, or the
+    DistributedSampler's cut to a multiple of W (all three together stay under W x B)."""
+    if is_double_split(loader):
+        return "double-split", True
+    if hint:
+        return hint, True
+    if loader.get("drop_last"):
+        return "drop-last", missing < global_size
+    return None, False
 
 
 def coverage(flat: list[list[int]], n: int) -> dict:
@@ -178,23 +198,60 @@ def coverage(flat: list[list[int]], n: int) -> dict:
     }
 
 
-def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]) -> dict:
-    n = trace["dataset_size"]
+def _exactly_once(ids: list[int], n: int) -> bool:
+    return len(ids) == n and sorted(ids) == list(range(n))
+
+
+def for_metrics(record: dict, ranks: list[list[list[int]]]) -> Optional[list[int]]:
+    """What accelerator.gather_for_metrics returned over the epoch: recorded as it came when
+    walked per batch; for an epoch gathered at once, every batch whole except the last step,
+    which keeps its first `remainder` ids (accelerate's gradient_state.remainder, read on the
+    ranks) when that is positive. None where no training loop could reach the last step
+    (unequal step counts) or the loader is not prepared."""
+    if record.get("gather") == "batch" or record.get("gathered_for_metrics") is not None:
+        return record.get("gathered_for_metrics")
+    remainders = record.get("remainder") or []
+    steps = {len(b) for b in ranks}
+    if not remainders or None in remainders or len(steps) != 1 or len(set(remainders)) != 1:
+        return None
+    done = [i for batches in ranks for batch in batches[:-1] for i in batch]
+    last = [i for batches in ranks for i in (batches[-1] if batches else [])]
+    keep = remainders[0]
+    return done + (last[:keep] if keep > 0 else last)
+
+
+def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict],
+                  loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
+    n, w = trace["dataset_size"], trace["world_size"]
+    loader = loader or {}
+    kind = mode_kind(mode, trace)
     ranks = [r["batches"] for r in record["ranks"]]
     flat = [_flat(b) for b in ranks]
     cov = coverage(flat, n)
     steps = [len(b) for b in ranks]
     extra = cov["seen"] - cov["unique"]
+    per_rank_batch = max(1, global_batch(trace) // max(w, 1))
     reasons: dict[str, str] = {}
     dup_code, explained = None, True
     if extra:
-        dup_code, sentence, explained = explain_duplicates(mode, trace, extra)
-        reasons[dup_code] = sentence
+        dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch)
+        reasons[dup_code] = REASON_SENTENCE[dup_code]
     miss_code, miss_explained = None, True
     if cov["missing"]:
-        miss_code, sentence, miss_explained = explain_missing(mode, trace, len(cov["missing"]))
-        if miss_code:
-            reasons.setdefault(miss_code, sentence)
+        if kind == REPLICATED and not loader.get("drop_last"):
+            miss_code, miss_explained = None, False
+        else:
+            miss_code, miss_explained = explain_missing(len(cov["missing"]), loader, hint,
+                                                        global_batch(trace))
+        if miss_code == "drop-last":
+            reasons["drop-last"] = (f"drop_last: {len(cov['missing'])} sample(s) did not make a "
+                                    "complete batch (or round of batches) and were dropped")
+        elif miss_code:
+            reasons.setdefault(miss_code, REASON_SENTENCE[miss_code])
+    hang = min(steps) if len(set(steps)) > 1 else None
+    ragged = [s for s in range(max(steps, default=0))
+              if len({len(b[s]) for b in ranks if s < len(b)}) > 1]
+    gathered = interleave_steps(ranks) if record.get("gather", "batch") == "batch" else None
     out: dict[str, Any] = {
         "epoch": record["epoch"],
         "ranks": [
@@ -202,10 +259,14 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
              "samples": len(ids)}
             for r, ids in zip(record["ranks"], flat)
         ],
-        "steps_equal": len(set(steps)) <= 1,
-        "gathered": record.get("gathered"),
+        "steps_equal": hang is None,
+        "hang_at_step": hang,
+        "ragged_steps": ragged,
+        "gather": record.get("gather", "batch"),
+        "gathered": gathered,
+        "gathered_count": cov["seen"],
         "seen": cov["seen"],
-        "times_dataset": round(cov["seen"] / n, 4),
+        "times_dataset": round(cov["seen"] / n, 4) if n else 0.0,
         "unique": cov["unique"],
         "missing": cov["missing"],
         "missing_reason": miss_code,
@@ -215,19 +276,13 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         "duplicates_explained": explained,
         "reasons": reasons,
     }
-    out["gather"] = record.get("gather", "batch")
-    out["gathered_count"] = record.get("gathered_count", len(record.get("gathered") or []))
-    if record.get("gathered") is not None:
-        # Per batch, all_gather interleaves the ranks step by step.
-        out["gathered_matches_ranks"] = record["gathered"] == _interleave_steps(ranks)
-    if "gathered_for_metrics_count" in record:
-        out["gathered_for_metrics"] = record.get("gathered_for_metrics")
-        out["gathered_for_metrics_count"] = record["gathered_for_metrics_count"]
-        out["gather_for_metrics_exact"] = record.get("gather_for_metrics_exact")
-        out["gather_for_metrics_equals_gather"] = (
-            record["gathered_for_metrics_count"] == out["gathered_count"]
-            and (record.get("gathered_for_metrics") is None
-                 or record["gathered_for_metrics"] == record.get("gathered")))
+    if loader.get("prepared"):
+        metrics = for_metrics(record, ranks)
+        out["gathered_for_metrics"] = metrics if record.get("gather") == "batch" else None
+        out["gathered_for_metrics_count"] = None if metrics is None else len(metrics)
+        out["gather_for_metrics_exact"] = None if metrics is None else _exactly_once(metrics, n)
+        out["gather_for_metrics_equals_gather"] = (metrics is not None
+                                                   and len(metrics) == cov["seen"])
     out["ranks_same_order"] = (len(flat) > 1 and bool(flat[0])
                                and all(ids == flat[0] for ids in flat[1:]))
     if previous is None:
@@ -238,10 +293,18 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     return out
 
 
+def replicated_ok(e: dict) -> bool:
+    """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
+    ones on every rank)."""
+    flat = [_flat(r["batches"]) for r in e["ranks"]]
+    missing_ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
+    return missing_ok and (len(flat) < 2 or _replicated(flat)) and bool(flat and flat[0])
+
+
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
     """What `--check` fails on: a sharded mode with missing samples or unequal step counts,
     a replicated one whose ranks did not each see everything."""
-    n, kind = trace["dataset_size"], mode_kind(mode, trace)
+    kind = mode_kind(mode, trace)
     problems = []
     for e in epochs:
         tag = f"{mode} epoch {e['epoch']}"
@@ -253,17 +316,12 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             if not e["steps_equal"]:
                 steps = [r["steps"] for r in e["ranks"]]
                 problems.append(f"{tag}: ranks take unequal step counts {steps} (DDP would hang)")
-        else:
+        elif not replicated_ok(e):
             # With drop_last every rank still sees all the full batches, not the dropped tail.
-            whole = kept_with_drop_last(mode, trace) if _opts(trace).get("drop_last") else n
-            for r in e["ranks"]:
-                ids = set(_flat(r["batches"]))
-                if len(ids) < whole or not ids <= set(range(n)):
-                    problems.append(f"{tag}: rank {r['rank']} did not see the whole dataset")
+            problems.append(f"{tag}: the ranks did not each see the whole dataset (less what "
+                            "drop_last drops)")
         if e["out_of_range"]:
             problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
-        if e.get("gathered_matches_ranks") is False:
-            problems.append(f"{tag}: accelerator.gather did not return what the ranks saw")
     return problems
 
 
@@ -279,7 +337,7 @@ VERDICTS = {
 
 def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
     """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]."""
-    n, w = trace["dataset_size"], trace["world_size"]
+    w = trace["world_size"]
     expect = _expect(trace)
     out = []
 
@@ -300,16 +358,16 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
         steps = [r["steps"] for r in e["ranks"]]
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
-        per_rank = [set(_flat(r["batches"])) for r in e["ranks"]]
-        everyone = all(len(ids) >= n for ids in per_rank)
         if expect == "sharded":
-            ok = w == 1 or not everyone
+            ok = w == 1 or not any(d["reason"] == "replication" for d in e["duplicates"])
             add("no-silent-replication", k, ok, "" if ok else
-                f"all {w} ranks received the whole dataset: the loader is not sharded")
+                f"all {w} ranks received the same samples: the loader is not sharded")
         else:
-            add("every-rank-sees-everything", k, everyone, "" if everyone else
-                "ranks " + ", ".join(str(r) for r, ids in enumerate(per_rank) if len(ids) < n)
-                + " did not receive the whole dataset")
+            ok = replicated_ok(e)
+            short = [r["rank"] for r in e["ranks"] if r["samples"] < max(x["samples"] for x in e["ranks"])]
+            add("every-rank-sees-everything", k, ok, "" if ok else
+                "the ranks did not each receive the whole dataset (less what drop_last drops)"
+                + (f": ranks {', '.join(map(str, short))} received fewer" if short else ""))
         if previous is not None:
             flat = [_flat(r["batches"]) for r in e["ranks"]]
             before = [_flat(r["batches"]) for r in previous["ranks"]]
@@ -323,17 +381,20 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
 
 def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     """One sentence in plain words, with the arithmetic stated."""
-    n, b, w = trace["dataset_size"], trace["batch_size"], trace["world_size"]
+    n, w = trace["dataset_size"], trace["world_size"]
+    g = global_batch(trace)
+    b = g // max(w, 1)
     first = epochs[0]
-    sums = f"(world size {w} x per-rank batch {b} = global batch {w * b})"
+    sums = f"(world size {w} x per-rank batch {b} = global batch {g})"
     seen = first["seen"]
     times = f"{first['times_dataset']:g}x"
     kind = mode_kind(mode, trace)
     dup = sum(d["count"] - 1 for d in first["duplicates"])
     if seen == 0:
-        return (f"Every rank received nothing: no batch of this dataset of {n} is complete "
-                f"(drop_last with per-rank batch {b} and {w} ranks), so no step is taken at all "
-                f"{sums}.")
+        why = (f"no batch of this dataset of {n} is complete (drop_last with per-rank batch "
+               f"{b} and {w} ranks)" if first["missing_reason"] == "drop-last"
+               else f"the loader yielded no sample of this dataset of {n}")
+        return f"Every rank received nothing: {why}, so no step is taken at all {sums}."
     if n < w:
         sums += f"; there are more ranks ({w}) than samples ({n})"
     if kind == REPLICATED:
@@ -366,7 +427,13 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
         else:
             text += "; gather_for_metrics does NOT return exactly the dataset"
     if not first["steps_equal"]:
-        text += f"; the ranks take {[r['steps'] for r in first['ranks']]} steps: DDP would hang"
+        text += (f"; the ranks take {[r['steps'] for r in first['ranks']]} steps: a training "
+                 f"loop would hang at step {first['hang_at_step']} (DDP's all-reduce waits for "
+                 "the ranks that have run out)")
+    elif first["ragged_steps"]:
+        text += (f"; the ranks' batches differ in size at step(s) {first['ragged_steps'][:5]}: "
+                 "a plain accelerator.gather of them fails (pad_across_processes, or "
+                 "gather_for_metrics(use_gather_object=True))")
     if len(epochs) > 1:
         changed = [e["order_changed"] for e in epochs[1:]]
         text += ("; the order changes every epoch" if all(changed)
@@ -388,7 +455,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         epochs: list[dict] = []
         previous = None
         for record in data["epochs"]:
-            epochs.append(analyse_epoch(mode, trace, record, previous))
+            epochs.append(analyse_epoch(mode, trace, record, previous,
+                                        loader=data.get("loader"), hint=data.get("hint")))
             previous = record
         if mode == "audit":
             verdicts = audit_verdicts(trace, epochs)
@@ -402,6 +470,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             "description": data.get("description", ""),
             "kind": mode_kind(mode, trace),
             "prepared": data.get("prepared", False),
+            "loader": data.get("loader"),
             "epochs": epochs,
             "broken_promises": broken,
             "conclusion": conclude(mode, trace, epochs),
@@ -425,7 +494,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "device": trace.get("device"),
         "dataset_size": trace["dataset_size"],
         "batch_size": trace["batch_size"],
-        "global_batch": trace["batch_size"] * trace["world_size"],
+        "global_batch": global_batch(trace),
         "epochs": trace["epochs"],
         "seed": trace["seed"],
         "source": trace.get("source", "toy"),

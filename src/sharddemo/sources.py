@@ -1,8 +1,8 @@
 """Where the samples come from: the reference's toy dataset and the other sources.
 
 Every source carries its sample ids: the toy sources yield the value id + 1 (the
-reference's 1..N), the HF sources an `id` column. `batch_values` reads either kind of batch
-back as values 1..N, so the trace and the report treat all sources alike.
+reference's 1..N), the HF sources an `id` column. `batch_ids` reads either kind of batch
+back as 0-based ids, so the trace and the report treat all sources alike.
 """
 
 from __future__ import annotations
@@ -100,17 +100,9 @@ def build_source(name: str, length: int, shards: int = 4):
     raise ValueError(f"unknown source {name!r}")
 
 
-def batch_values(batch: Any) -> torch.Tensor:
-    """A batch from any source -> its sample values (id + 1), a 1-D int64 tensor."""
+def batch_ids(batch: Any) -> torch.Tensor:
+    """A batch from any built-in source -> the 0-based dataset ids it holds, a 1-D int64
+    tensor on the CPU: toy values are id + 1, the HF sources carry an `id` column."""
     if isinstance(batch, dict):
-        return batch["id"].reshape(-1).to(torch.int64) + 1
-    # The common case (a 1-D int64 batch of toy values) costs no tensor operation: this runs
-    # once per batch inside the traced loop.
-    if batch.dim() != 1:
-        batch = batch.reshape(-1)
-    return batch if batch.dtype == torch.int64 else batch.to(torch.int64)
-
-
-def values_to_ids(values: Any) -> list[int]:
-    """A batch from any source -> the 0-based dataset ids it holds."""
-    return (batch_values(values).to("cpu") - 1).tolist()
+        return batch["id"].reshape(-1).to("cpu", torch.int64)
+    return batch.reshape(-1).to("cpu", torch.int64) - 1

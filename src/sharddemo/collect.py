@@ -1,0 +1,64 @@
+"""Bring every rank's ids to the main process, correct for ANY shapes.
+
+Ranks may legitimately hold different numbers of batches and batches of different sizes:
+`even_batches=False`, `split_batches`, `drop_last`, iterable shards, unseeded samplers,
+`split_dataset_by_node`, a rank with nothing at all. A plain `accelerator.gather` of unequal
+shapes aborts on gloo ("Received data size doesn't match", or a half-filled buffer on the other
+rank), and a gather of an EMPTY tensor crashes gloo (torch issue 85234). So every collection
+here goes the same way:
+
+    1. exchange lengths (one small gather of int64 headers, the same size on every rank);
+    2. pad every rank's tensor to the longest, never to less than one element;
+    3. `accelerator.gather` the padded tensors;
+    4. trim each rank's part back to its own length (by the exchanged lengths, never by a
+       sentinel value).
+
+Every function here is a collective: every rank calls it the same number of times with the
+same `width` of header, whatever it holds, and every branch below is taken on all ranks alike
+because it depends only on exchanged values.
+
+Two ranks, rank 0 holding ids [0, 1, 2, 3] and rank 1 holding [4]:
+headers [[4], [1]] -> width 4 -> rank 1 sends [4, -1, -1, -1] -> gathered
+[0, 1, 2, 3, 4, -1, -1, -1] -> trimmed to rank 0 [0, 1, 2, 3], rank 1 [4].
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+PAD = -1  # never read back: the trim goes by the exchanged lengths
+
+
+def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
+    """Every rank's list of ints (the same count on every rank), as [rank][k]. A collective."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=accelerator.device)
+    if accelerator.num_processes == 1:
+        return [mine.tolist()]
+    rows = accelerator.gather(mine).to("cpu").view(accelerator.num_processes, len(values))
+    return rows.tolist()
+
+
+def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Every rank's 1-D tensor, whose lengths (`lengths[r]`, already exchanged) may differ,
+    as a list indexed by rank, on the CPU. A collective; nothing is sent when every rank is
+    empty (all ranks know it from `lengths`)."""
+    width = max(lengths, default=0)
+    tensor = tensor.reshape(-1).to(accelerator.device)
+    if width == 0:
+        return [tensor.new_empty(0).to("cpu") for _ in lengths]
+    if tensor.numel() < width:
+        pad = torch.full((width - tensor.numel(),), PAD, dtype=tensor.dtype, device=tensor.device)
+        tensor = torch.cat([tensor, pad])
+    if accelerator.num_processes == 1:
+        rows = tensor.to("cpu").view(1, width)
+    else:
+        rows = accelerator.gather(tensor).to("cpu").view(len(lengths), width)
+    return [rows[r, :n] for r, n in enumerate(lengths)]
+
+
+def narrowest_dtype(top: int) -> torch.dtype:
+    """int32 when every value fits (a gather of a large epoch costs about a quarter as much
+    on gloo as int64), else int64."""
+    return torch.int32 if top < 2**31 - 1 else torch.int64
