@@ -7,6 +7,7 @@ and input errors answer at once.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -52,9 +53,11 @@ class SafeGroup(click.Group):
                 hint = f" (see '{exc.ctx.command_path} --help')"
             _error(exc.format_message() + hint)
             code = 2
-        except (click.Abort, KeyboardInterrupt):
-            _error("interrupted; all ranks were stopped and no report was written")
-            code = 130
+        except (click.Abort, KeyboardInterrupt) as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            name = signal.Signals(signum).name
+            _error(f"interrupted by {name}; all ranks were stopped and no report was written")
+            code = 128 + signum
         except ShardDemoError as exc:
             from sharddemo.errors import UsageError as _Usage
 

@@ -6,6 +6,7 @@ here takes all of them down; nothing is left running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -112,26 +114,25 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         out_path = os.path.join(tmp, "stdout.log")
         err_path = os.path.join(tmp, "stderr.log")
         limit = timeout if timeout is not None else outer_timeout(opts)
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        with open(out_path, "wb") as out, open(err_path, "wb") as err, \
+                _signals_raise(Interrupted):
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
+            family = Family(proc)
             bar = ProgressBar(out_path) if progress else None
             try:
-                code = _wait(proc, limit, bar)
+                code = _wait(proc, limit, bar, family)
             except subprocess.TimeoutExpired:
-                kill_group(proc)
+                family.end()
                 raise RunFailed(
                     f"the launch did not finish within {limit:.0f} s and was stopped; "
                     "a rank stopped answering (raise --timeout if the work is really that long)"
                 ) from None
-            except KeyboardInterrupt:
-                kill_group(proc)
-                raise
             finally:
+                # Any way out (an error, Ctrl-C, SIGTERM, SIGHUP): end every process started.
                 if bar is not None:
                     bar.close()
-                if proc.poll() is None:
-                    kill_group(proc)
+                family.end()
         if code != 0:
             with open(err_path, encoding="utf-8", errors="replace") as handle:
                 stderr = handle.read()
@@ -149,10 +150,12 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
             raise RunFailed("the ranks exited without writing their trace") from None
 
 
-def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"]) -> int:
-    """Wait for the launch, updating the progress bar meanwhile."""
+def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"],
+          family: "Family") -> int:
+    """Wait for the launch, updating the progress bar and the list of its processes."""
     deadline = time.monotonic() + limit
     while True:
+        family.refresh()
         try:
             return proc.wait(timeout=0.25)
         except subprocess.TimeoutExpired:
@@ -160,6 +163,99 @@ def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"]) ->
                 raise
             if bar is not None:
                 bar.update()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached `compare`/`audit`: handled like Ctrl-C (every process
+    started is ended, nothing is written), with the signal's name."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise(exc_type):
+    """While the launch runs, SIGTERM and SIGHUP raise `exc_type(signum)` in the main thread
+    (as SIGINT raises KeyboardInterrupt), so the cleanup below runs for them too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise exc_type(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+class Family:
+    """Every process the launch started, known by pid and start time.
+
+    `accelerate launch` (torchrun) starts each rank in a session of its own, so a signal to
+    the launcher's process group misses them, and a rank whose launcher died is re-parented
+    and can no longer be found from it. So the family is listed while the launch runs (a
+    quarter-second poll) and every member still alive is ended at the end."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import psutil
+
+        self.proc = proc
+        self.members: dict[int, "psutil.Process"] = {}
+        try:
+            self.members[proc.pid] = psutil.Process(proc.pid)
+        except psutil.Error:
+            pass
+
+    def refresh(self) -> None:
+        import psutil
+
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for child in children:
+            self.members.setdefault(child.pid, child)
+
+    def end(self, grace: float = 3.0) -> None:
+        """SIGTERM every member still alive, then SIGKILL what is left after `grace`."""
+        import psutil
+
+        if self.proc.poll() is None:
+            self.refresh()
+        alive = [p for p in self.members.values() if _running(p)]
+        if not alive:
+            return
+        try:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for member in alive:
+            try:
+                member.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=grace)
+        for member in alive:
+            try:
+                member.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=grace)
+        self.proc.poll()
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class ProgressBar:
@@ -211,34 +307,6 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
-    """SIGTERM the launch's whole process session, then SIGKILL what is left."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 PROGRESS_PREFIX = "sharddemo-progress"

@@ -235,7 +235,8 @@ def describe_loader(loader) -> dict:
             continue
         visited.add(id(obj))
         name = type(obj).__name__
-        seen.append(name)
+        if name != "IndexRecorder":
+            seen.append(name)
         if getattr(obj, "drop_last", False) is True:
             info["drop_last"] = True
         if name == "DistributedSampler" or (hasattr(obj, "num_replicas") and hasattr(obj, "rank")):
@@ -250,7 +251,8 @@ def describe_loader(loader) -> dict:
             if isinstance(getattr(obj, key, None), bool) and info[key] is None:
                 info[key] = getattr(obj, key)
         attrs = getattr(obj, "__dict__", {})
-        for key in ("base_dataloader", "batch_sampler", "sampler", "dataset"):
+        # `_inner`: what sharddemo's own index recorder stands in for (audit.py).
+        for key in ("base_dataloader", "batch_sampler", "sampler", "dataset", "_inner"):
             child = attrs.get(key)
             if child is not None and not isinstance(child, (int, float, str, bool)):
                 todo.append(child)
