@@ -18,12 +18,18 @@ from conftest import ROOT, launch_env, sharddemo
 FACTORIES = str(ROOT / "tests" / "factories.py")
 
 
-def tagged_env(**extra) -> tuple[dict, str]:
-    """An environment with a unique token, to find every process the run started."""
+FAULT_PLUGIN = str(ROOT / "tests" / "faultplugin")
+
+
+def tagged_env(fault: str | None = None) -> tuple[dict, str]:
+    """An environment with a unique token, to find every process the run started, and, with
+    `fault` (HOW:RANK:MODE:EPOCH), the test-only fault plugin (tests/faultplugin)."""
     token = uuid.uuid4().hex
     env = launch_env()
     env["SHARDDEMO_TEST_TOKEN"] = token
-    env.update(extra)
+    if fault:
+        env["SHARDDEMO_TEST_FAULT"] = fault
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (FAULT_PLUGIN, env.get("PYTHONPATH")) if p)
     return env, token
 
 
@@ -60,7 +66,7 @@ def one_error(proc) -> str:
      "Error: rank 1: mode sampler, epoch 1: ValueError: injected fault"),
 ])
 def test_a_rank_that_raises(args, expected):
-    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="raise:1:sampler:1")
+    env, token = tagged_env("raise:1:sampler:1")
     start = time.monotonic()
     proc = sharddemo(args, check=False, env=env)
     elapsed = time.monotonic() - start
@@ -79,7 +85,7 @@ def test_a_rank_that_raises(args, expected):
     ["compare", "--modes", "replicated"],
 ])
 def test_a_rank_that_is_killed(args):
-    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="kill:1:replicated:0")
+    env, token = tagged_env("kill:1:replicated:0")
     start = time.monotonic()
     proc = sharddemo(args, check=False, env=env)
     assert proc.returncode == 1
@@ -94,7 +100,7 @@ def test_a_rank_that_is_killed(args):
     ["compare", "--modes", "sampler", "--timeout", "4"],
 ])
 def test_a_rank_that_stalls(args):
-    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="stall:1:sampler:0")
+    env, token = tagged_env("stall:1:sampler:0")
     start = time.monotonic()
     proc = sharddemo(args, check=False, env=env)
     assert proc.returncode == 1
@@ -104,30 +110,40 @@ def test_a_rank_that_stalls(args):
     assert_nothing_left(token)
 
 
-def test_ctrl_c_stops_every_rank_and_writes_nothing(tmp_path):
-    env, token = tagged_env(SHARDDEMO_INJECT_FAULT="stall:1:sampler:0")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("command", ["compare", "audit"])
+def test_a_signal_stops_every_process_and_writes_nothing(tmp_path, sig, command):
+    """Ctrl-C, SIGTERM or SIGHUP to compare/audit: the launcher and every rank end (they run
+    in sessions of their own, out of reach of a process-group kill) within 15 s, one line."""
+    if command == "audit" and sig != signal.SIGTERM:
+        pytest.skip("one signal is enough for audit: the same launch code")
+    env, token = tagged_env("stall:1:sampler:0")
     out = tmp_path / "report.json"
-    proc = subprocess.Popen([sys.executable, "-m", "sharddemo", "compare", "--modes", "sampler",
-                             "--output", str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    args = (["compare", "--modes", "sampler"] if command == "compare"
+            else ["audit", f"{FACTORIES}:stall_mid_epoch"])
+    proc = subprocess.Popen([sys.executable, "-m", "sharddemo", *args, "--output", str(out)],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until the ranks are up
-        ranks = [p for p in survivors(token) if "run" in (p.info["cmdline"] or [])]
+        ranks = [p for p in survivors(token)
+                 if {"run", "audit-rank"} & set(p.info["cmdline"] or [])]
         if len(ranks) >= 2:
             break
         time.sleep(0.2)
     time.sleep(2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     sent = time.monotonic()
     try:
         _, stderr = proc.communicate(timeout=15)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("compare did not stop within 15 s of Ctrl-C")
-    assert proc.returncode == 130, stderr
-    assert time.monotonic() - sent < 10
-    assert stderr.strip().splitlines()[-1] == (
-        "Error: interrupted; all ranks were stopped and no report was written")
+        pytest.fail(f"{command} did not stop within 15 s of {sig.name}")
+    assert proc.returncode == 128 + sig, stderr
+    assert time.monotonic() - sent < 15
+    assert stderr.strip().splitlines() == [
+        f"Error: interrupted by {sig.name}; all ranks were stopped and no report was written"]
     assert not out.exists() and not list(tmp_path.iterdir())
     assert_nothing_left(token)
 
@@ -161,7 +177,9 @@ def test_ragged_batch_shapes_neither_hang_nor_corrupt():
     e = report["modes"]["audit"]["epochs"][0]
     sizes = [[len(b) for b in r["batches"]] for r in e["ranks"]]
     assert sizes == [[3] * 10, [2] * 10]  # the same step count, different shapes
-    assert e["gather"] == "batch" and e["gathered_matches_ranks"] is True
+    assert e["gather"] == "batch" and e["ragged_steps"] == list(range(10))
+    # accelerator.gather, padded and trimmed, returned exactly what the ranks held, step by step
+    assert e["gathered"] == [i for s in range(10) for r in e["ranks"] for i in r["batches"][s]]
     assert e["seen"] == 50
 
 

@@ -54,7 +54,8 @@ class SafeGroup(click.Group):
             _error(exc.format_message() + hint)
             code = 2
         except (click.Abort, KeyboardInterrupt) as exc:
-            signum = getattr(exc, "signum", signal.SIGINT)
+            # click turns KeyboardInterrupt into Abort; the signal is on the original.
+            signum = getattr(exc, "signum", None) or getattr(exc.__cause__, "signum", signal.SIGINT)
             name = signal.Signals(signum).name
             _error(f"interrupted by {name}; all ranks were stopped and no report was written")
             code = 128 + signum

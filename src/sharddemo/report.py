@@ -223,7 +223,9 @@ def for_metrics(record: dict, ranks: list[list[list[int]]]) -> Optional[list[int
 def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict],
                   loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
     n, w = trace["dataset_size"], trace["world_size"]
-    loader = loader or {}
+    loader = dict(loader or {})
+    # drop_last as the loader's objects say it, or as the run was asked for (older traces).
+    loader["drop_last"] = bool(loader.get("drop_last") or _opts(trace).get("drop_last"))
     kind = mode_kind(mode, trace)
     ranks = [r["batches"] for r in record["ranks"]]
     flat = [_flat(b) for b in ranks]

@@ -194,7 +194,8 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int,
     return EpochRecord(epoch, "epoch", ranks, None, remainders)
 
 
-def progress_reporter(accelerator, label: str, env_var: str) -> Optional[Progress]:
+def progress_reporter(accelerator, label: str,
+                      env_var: str = "SHARDDEMO_PROGRESS") -> Optional[Progress]:
     """On the main rank, when the launcher asked for it (`env_var` = 1): a line on stdout at
     most twice a second, `sharddemo-progress LABEL STEP TOTAL`, turned into one bar there."""
     if not accelerator.is_main_process or os.environ.get(env_var) != "1":

@@ -1,0 +1,68 @@
+"""Run by tests/test_truth_ranks.py under `accelerate launch`: a sampled subset of the truth
+grid (fixed seed) and the issue's reproductions, through sharddemo's real rank-side path
+(trace_mode: walk + collect), each case gathered per batch and once per epoch.
+
+    accelerate launch --config_file accelerate_configs/cpu2.yaml tests/rank_truth.py OUT.json
+"""
+
+import dataclasses
+import json
+import random
+import sys
+
+from oracle import Case
+
+from sharddemo.options import RunOptions
+from sharddemo.sources import build_source
+from sharddemo.trace import check_world, make_accelerator, trace_mode
+
+# The issue's reproductions: split_batches without even_batches at N = 22, 21, 2 (a short or
+# empty last batch), no even_batches past the per-batch limit (N = 1006), unseeded without
+# even_batches, replicated with drop_last.
+REPRODUCTIONS = [
+    Case("prepared", 22, 4, 0, shuffle=False, even_batches=False, split_batches=True, epochs=1),
+    Case("prepared", 21, 4, 0, shuffle=False, even_batches=False, split_batches=True, epochs=1),
+    Case("prepared", 2, 4, 0, shuffle=False, even_batches=False, split_batches=True, epochs=1),
+    Case("prepared", 1006, 4, 0, even_batches=False, epochs=1),
+    Case("unseeded", 11, 2, 0, even_batches=False, epochs=1),
+    Case("replicated", 10, 3, 0, drop_last=True),
+]
+
+
+def sampled(world: int, count: int = 24) -> list:
+    rng = random.Random(13 + world)
+    out = []
+    while len(out) < count:
+        mode = rng.choice(["sampler", "replicated", "prepared", "double-split", "unseeded"])
+        split = mode == "prepared" and rng.random() < 0.3
+        b = rng.choice([world, 2 * world]) if split else rng.randint(1, 8)
+        out.append(Case(mode, rng.choice([rng.randint(1, 64), 97]), b, world,
+                        shuffle=rng.random() < 0.7, drop_last=rng.random() < 0.3,
+                        even_batches=rng.random() < 0.6 if mode == "prepared" else True,
+                        split_batches=split, num_workers=2 if rng.random() < 0.1 else 0))
+    return out
+
+
+def main(out_path: str) -> None:
+    accelerator = make_accelerator("cpu", timeout=30)
+    check_world(accelerator.num_processes)
+    world = accelerator.num_processes
+    cases = [c for c in REPRODUCTIONS
+             if not c.split_batches or c.b % world == 0] + sampled(world)
+    results = []
+    for case in cases:
+        case = dataclasses.replace(case, world=world)
+        for gather in ("batch", "epoch"):
+            opts = RunOptions(**case.run_options(), gather=gather).validate()
+            trace = trace_mode(accelerator, case.mode, build_source(case.source, case.n), opts)
+            if accelerator.is_main_process:
+                results.append({"case": dataclasses.asdict(case), "gather": gather,
+                                "trace": trace})
+    if accelerator.is_main_process:
+        with open(out_path, "w") as handle:
+            json.dump({"world": world, "results": results}, handle)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

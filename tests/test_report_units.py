@@ -1,0 +1,170 @@
+"""report.py on hand-written traces, no processes: every duplicate reason, every missing
+reason, every verdict. Each trace below is worked out by hand in its comment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from sharddemo.report import build_report, tail_repeats_head
+
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "report.schema.json").read_text())
+
+# What describe_loader says of each kind of loader (only the fields the report reads).
+SAMPLER = {"prepared": False, "distributed_sampler": True}
+PREPARED = {"prepared": True, "batch_sampler_shard": True, "even_batches": True}
+PREPARED_UNEVEN = {"prepared": True, "batch_sampler_shard": True, "even_batches": False}
+STREAM_SHARD = {"prepared": True, "iterable_shard": True}
+PLAIN = {"prepared": False}
+DOUBLE = {"prepared": True, "distributed_sampler": True, "batch_sampler_shard": True,
+          "even_batches": True}
+
+
+def trace(mode, n, b, w, epochs, loader, hint=None, drop_last=False, expect=None,
+          remainder=None):
+    options = {"drop_last": drop_last}
+    if expect:
+        options["audit"] = {"expect": expect}
+    return {"world_size": w, "backend": "gloo", "dataset_size": n, "batch_size": b,
+            "global_batch": b * w, "epochs": len(epochs), "seed": 0, "options": options,
+            "source": "user" if mode == "audit" else "toy",
+            "modes": {mode: {"prepared": loader.get("prepared", False), "loader": loader,
+                             "hint": hint,
+                             "epochs": [{"epoch": k, "gather": "epoch", "remainder": remainder or [],
+                                         "ranks": [{"rank": r, "batches": bs}
+                                                   for r, bs in enumerate(ranks)]}
+                                        for k, ranks in enumerate(epochs)]}}}
+
+
+def report_of(t):
+    report = build_report(t)
+    jsonschema.validate(report, SCHEMA)
+    mode = next(iter(report["modes"]))
+    return report["modes"][mode]
+
+
+def test_tail_repeats_head():
+    assert tail_repeats_head([3, 1, 4, 0, 2, 3, 1]) == 2
+    assert tail_repeats_head([3, 1, 3, 1]) == 2
+    assert tail_repeats_head([0, 1, 2]) == 0
+    assert tail_repeats_head([0, 1, 1, 0]) is None
+    assert tail_repeats_head([0, 1, 2, 1]) is None
+
+
+def test_sampler_padding():
+    # DistributedSampler, N=9, W=2, no shuffle: order 0..8 padded with 0 -> rank 0 takes
+    # [0,2,4,6,8], rank 1 [1,3,5,7,0]. Batch 3.
+    e = report_of(trace("sampler", 9, 3, 2, [[[[0, 2, 4], [6, 8]], [[1, 3, 5], [7, 0]]]],
+                        SAMPLER))["epochs"][0]
+    assert e["duplicates"] == [{"id": 0, "count": 2, "reason": "sampler-padding"}]
+    assert e["duplicates_explained"] and e["missing"] == []
+
+
+def test_even_batches_fill_and_gather_for_metrics_from_remainder():
+    # accelerate, N=10, B=3, W=2: r0 [[0,1,2],[6,7,8]], r1 [[3,4,5],[9,0,1]] (FACTS.md);
+    # remainder 10 % 6 = 4: gather_for_metrics keeps 4 of the last step's 6 -> exactly 10.
+    m = report_of(trace("prepared", 10, 3, 2, [[[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]],
+                        PREPARED, remainder=[4, 4]))
+    e = m["epochs"][0]
+    assert {d["reason"] for d in e["duplicates"]} == {"even-batches-fill"}
+    assert e["duplicates_explained"]
+    assert e["gathered_for_metrics_count"] == 10 and e["gather_for_metrics_exact"] is True
+    assert m["broken_promises"] == []
+
+
+def test_shard_fill():
+    # IterableDatasetShard, stream 0..4, B=2, W=2: global batches of 4: [0,1|2,3] [4,0|1,2]
+    e = report_of(trace("prepared", 5, 2, 2, [[[[0, 1], [4, 0]], [[2, 3], [1, 2]]]],
+                        STREAM_SHARD))["epochs"][0]
+    assert {d["reason"] for d in e["duplicates"]} == {"shard-fill"} and e["duplicates_explained"]
+
+
+def test_replication_with_drop_last_is_explained():
+    # Not sharded, drop_last, N=10, B=3: both ranks walk the same 9 samples.
+    ranks = [[[6, 5, 4], [0, 8, 9], [2, 1, 3]]] * 2
+    m = report_of(trace("replicated", 10, 3, 2, [ranks], PLAIN, drop_last=True))
+    e = m["epochs"][0]
+    assert {d["reason"] for d in e["duplicates"]} == {"replication"}
+    assert e["duplicates_explained"] and e["missing"] == [7]
+    assert e["missing_reason"] == "drop-last" and e["missing_explained"]
+    assert m["broken_promises"] == []
+
+
+def test_replication_in_an_audit_fails_two_verdicts():
+    ranks = [[[0, 1], [2, 3]]] * 2
+    m = report_of(trace("audit", 4, 2, 2, [ranks], PLAIN))
+    failed = {v["verdict"] for v in m["verdicts"] if not v["ok"]}
+    assert failed == {"no-unexplained-duplicates", "no-silent-replication"}
+
+
+def test_audit_expect_replicated_with_drop_last_passes():
+    ranks = [[[6, 5, 4], [0, 8, 9], [2, 1, 3]]] * 2
+    m = report_of(trace("audit", 10, 3, 2, [ranks], PLAIN, drop_last=True, expect="replicated"))
+    assert all(v["ok"] for v in m["verdicts"]), m["verdicts"]
+
+
+def test_double_split_and_ranks_disagree():
+    # Worked out in tests/test_truth_inprocess.py::test_double_split_literal.
+    e = report_of(trace("double-split", 10, 2, 2, [[[[0, 2], [8, 0]], [[5, 7], [3, 5]]]],
+                        DOUBLE))["epochs"][0]
+    assert e["missing"] == [1, 4, 6, 9] and e["missing_reason"] == "double-split"
+    assert {d["reason"] for d in e["duplicates"]} == {"double-split"}
+    # Two ranks, each its own permutation of 0..3, each takes its half: overlap and holes.
+    e = report_of(trace("unseeded", 4, 2, 2, [[[[0, 1]], [[1, 3]]]], PREPARED,
+                        hint="ranks-disagree"))["epochs"][0]
+    assert e["missing"] == [2] and e["missing_reason"] == "ranks-disagree"
+    assert e["duplicates"] == [{"id": 1, "count": 2, "reason": "ranks-disagree"}]
+
+
+def test_unexplained_duplicates_and_missing_break_promises():
+    # A "sharded" loader whose rank 1 repeats rank 0's first batch: not the tail of the order.
+    m = report_of(trace("audit", 6, 2, 2, [[[[0, 1], [2, 3]], [[0, 1], [4, 5]]]], SAMPLER))
+    e = m["epochs"][0]
+    assert {d["reason"] for d in e["duplicates"]} == {"sampler-padding"}
+    assert not e["duplicates_explained"]
+    assert {v["verdict"] for v in m["verdicts"] if not v["ok"]} == {"no-unexplained-duplicates"}
+    m = report_of(trace("sampler", 6, 2, 2, [[[[0, 1]], [[2, 3]]]], SAMPLER))
+    assert m["epochs"][0]["missing"] == [4, 5] and m["epochs"][0]["missing_reason"] is None
+    assert any("never seen" in p for p in m["broken_promises"])
+
+
+def test_drop_last_beyond_a_global_batch_is_not_explained():
+    # drop_last can drop less than one global batch (W x B = 4); 5 missing is something else.
+    m = report_of(trace("sampler", 9, 2, 2, [[[[0, 1]], [[2, 3]]]],
+                        {"distributed_sampler": True, "drop_last": True}, drop_last=True))
+    assert m["epochs"][0]["missing_reason"] == "drop-last"
+    assert m["epochs"][0]["missing_explained"] is False
+    assert m["broken_promises"]
+
+
+def test_unequal_steps_and_ragged_batches():
+    # split_batches without even_batches, N=22, B=4, W=2 (FACTS.md): rank 0 six batches of 2,
+    # rank 1 five: a loop hangs at step 5; gather_for_metrics never reaches the last step.
+    r0 = [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]]
+    r1 = [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]
+    m = report_of(trace("prepared", 22, 2, 2, [[r0, r1]], PREPARED_UNEVEN, remainder=[2, 2]))
+    e = m["epochs"][0]
+    assert e["hang_at_step"] == 5 and not e["steps_equal"]
+    assert e["gathered_for_metrics_count"] is None
+    assert any("unequal step counts" in p for p in m["broken_promises"])
+    # Equal steps, different sizes at step 1 (no even_batches, N=7, B=2... worked: [0,1][4,5]
+    # vs [2,3][6]): no hang, but a plain gather of step 1 would fail.
+    e = report_of(trace("prepared", 7, 2, 2, [[[[0, 1], [4, 5]], [[2, 3], [6]]]],
+                        PREPARED_UNEVEN, remainder=[3, 3]))["epochs"][0]
+    assert e["steps_equal"] and e["ragged_steps"] == [1]
+    assert e["gathered_for_metrics_count"] == 7 and e["gather_for_metrics_exact"]
+
+
+def test_order_verdict():
+    same = [[[1, 0]], [[3, 2]]]
+    m = report_of(trace("audit", 4, 1, 2, [same, same], SAMPLER))
+    assert [v["ok"] for v in m["verdicts"] if v["verdict"] == "order-changes-each-epoch"] == [False]
+
+
+@pytest.mark.parametrize("epochs", [[[[], []]], [[[[]], [[]]]]])
+def test_empty_epochs(epochs):
+    m = report_of(trace("audit", 3, 2, 2, epochs, SAMPLER, drop_last=True))
+    assert m["epochs"][0]["seen"] == 0 and "received nothing" in m["conclusion"]
