@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from sharddemo.datasets import ToyDataset
+from sharddemo.sources import ToyDataset
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.trace import make_accelerator, trace_epoch

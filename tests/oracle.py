@@ -40,6 +40,7 @@ class Case:
     seed: int = 5
     epochs: int = 2
     source: str = "toy"
+    shards: int = 4
 
     def run_options(self) -> dict:
         """The same case as sharddemo's RunOptions keywords (for the code under test)."""
@@ -47,7 +48,7 @@ class Case:
                     modes=(self.mode,), shuffle=self.shuffle, drop_last=self.drop_last,
                     set_epoch=self.set_epoch, num_workers=self.num_workers,
                     even_batches=self.even_batches, split_batches=self.split_batches,
-                    source=self.source)
+                    source=self.source, shards=self.shards)
 
 
 class Ids(torch.utils.data.Dataset):
@@ -119,7 +120,30 @@ def _dataset(case: Case):
         return Dataset.from_dict({"id": list(range(case.n))}).with_format("torch")
     if case.source == "iterable":
         return IdStream(case.n)
+    if case.source == "hf-stream":
+        return _json_stream(case.n, case.shards)
     return Ids(case.n)
+
+
+def _json_stream(n: int, shards: int):
+    """ids 0..n-1 written as `shards` JSON-lines files of ceil(n / shards) ids each, in order,
+    streamed by datasets (the hf-stream source, as its help describes it)."""
+    import json
+    import os
+    import tempfile
+
+    from datasets import load_dataset
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    folder = tempfile.mkdtemp(prefix="oracle-stream-")
+    per, files = -(-n // shards), []
+    for k in range(shards):
+        path = os.path.join(folder, f"shard-{k:05d}.jsonl")
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps({"id": i}) + "\n"
+                              for i in range(k * per, min(n, (k + 1) * per)))
+        files.append(path)
+    return load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
 
 
 def rank_epochs(case: Case, rank: int) -> list[list[list[int]]]:
@@ -127,7 +151,7 @@ def rank_epochs(case: Case, rank: int) -> list[list[list[int]]]:
     torch.manual_seed(case.seed)  # what set_seed does for the process
     dataset = _dataset(case)
     sampler = None
-    is_stream = isinstance(dataset, IterableDataset)
+    is_stream = case.source in ("iterable", "hf-stream")
     if case.mode == "sampler":
         loader, sampler = _distributed(dataset, case, rank)
         if not case.set_epoch:
@@ -149,7 +173,7 @@ def rank_epochs(case: Case, rank: int) -> list[list[list[int]]]:
         from datasets.distributed import split_dataset_by_node
 
         shard = split_dataset_by_node(dataset, rank=rank, world_size=case.world)
-        loader = _plain(shard, case, case.shuffle)
+        loader = _plain(shard, case, case.shuffle and not is_stream)
     else:
         raise ValueError(case.mode)
     out = []

@@ -7,7 +7,7 @@ mode over a grid of (N, B, shuffle), so a single launch checks many cases on rea
 import json
 import sys
 
-from sharddemo.datasets import ToyDataset
+from sharddemo.sources import ToyDataset
 from sharddemo.options import BASIC_MODES, RunOptions
 from sharddemo.trace import check_world, make_accelerator, trace_mode
 

@@ -7,7 +7,7 @@ source of the scenarios issue, in one process group (one launch per world size).
 import json
 import sys
 
-from sharddemo.datasets import build_source
+from sharddemo.sources import build_source
 from sharddemo.options import RunOptions
 from sharddemo.trace import check_world, make_accelerator, trace_mode
 

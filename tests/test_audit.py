@@ -14,11 +14,19 @@ from sharddemo.testing import assert_shards
 FACTORIES = str(ROOT / "tests" / "factories.py")
 
 
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
 def audit(target, *args, check=True, nproc=2):
+    """`sharddemo audit TARGET --format json`; every report it prints must validate."""
+    import jsonschema
+
     proc = sharddemo(["audit", target, "--num-processes", str(nproc), "--format", "json", *args],
                      check=False)
     if check and proc.returncode not in (0, 1):
         pytest.fail(f"audit exited {proc.returncode}\n{proc.stderr}")
+    if proc.returncode in (0, 1) and proc.stdout.strip():
+        jsonschema.validate(json.loads(proc.stdout), SCHEMA)
     return proc
 
 

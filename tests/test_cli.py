@@ -154,3 +154,26 @@ def test_trap_needs_two_processes():
     result = invoke(["trap", "--num-processes", "1"])
     assert result.exit_code == 2
     assert error_line(result) == "Error: --num-processes must be at least 2 to show the trap, got 1"
+
+
+def test_version_names_the_libraries_and_the_distributed_type():
+    import accelerate
+    import torch
+
+    from sharddemo import __version__
+
+    from conftest import sharddemo
+
+    proc = sharddemo(["--version"])
+    assert proc.stdout.splitlines()[0] == f"sharddemo {__version__}"
+    assert f"torch {torch.__version__}" in proc.stdout
+    assert f"accelerate {accelerate.__version__}" in proc.stdout
+    expected = "MULTI_GPU on NCCL" if torch.cuda.device_count() >= 2 else "MULTI_CPU on gloo"
+    assert f"distributed type here: {expected}" in proc.stdout
+
+
+def test_license_is_shipped():
+    from conftest import ROOT
+
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    assert "license_files = LICENSE" in (ROOT / "setup.cfg").read_text()

@@ -42,7 +42,8 @@ def test_the_silent_one_process_trap_is_refused():
 
 @pytest.mark.parametrize("env,alone", [
     ({"WORLD_SIZE": "2", "RANK": "0"}, True),           # torchrun said 2, the process group has 1
-    ({"MASTER_PORT": "29500"}, True),                    # plain launcher asked for >1, started 1
+    ({"MASTER_PORT": "29500", "ACCELERATE_MIXED_PRECISION": "no"}, True),  # plain launcher asked for >1, started 1
+    ({"MASTER_PORT": "29500"}, False),                   # a SLURM job's export, plain `python`
     ({"SHARDDEMO_EXPECT_WORLD_SIZE": "3"}, True),        # compare asked for 3
     ({}, False),                                         # a plain `sharddemo run`: world size 1 is fine
     ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": "1"}, False),  # torchrun with one process
@@ -51,7 +52,8 @@ def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
     from sharddemo.errors import UsageError
     from sharddemo.trace import check_world
 
-    for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE"):
+    for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE",
+                "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -10,7 +10,7 @@ from accelerate.data_loader import BatchSamplerShard
 from sim import SimAccelerator, walk
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from sharddemo.datasets import ToyDataset
+from sharddemo.sources import ToyDataset
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 

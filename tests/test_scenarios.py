@@ -9,12 +9,9 @@ import json
 import pytest
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from conftest import accelerate_launch
-from sim import SimAccelerator, walk
+from oracle import Case, IdStream, all_ranks
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from sharddemo.datasets import ToyIterable, build_source
-from sharddemo.loaders import build_loader
-from sharddemo.options import RunOptions
 from sharddemo.report import build_report
 
 
@@ -33,15 +30,15 @@ def got(case) -> list:
 
 
 def simulated(case, world: int) -> list:
-    """[epoch][rank] -> batches: accelerate's own prepare_data_loader (and torch's samplers)
-    computing, in this process, what that rank should receive."""
-    opts = RunOptions(**{**case["options"], "modes": tuple(case["options"]["modes"])})
-    per_rank = []
-    for r in range(world):
-        dataset = build_source(opts.source, opts.dataset_size, opts.shards)
-        per_rank.append(walk(build_loader(case["mode"], SimAccelerator(world, r), dataset, opts),
-                             opts.epochs))
-    return [[per_rank[r][e] for r in range(world)] for e in range(opts.epochs)]
+    """[epoch][rank] -> batches: torch's, accelerate's and datasets' own objects computing, in
+    this process, what that rank should receive (tests/oracle.py, no sharddemo code)."""
+    o = case["options"]
+    return all_ranks(Case(mode=case["mode"], n=o["dataset_size"], b=o["batch_size"],
+                          world=world, shuffle=o["shuffle"], drop_last=o["drop_last"],
+                          even_batches=o["even_batches"], split_batches=o["split_batches"],
+                          num_workers=o["num_workers"], set_epoch=o["set_epoch"],
+                          seed=o["seed"], epochs=o["epochs"], source=o["source"],
+                          shards=o["shards"]))
 
 
 def report_of(case, world):
@@ -187,13 +184,13 @@ def test_hf_dataset_shards_like_the_toy_dataset(scenarios):
 
 def test_datasets_split_map_style_contiguous_no_padding(scenarios):
     world, cases = scenarios
+    from datasets import Dataset
     from datasets.distributed import split_dataset_by_node
-
-    from sharddemo.datasets import hf_dataset
 
     e = got(cases["hf/split"])[0]
     for r in range(world):
-        shard = split_dataset_by_node(hf_dataset(10), rank=r, world_size=world)
+        shard = split_dataset_by_node(Dataset.from_dict({"id": list(range(10))}), rank=r,
+                                      world_size=world)
         assert sorted(sum(e[r], [])) == [int(x["id"]) for x in shard]
     report = report_of(cases["hf/split"], world)
     assert report["epochs"][0]["duplicates"] == [] and report["epochs"][0]["missing"] == []
@@ -217,9 +214,9 @@ def test_iterable_shard_loops_around_and_duplicates_survive_gather_for_metrics(s
     world, cases = scenarios
     e = got(cases["iterable/prepared-shard"])[0]
     for r in range(world):
-        shard = IterableDatasetShard(ToyIterable(10), batch_size=3, num_processes=world,
+        shard = IterableDatasetShard(IdStream(10), batch_size=3, num_processes=world,
                                      process_index=r)
-        assert sum(e[r], []) == [v - 1 for v in shard]
+        assert sum(e[r], []) == list(shard)
     report = report_of(cases["iterable/prepared-shard"], world)["epochs"][0]
     assert report["duplicates"] and report["duplicates"][0]["reason"] == "shard-fill"
     assert report["duplicates_explained"] is True

@@ -106,3 +106,22 @@ def test_the_reproductions(truth):
         assert all(r["samples"] == 9 for r in e["ranks"])
         assert e["duplicates_explained"] and len(e["missing"]) == 1
     assert replicated["broken_promises"] == []
+
+
+@pytest.mark.parametrize("args,promise", [
+    # Issue reproduction 1: used to abort a rank (a gather of unequal shapes).
+    (["--modes", "prepared", "--split-batches", "--no-even-batches", "--no-shuffle",
+      "--epochs", "1", "--dataset-size", "22", "--batch-size", "4"],
+     "prepared epoch 0: ranks take unequal step counts [6, 5] (DDP would hang)"),
+    # Issue reproduction 4: each rank walks the same 9 kept samples; no broken promise.
+    (["--modes", "replicated", "--drop-last", "--dataset-size", "10", "--batch-size", "3"], None),
+])
+def test_compare_reproductions_through_the_cli(args, promise):
+    import jsonschema
+    from conftest import ROOT, sharddemo
+
+    proc = sharddemo(["compare", *args, "--format", "json", "--check"], check=False)
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()))
+    assert report["broken_promises"] == ([promise] if promise else []), proc.stderr
+    assert proc.returncode == (1 if promise else 0), proc.stderr

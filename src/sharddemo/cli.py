@@ -149,8 +149,35 @@ def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
     ).validate()
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`sharddemo --version`: its own version, the libraries it runs on, and what a launch
+    here would use (CUDA -> NCCL; otherwise CPU ranks on gloo)."""
+    if not value or ctx.resilient_parsing:
+        return
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = (f"MULTI_GPU on NCCL ({gpus} GPUs visible)" if gpus >= 2 else
+            "MULTI_CPU on gloo (no 2 GPUs visible: CPU ranks, accelerate_configs/cpu2.yaml)")
+    click.echo(f"sharddemo {__version__}")
+    click.echo(f"python {platform.python_version()} | torch {torch.__version__} | accelerate "
+               f"{ver('accelerate')} | datasets {ver('datasets')} | click {ver('click')}")
+    click.echo(f"distributed type here: {here}")
+    ctx.exit()
+
+
 @click.group(cls=SafeGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="sharddemo")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_print_version, help="Show the versions and the distributed type here.")
 @click.option("--debug", is_flag=True, help="Show tracebacks and the ranks' full stderr.")
 def cli(debug: bool) -> None:
     """See, on real ranks, how torch and accelerate split a dataset across processes.

@@ -17,9 +17,3 @@ class RunFailed(ShardDemoError):
     """A launch or a rank failed: exit code 1."""
 
     exit_code = 1
-
-
-class CheckFailed(ShardDemoError):
-    """The run worked, but a mode broke what it promises (`--check`): exit code 1."""
-
-    exit_code = 1

@@ -72,9 +72,11 @@ def check_world(num_processes: int, env: Optional[dict] = None) -> None:
         except ValueError:
             pass
     if num_processes >= asked and not (
-        # The plain (non-torchrun) launcher sets MASTER_PORT only when it was asked for
-        # more than one process, and never sets WORLD_SIZE.
+        # accelerate's plain (non-torchrun) launcher sets MASTER_PORT only when it was asked
+        # for more than one process, never WORLD_SIZE, and always its ACCELERATE_* settings.
+        # MASTER_PORT alone proves nothing: SLURM jobs export it for plain `python` too.
         num_processes == 1 and "MASTER_PORT" in env and "WORLD_SIZE" not in env
+        and "ACCELERATE_MIXED_PRECISION" in env
     ):
         return
     wanted = f"{asked} processes" if asked > 1 else "several processes"
