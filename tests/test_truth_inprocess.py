@@ -126,7 +126,10 @@ def cases(draw, workers=st.just(0)):
                 set_epoch=draw(st.booleans()) if mode == "sampler" else True)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI sees the same 400 cases every run (a wider local search: --hypothesis-seed=N
+# and more examples; 3,000 random cases passed when this was written).
+@settings(max_examples=400, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 # The edges, worked out by hand: N divisible by W*B; N not divisible; N < W; B > N/W; the
 # issue's reproductions (split + no even_batches at N = 22, 21, 2; unseeded at N = 11).
@@ -144,7 +147,8 @@ def test_grid_matches_the_libraries(case):
     check_case(case)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cases(workers=st.just(2)))
 def test_grid_with_two_workers_matches_the_libraries(case):
     check_case(case)

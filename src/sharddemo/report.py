@@ -300,7 +300,8 @@ def replicated_ok(e: dict) -> bool:
     ones on every rank)."""
     flat = [_flat(r["batches"]) for r in e["ranks"]]
     missing_ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
-    return missing_ok and (len(flat) < 2 or _replicated(flat)) and bool(flat and flat[0])
+    # drop_last can keep nothing at all (N < B): then every rank saw all of nothing.
+    return missing_ok and (len(flat) < 2 or _replicated(flat) or not any(flat))
 
 
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
