@@ -469,6 +469,31 @@ def trap(num_processes: int, dataset_size: int, batch_size: int) -> None:
     click.echo(trap_run(opts, num_processes), nl=False)
 
 
+@cli.command()
+@click.option("--path", "name", metavar="NAME",
+              help="Print the installed file's path of config NAME, for "
+                   "`accelerate launch --config_file`.")
+def configs(name: Optional[str]) -> None:
+    """List the accelerate configs that ship with sharddemo, or print one's path.
+
+    They are installed inside the package, so they are found wherever pip put it; the
+    repository's accelerate_configs/ holds the same files.
+
+    Example:
+
+        accelerate launch --config_file "$(sharddemo configs --path cpu2.yaml)" -m sharddemo run
+    """
+    from sharddemo.config import shipped_config_path, shipped_configs
+
+    if name is not None:
+        click.echo(shipped_config_path(name))
+        return
+    shipped = shipped_configs()
+    width = max(len(n) for n in shipped)
+    for config_name, first_line in shipped.items():
+        click.echo(f"{config_name:<{width}}  {first_line}")
+
+
 def main() -> None:
     cli()
 

@@ -19,16 +19,35 @@ CPU_CONFIG = "cpu2.yaml"
 GPU_CONFIG = "2gpu.yaml"
 
 
-def config_dirs() -> list[str]:
-    """Where the shipped configs live: the working directory's, the source checkout's,
-    then the copy pip installed under <prefix>/share/sharddemo."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [
-        os.path.join(os.getcwd(), "accelerate_configs"),
-        os.path.normpath(os.path.join(here, "..", "..", "accelerate_configs")),
-        os.path.join(sys.prefix, "share", "sharddemo", "accelerate_configs"),
-    ]
-    return [d for d in candidates if os.path.isdir(d)]
+def shipped_configs() -> dict[str, str]:
+    """The accelerate configs installed with the package (package data, read with
+    importlib.resources, wherever the installer put the package): name -> its first comment
+    line. The repository's top-level accelerate_configs/ holds the same files, for people who
+    pass them to `accelerate launch --config_file` from a checkout."""
+    from importlib.resources import files
+
+    out = {}
+    for entry in sorted(files("sharddemo").joinpath("configs").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            first = entry.read_text(encoding="utf-8").splitlines()[0] if entry.is_file() else ""
+            out[entry.name] = first.lstrip("# ").strip()
+    return out
+
+
+def shipped_config_path(name: str) -> str:
+    """A real file path of the installed config `name`, for `accelerate launch --config_file`.
+    From a zip (a zipapp), the file is copied out to a temporary file that lives as long as
+    this process."""
+    import atexit
+    import contextlib
+    from importlib.resources import as_file, files
+
+    if name not in shipped_configs():
+        raise UsageError(f"no shipped config named {name!r}; choose one of: "
+                         + ", ".join(shipped_configs()) + " (sharddemo configs lists them)")
+    stack = contextlib.ExitStack()
+    atexit.register(stack.close)
+    return str(stack.enter_context(as_file(files("sharddemo").joinpath("configs", name))))
 
 
 def visible_gpus() -> int:
@@ -42,15 +61,13 @@ def visible_gpus() -> int:
 
 
 def default_config_path() -> str:
+    """accelerate_configs/NAME in the working directory when there is one (a checkout: the
+    copy people read and edit), else the installed copy."""
     name = GPU_CONFIG if visible_gpus() >= 2 else CPU_CONFIG
-    for directory in config_dirs():
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            return _display(path)
-    raise UsageError(
-        f"the shipped config {name} was not found; pass --config-file PATH "
-        "(see accelerate_configs/ in the sharddemo repository)"
-    )
+    local = os.path.join(os.getcwd(), "accelerate_configs", name)
+    if os.path.isfile(local):
+        return _display(local)
+    return shipped_config_path(name)
 
 
 def _display(path: str) -> str:

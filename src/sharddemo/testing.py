@@ -37,14 +37,14 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
     """Run the audit and return its report (the JSON `sharddemo audit --format json` prints).
     Raises sharddemo.errors.ShardDemoError when the factory cannot be run."""
     from sharddemo.compare import audit_run
-    from sharddemo.config import CPU_CONFIG, config_dirs
+    from sharddemo.config import CPU_CONFIG, shipped_config_path
     from sharddemo.launch import LaunchSettings
 
     opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
                         set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,
                         max_time=max_time).validate()
-    config = next((os.path.join(d, CPU_CONFIG) for d in config_dirs()
-                   if os.path.isfile(os.path.join(d, CPU_CONFIG))), None)
+    # CPU ranks on gloo: a test suite's audit must not need GPUs.
+    config = shipped_config_path(CPU_CONFIG)
     return audit_run(opts, LaunchSettings(config_file=config, num_processes=num_processes))
 
 
