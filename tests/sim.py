@@ -1,4 +1,4 @@
-"""Simulated ranks in one process (STYLE.md's first test layer).
+"""Simulated ranks in one process (the first test layer: ranks looped over in one process).
 
 `SimAccelerator(world, rank)` stands in for a rank's Accelerator: its `prepare` is accelerate's
 own `prepare_data_loader` told the world size and rank, with the rng handling `Accelerator()`

@@ -177,3 +177,17 @@ def test_license_is_shipped():
 
     assert (ROOT / "LICENSE").read_text().startswith("MIT License")
     assert "license_files = LICENSE" in (ROOT / "setup.cfg").read_text()
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_run_and_compare_take_the_same_modes_option(command):
+    """One spelling, `--modes`, on both; `--mode` is kept as its alias."""
+    from click.testing import CliRunner
+
+    from sharddemo.cli import cli
+
+    text = CliRunner().invoke(cli, [command, "--help"]).output
+    assert "--modes, --mode" in text
+    for spelling in ("--modes", "--mode"):
+        result = CliRunner().invoke(cli, [command, spelling, "nope"])
+        assert result.exit_code == 2 and "unknown mode 'nope'" in result.output

@@ -199,9 +199,53 @@ def test_more_ranks_than_samples_is_explained():
 def test_a_killed_rank_on_a_second_machine_is_named_by_its_global_rank():
     from sharddemo.launch import explain_failure
 
-    stderr = ("[rank 2/4] Error: mode sampler, epoch 0: RuntimeError: Connection reset by peer\n"
-              "E1202 ... failed (exitcode: -9) local_rank: 1 (pid: 5) of binary: python\n")
-    message, usage = explain_failure(stderr, 1, False, first_rank=2)
+    # Machine 1 of 2 (ranks 2, 3): rank 3 was SIGKILLed (torchrun names it by local rank 1);
+    # rank 2 failed soon after in its next collective and said so in its status file.
+    failed = {2: {"kind": "peer", "message": "mode sampler, epoch 0: DistBackendError ..."}}
+    stderr = "E1202 ... failed (exitcode: -9) local_rank: 1 (pid: 5) of binary: python\n"
+    message, usage = explain_failure(failed, {2, 3}, stderr, 1, False, first_rank=2)
     assert not usage
     assert message == ("rank 3 was killed by signal 9 (SIGKILL) and said nothing; "
                        "rank 2 then lost the connection to the failed rank")
+
+
+def test_failures_are_classified_by_what_the_ranks_say_not_by_words():
+    from sharddemo.launch import explain_failure
+
+    # A rank's own error that happens to say "Timeout" is its own error, not a stall.
+    own = {1: {"kind": "error", "message": "ValueError: Timeout while reading shard 3"},
+           0: {"kind": "peer", "message": "RuntimeError: Connection closed"}}
+    message, usage = explain_failure(own, {0, 1}, "", 1, False)
+    assert message == ("rank 1: ValueError: Timeout while reading shard 3; "
+                       "rank 0 then lost the connection to the failed rank")
+    # A rank that measured the whole timeout in its collective: its silent peer stalled.
+    stalled = {0: {"kind": "timeout", "message": "DistBackendError after 4.0 s ..."}}
+    message, _ = explain_failure(stalled, {0, 1}, "", 1, False)
+    assert message == ("rank 1 stopped answering: rank 0 gave up waiting for it at the "
+                       "process-group timeout (--timeout)")
+    usage = {0: {"kind": "usage", "message": "bad"}, 1: {"kind": "usage", "message": "bad"}}
+    assert explain_failure(usage, {0, 1}, "", 2, False) == ("rank 0, 1: bad", True)
+
+
+def test_a_port_taken_before_the_launcher_binds_it_is_retried_once(tmp_path, monkeypatch):
+    """free_port() picks a port; another job can take it before torchrun binds it. The first
+    launch here is a stand-in that fails as torchrun does then; the retry is the real one."""
+    from sharddemo import launch as launch_module
+    from sharddemo.compare import compare_run
+    from sharddemo.options import RunOptions
+
+    fake = tmp_path / "python"
+    marker = tmp_path / "first-done"
+    fake.write_text(f"""#!/bin/sh
+if [ ! -e {marker} ]; then
+  touch {marker}
+  echo "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. port: 12345, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use" >&2
+  exit 1
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(launch_module.sys, "executable", str(fake))
+    monkeypatch.chdir(ROOT)
+    report = compare_run(RunOptions(epochs=1, modes=("sampler",)).validate())
+    assert marker.exists() and report["modes"]["sampler"]["epochs"][0]["seen"] == 8

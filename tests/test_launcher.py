@@ -28,7 +28,7 @@ def test_accelerate_launch_run_all_on_cpu2_config():
 
 
 def test_the_silent_one_process_trap_is_refused():
-    # `accelerate launch --cpu --num_processes 2` starts ONE process (FACTS.md).
+    # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate issue 2741).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "-m", "sharddemo", "run"]

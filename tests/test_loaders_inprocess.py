@@ -51,14 +51,14 @@ def test_prepared_mode_is_accelerates_batch_sampler_shard(n, b, w):
 
 
 def test_prepared_literal_two_ranks_n10_b3():
-    # FACTS.md: round-robin batches, the short last round filled from the epoch's start.
+    # accelerate 1.16, checked on real ranks: round-robin batches, the short last round filled from the epoch's start.
     got = per_rank("prepared", 10, 3, 2, epochs=1, shuffle=False)
     assert got[0][0] == [[0, 1, 2], [6, 7, 8]]
     assert got[1][0] == [[3, 4, 5], [9, 0, 1]]
 
 
 def test_sampler_literal_four_ranks_n10():
-    # FACTS.md: rank r takes indices r::4 of the order padded with its first two indices.
+    # torch DistributedSampler: rank r takes indices r::4 of the order padded with its first two indices.
     got = per_rank("sampler", 10, 3, 4, epochs=1, shuffle=False)
     assert [sum(e[0], []) for e in got] == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
 

@@ -64,7 +64,7 @@ def test_sampler_padding():
 
 
 def test_even_batches_fill_and_gather_for_metrics_from_remainder():
-    # accelerate, N=10, B=3, W=2: r0 [[0,1,2],[6,7,8]], r1 [[3,4,5],[9,0,1]] (FACTS.md);
+    # accelerate, N=10, B=3, W=2: r0 [[0,1,2],[6,7,8]], r1 [[3,4,5],[9,0,1]] (checked on real ranks);
     # remainder 10 % 6 = 4: gather_for_metrics keeps 4 of the last step's 6 -> exactly 10.
     m = report_of(trace("prepared", 10, 3, 2, [[[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 0, 1]]]],
                         PREPARED, remainder=[4, 4]))
@@ -141,7 +141,7 @@ def test_drop_last_beyond_a_global_batch_is_not_explained():
 
 
 def test_unequal_steps_and_ragged_batches():
-    # split_batches without even_batches, N=22, B=4, W=2 (FACTS.md): rank 0 six batches of 2,
+    # split_batches without even_batches, N=22, B=4, W=2 (accelerate 1.16 on real ranks): rank 0 six batches of 2,
     # rank 1 five: a loop hangs at step 5; gather_for_metrics never reaches the last step.
     r0 = [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]]
     r1 = [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]

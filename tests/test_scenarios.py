@@ -160,7 +160,7 @@ def test_double_split_loses_samples(scenarios):
     world, cases = scenarios
     report = report_of(cases["double-split"], world)
     e = report["epochs"][0]
-    if world == 2:  # FACTS.md / transformers 34365: 1, 4, 6 and 9 are never seen
+    if world == 2:  # transformers issue 34365: 1, 4, 6 and 9 are never seen
         assert e["missing"] == [1, 4, 6, 9]
     assert e["missing"] and e["missing_reason"] == "double-split"
     assert any("never seen" in p for p in report["broken_promises"])

@@ -168,7 +168,7 @@ def test_invalid_split_batches_refused_as_the_library_refuses(b, world):
 
 
 def test_double_split_literal():
-    # Worked out by hand (transformers issue 34365, FACTS.md): N=10, B=2, W=2, no shuffle.
+    # Worked out by hand (transformers issue 34365): N=10, B=2, W=2, no shuffle.
     # Rank 0's sampler half [0,2,4,6,8] -> batches [0,2] [4,6] [8]; accelerate keeps batches 0
     # and 2 of them on rank 0 and fills the last: [[0,2],[8,0]]. Rank 1's half [1,3,5,7,9] ->
     # [1,3] [5,7] [9]; it keeps batch 1 and the fill of the missing batch 3: [[5,7],[3,5]].

@@ -212,8 +212,8 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     """The rank side: build the user's loader, walk it, gather what every rank saw."""
     from sharddemo.collect import exchange_ints
     from sharddemo.options import PROGRESS_ENV
-    from sharddemo.trace import (_gather_ints, _peak_rss_kb, check_world, make_accelerator,
-                                 placement, teardown, write_trace)
+    from sharddemo.trace import (check_world, make_accelerator, peak_rss_mb, placement,
+                                 teardown, write_trace)
     from sharddemo.walk import describe_loader, is_prepared, progress_reporter, walk_epoch
 
     factory = load_factory(opts.target)
@@ -257,7 +257,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         size = max(row[0] for row in sizes)
         base = _base_loader(loader)
         batch = getattr(base, "batch_size", None)
-        peak = _gather_ints(accelerator, [_peak_rss_kb()])
+        peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
         description = describe_loader(loader)
         if not accelerator.is_main_process:
@@ -286,7 +286,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
                                    "prepared": prepared, "loader": description,
                                    "epochs": epochs}},
             "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},
-                        "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
+                        "peak_rss_mb": peak},
         }
         if trace_out:
             write_trace(trace, trace_out)

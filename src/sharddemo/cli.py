@@ -66,9 +66,9 @@ class SafeGroup(click.Group):
                 # Every failing rank says so before it exits: the launcher stops the others
                 # as soon as one exits, so a rank that waited for another to speak could be
                 # killed with nothing said. `compare` groups ranks with the same message.
-                from sharddemo.trace import rank_fail
+                from sharddemo.trace import failure_kind, rank_fail
 
-                rank_fail(str(exc), usage=isinstance(exc, _Usage))
+                rank_fail(str(exc), failure_kind(exc, usage=isinstance(exc, _Usage)))
             else:
                 _error(str(exc))
             if _debug():
@@ -77,9 +77,9 @@ class SafeGroup(click.Group):
         except Exception as exc:  # a bug or an unexpected library error: still one line
             message = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if _in_rank():
-                from sharddemo.trace import rank_fail
+                from sharddemo.trace import failure_kind, rank_fail
 
-                rank_fail(message)
+                rank_fail(message, failure_kind(exc))
             else:
                 _error(message + " (run with --debug for the traceback)")
             if _debug():
@@ -191,7 +191,7 @@ def cli(debug: bool) -> None:
 
 
 @cli.command()
-@click.option("--mode", "modes", default="all", show_default=True,
+@click.option("--modes", "--mode", "modes", default="all", show_default=True,
               help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
                    "or a comma list of: " + ", ".join(MODES) + ".")
 @loader_options
@@ -305,7 +305,7 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 
 @cli.command()
 @launch_options
-@click.option("--modes", default="all", show_default=True,
+@click.option("--modes", "--mode", "modes", default="all", show_default=True,
               help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
                    "or a comma list of: " + ", ".join(MODES) + ".")
 @loader_options

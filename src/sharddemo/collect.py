@@ -24,11 +24,34 @@ headers [[4], [1]] -> width 4 -> rank 1 sends [4, -1, -1, -1] -> gathered
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
+from sharddemo.errors import CollectiveFailed
+
 PAD = -1  # never read back: the trim goes by the exchanged lengths
+
+# The process group's timeout (seconds), set by make_accelerator: a collective that fails after
+# waiting most of it timed out on a silent peer; one that fails sooner lost a peer.
+_timeout = [1800.0]
+
+
+def set_timeout(seconds: float) -> None:
+    _timeout[0] = float(seconds)
+
+
+def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call one collective; if it fails, say how from the time it took (CollectiveFailed)."""
+    start = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        waited = time.monotonic() - start
+        kind = "timeout" if waited >= 0.8 * _timeout[0] else "peer"
+        raise CollectiveFailed(f"{type(exc).__name__} after {waited:.1f} s in a collective: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}", kind) from exc
 
 
 def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
@@ -36,7 +59,8 @@ def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
     mine = torch.tensor(list(values), dtype=torch.int64, device=accelerator.device)
     if accelerator.num_processes == 1:
         return [mine.tolist()]
-    rows = accelerator.gather(mine).to("cpu").view(accelerator.num_processes, len(values))
+    rows = collective(accelerator.gather, mine).to("cpu").view(accelerator.num_processes,
+                                                               len(values))
     return rows.tolist()
 
 
@@ -54,7 +78,7 @@ def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> 
     if accelerator.num_processes == 1:
         rows = tensor.to("cpu").view(1, width)
     else:
-        rows = accelerator.gather(tensor).to("cpu").view(len(lengths), width)
+        rows = collective(accelerator.gather, tensor).to("cpu").view(len(lengths), width)
     return [rows[r, :n] for r, n in enumerate(lengths)]
 
 

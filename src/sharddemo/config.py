@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from dataclasses import dataclass
 from typing import Optional
 

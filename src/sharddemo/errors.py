@@ -17,3 +17,13 @@ class RunFailed(ShardDemoError):
     """A launch or a rank failed: exit code 1."""
 
     exit_code = 1
+
+
+class CollectiveFailed(RunFailed):
+    """A collective (gather, exchange) failed on this rank. `kind` says how, measured on the
+    rank rather than read from the message: `timeout` (it waited the whole process-group
+    timeout: a peer stopped answering) or `peer` (it failed sooner: a peer went away)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind

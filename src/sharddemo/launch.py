@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, NODE_ENV, PROGRESS_ENV, RunOptions
+from sharddemo.options import EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV, RunOptions
 
 
 def free_port() -> int:
@@ -90,11 +90,14 @@ def outer_timeout(opts: RunOptions) -> float:
 
 
 def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
-               timeout: Optional[float] = None, progress: bool = False) -> dict:
+               timeout: Optional[float] = None, progress: bool = False,
+               retried: bool = False) -> dict:
     """Run the launch; return the trace the main process wrote. Raises RunFailed."""
     port = launch.port or free_port()
     with tempfile.TemporaryDirectory(prefix="sharddemo-") as tmp:
         trace_path = os.path.join(tmp, "trace.json")
+        status_dir = os.path.join(tmp, "status")
+        os.mkdir(status_dir)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch.accelerate_args(),
                "--main_process_port", str(port),
                "-m", "sharddemo", launch.command, *launch.run_args, "--quiet",
@@ -105,6 +108,7 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         if launch.expect_world:
             env[EXPECT_ENV] = str(launch.num_processes)
         env[NODE_ENV] = str(launch.machine_rank)
+        env[STATUS_ENV] = status_dir
         if progress:
             env[PROGRESS_ENV] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -139,7 +143,14 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
             # torchrun names a dead process by its local rank: on machine m of a
             # multi-node job, global rank = m * ranks per machine + local rank.
             first = launch.machine_rank * (launch.num_processes // max(launch.num_machines, 1))
-            message, usage = explain_failure(stderr, code, debug, first_rank=first)
+            failed, started = read_status(status_dir)
+            if (not failed and launch.port is None and not retried
+                    and PORT_TAKEN.search(stderr)):
+                # Someone took the free port before the launcher bound it: once more, anew.
+                return run_launch(launch, opts, debug=debug, timeout=timeout,
+                                  progress=progress, retried=True)
+            message, usage = explain_failure(failed, started, stderr, code, debug,
+                                             first_rank=first)
             raise (UsageError if usage else RunFailed)(message)
         if launch.machine_rank != 0 and not os.path.exists(trace_path):
             return {}  # another node's main process writes the report
@@ -311,13 +322,11 @@ class ProgressBar:
 
 PROGRESS_PREFIX = "sharddemo-progress"
 
-RANK_ERROR = re.compile(r"\[rank (\d+)/(\d+)\] (Error|Usage error): (.*?)(?=\[rank \d+/\d+\] |$)",
-                        re.M)
-# torchrun's own line for a process that ended: a negative exit code is a signal.
+# torchrun's own report of a process that ended: a negative exit code is a signal. Only used to
+# name the signal of a rank that died without leaving its status file.
 TORCHRUN_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
-TIMED_OUT = re.compile(r"Timed out|timed out|Timeout|DistBackendError.*time", re.S)
-PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|"
-                       r"connection reset", re.I)
+# The port was taken between free_port() and the launcher's bind.
+PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
 
 def _by_message(lines: list) -> list[str]:
@@ -330,53 +339,70 @@ def _by_message(lines: list) -> list[str]:
     return [f"rank {', '.join(map(str, sorted(r)))}: {m}" for m, r in same.items()]
 
 
-def explain_failure(stderr: str, code: int, debug: bool,
-                    first_rank: int = 0) -> tuple[str, bool]:
-    """What went wrong, in one line, from the ranks' own error lines and torchrun's exit
-    report. Returns the message and whether it was a usage error (bad input, exit code 2).
+def read_status(folder: str) -> tuple[dict[int, dict], set[int]]:
+    """What the ranks left in the status folder: {rank: {"kind", "message"}} for the ranks that
+    failed and said so, and the set of ranks that started."""
+    failed, started = {}, set()
+    for name in os.listdir(folder):
+        match = re.fullmatch(r"rank-(\d+)\.(started|json)", name)
+        if not match:
+            continue
+        rank = int(match.group(1))
+        if match.group(2) == "started":
+            started.add(rank)
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                failed[rank] = json.load(handle)
+        except (OSError, ValueError):
+            continue
+    return failed, started
 
-    The root cause comes first: a rank's own exception, or a rank killed by a signal, or a
-    rank that stopped answering (its peers time out waiting for it). Ranks that only lost
-    the connection to a failed peer are mentioned last, briefly.
+
+def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, code: int,
+                    debug: bool, first_rank: int = 0) -> tuple[str, bool]:
+    """What went wrong, in one line, from what each rank said of itself (its status file:
+    usage, error, timeout or peer, measured on the rank) and which ranks started but said
+    nothing. Returns the message and whether it was a usage error (exit code 2).
+
+    The root cause comes first: a rank's own exception, or a rank that died without a word
+    (with the signal torchrun saw, when it names one), or a rank that stopped answering (its
+    peers waited the whole process-group timeout for it). Ranks that only lost the connection
+    to a failed peer come last, briefly.
     """
     import signal as _signal
 
     if debug:
         sys.stderr.write(stderr)
-    found = RANK_ERROR.findall(stderr)
-    usage = [(rank, message) for rank, _, kind, message in found if kind == "Usage error"]
+    usage = [(r, f["message"]) for r, f in sorted(failed.items()) if f.get("kind") == "usage"]
     if usage:
         return "; ".join(_by_message(usage)), True
-    world = int(found[0][1]) if found else 0
-    waited, lost, own = [], [], []
-    reported = set()
-    for rank, _, _, message in found:
-        reported.add(int(rank))
-        if TIMED_OUT.search(message):
-            waited.append(int(rank))
-        elif PEER_GONE.search(message):
-            lost.append(int(rank))
-        else:
-            own.append((rank, message))
+    own = [(r, f["message"]) for r, f in sorted(failed.items()) if f.get("kind") == "error"]
+    waited = sorted(r for r, f in failed.items() if f.get("kind") == "timeout")
+    lost = sorted(r for r, f in failed.items() if f.get("kind") == "peer")
+    silent = sorted(started - set(failed))
+    signals = {first_rank + int(local): -int(exit_code)
+               for exit_code, local in TORCHRUN_EXIT.findall(stderr) if int(exit_code) < 0}
     causes = _by_message(own)
-    for exit_code, local in TORCHRUN_EXIT.findall(stderr):
-        rank = first_rank + int(local)
-        if int(exit_code) < 0:
-            number = -int(exit_code)
+    if waited:
+        stalled = [r for r in silent if r not in signals] or silent
+        who = (f"rank {', '.join(map(str, stalled))} stopped answering" if stalled
+               else "a rank stopped answering")
+        causes.append(f"{who}: rank {', '.join(map(str, waited))} gave up waiting for it at "
+                      "the process-group timeout (--timeout)")
+        silent = [r for r in silent if r not in stalled]
+    for rank in silent:
+        if rank in signals:
+            number = signals[rank]
             try:
                 name = _signal.Signals(number).name
             except ValueError:
                 name = f"signal {number}"
             causes.insert(0, f"rank {rank} was killed by signal {number} ({name}) and said nothing")
-            reported.add(rank)
-    if waited:
-        silent = [r for r in range(world) if r not in reported] if world else []
-        who = (f"rank {', '.join(map(str, silent))} stopped answering" if silent
-               else "a rank stopped answering")
-        causes.append(f"{who}: rank {', '.join(map(str, sorted(set(waited))))} gave up waiting "
-                      "for it at the process-group timeout (--timeout)")
+        elif not own and not lost:
+            causes.append(f"rank {rank} ended without a word")
     if lost:
-        ranks = ", ".join(map(str, sorted(set(lost))))
+        ranks = ", ".join(map(str, lost))
         causes.append(f"rank {ranks} then lost the connection to the failed rank"
                       if causes else f"rank {ranks} lost the connection to a peer that failed "
                       "without a message")

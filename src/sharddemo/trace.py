@@ -22,10 +22,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import exchange_ints
+from sharddemo.collect import collective, exchange_ints, set_timeout
 from sharddemo.sources import batch_ids
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, RunOptions
+from sharddemo.options import (EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
+                               RunOptions)
 from sharddemo.walk import describe_loader, progress_reporter, walk_epoch
 
 TRACE_SCHEMA = "sharddemo.trace/1"
@@ -55,6 +56,8 @@ def make_accelerator(device: str, timeout: float):
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
+    set_timeout(timeout)
+    mark_started()
     return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
 
 
@@ -140,9 +143,12 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
             "loader": describe_loader(plan.loader), "hint": plan.hint, "epochs": epochs}
 
 
-def _gather_ints(accelerator, values: list[int]) -> list[int]:
-    """One int per rank -> the list of them, rank by rank."""
-    return [row[0] for row in exchange_ints(accelerator, values[:1])]
+def peak_rss_mb(accelerator) -> list[float]:
+    """Every rank's peak resident memory so far, in MB, rank by rank. A collective."""
+    import resource
+
+    kb = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+    return [round(row[0] / 1024, 1) for row in exchange_ints(accelerator, [kb])]
 
 
 def placement(accelerator) -> list[dict]:
@@ -158,13 +164,7 @@ def placement(accelerator) -> list[dict]:
             "node": int(node), "host": socket.gethostname()}
     if accelerator.num_processes == 1:
         return [mine]
-    return sorted(gather_object([mine]), key=lambda p: p["rank"])
-
-
-def _peak_rss_kb() -> int:
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+    return sorted(collective(gather_object, [mine]), key=lambda p: p["rank"])
 
 
 def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,
@@ -213,7 +213,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                 done = f" (modes completed before it: {', '.join(modes)})" if modes else ""
                 raise RunFailed(message + done) from exc
             timings[mode] = round(time.perf_counter() - start, 6)
-        peak = _gather_ints(accelerator, [_peak_rss_kb()])
+        peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
         if not main:
             return None
@@ -234,7 +234,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "placement": where,
             "modes": modes,
             # Not reproducible, so kept apart from the rest of the trace.
-            "timings": {"mode_s": timings, "peak_rss_mb": [round(kb / 1024, 1) for kb in peak]},
+            "timings": {"mode_s": timings, "peak_rss_mb": peak},
         }
         if trace_out:
             write_trace(trace, trace_out)
@@ -298,10 +298,50 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
              "(sharddemo kept every rank answering, so it did not)")
 
 
-def rank_fail(message: str, usage: bool = False) -> None:
-    """One line on stderr, from the rank that failed. `sharddemo compare` and `audit` read
-    these lines back: `Usage error` ones become exit code 2, the others 1."""
-    kind = "Usage error" if usage else "Error"
+# STATUS_ENV, set by `sharddemo compare` / `audit` for the ranks they launch: a folder where
+# each rank leaves `rank-R.started` when it starts and `rank-R.json` ({"kind", "message"}) when
+# it fails, so the launcher's side learns what happened from the ranks themselves, not by
+# reading words in their stderr.
+
+
+def _status_path(suffix: str) -> Optional[str]:
+    folder = os.environ.get(STATUS_ENV)
+    rank = os.environ.get("RANK")
+    return os.path.join(folder, f"rank-{rank}.{suffix}") if folder and rank else None
+
+
+def mark_started() -> None:
+    path = _status_path("started")
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(str(os.getpid()))
+
+
+def failure_kind(exc: BaseException, usage: bool = False) -> str:
+    """usage, timeout, peer or error: from the exception's own type (CollectiveFailed says how
+    the collective failed), following the chain of causes."""
+    if usage:
+        return "usage"
+    seen = exc
+    while seen is not None:
+        kind = getattr(seen, "kind", None)
+        if kind:
+            return kind
+        seen = seen.__cause__ or seen.__context__
+    return "error"
+
+
+def rank_fail(message: str, kind: str = "error") -> None:
+    """The failing rank speaks for itself: one line on stderr for a person (`[rank r/W] Error:
+    ...`), and its status file for `sharddemo compare` / `audit`, which turn `usage` into exit
+    code 2 and everything else into 1."""
+    import json
+
+    label = "Usage error" if kind == "usage" else "Error"
     # One write call, so that lines from ranks failing together do not interleave.
-    sys.stderr.write(f"{rank_label()} {kind}: {message}\n")
+    sys.stderr.write(f"{rank_label()} {label}: {message}\n")
     sys.stderr.flush()
+    path = _status_path("json")
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"rank": int(os.environ["RANK"]), "kind": kind, "message": message}, handle)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
+from sharddemo.collect import collective, exchange_ints, gather_ragged, narrowest_dtype
 
 # Up to this many steps per rank and epoch, every batch is gathered as it comes. Beyond it,
 # ids stay on the rank and are gathered once at the end of the epoch: a small gather costs
@@ -148,9 +148,10 @@ def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> lis
     if max(sizes) == 0:
         return []
     if len(set(sizes)) == 1:
-        got = accelerator.gather_for_metrics(ids.to(accelerator.device))
+        got = collective(accelerator.gather_for_metrics, ids.to(accelerator.device))
         return got.to("cpu").tolist()
-    return [int(i) for i in accelerator.gather_for_metrics(ids.tolist(), use_gather_object=True)]
+    got = collective(accelerator.gather_for_metrics, ids.tolist(), use_gather_object=True)
+    return [int(i) for i in got]
 
 
 def _remainders(accelerator, loader) -> list[Optional[int]]:
