@@ -54,3 +54,19 @@ def test_the_shipped_code_has_no_hidden_switches_and_no_private_imports():
                 private = [a.name for a in node.names
                            if a.name.startswith("_") and not a.name.startswith("__")]
                 assert not private, f"{path.name} imports private {private} from {node.module}"
+
+
+def test_slurm_script_passes_cpus_per_task_to_srun():
+    """Since SLURM 22.05 srun does not inherit --cpus-per-task from sbatch."""
+    import re
+
+    script = (ROOT / "accelerate_configs" / "slurm-2node.sbatch").read_text()
+    srun = [line for line in script.splitlines() if line.strip().startswith("srun")]
+    assert srun and all(re.search(r"--cpus-per-task[= ]\"?\$SLURM_CPUS_PER_TASK", line)
+                        for line in srun), srun
+
+
+def test_no_dead_error_classes():
+    from sharddemo import errors
+
+    assert not hasattr(errors, "CheckFailed")
