@@ -10,7 +10,7 @@ what the loader yields (workers included: indices are drawn in the main process)
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -124,84 +124,94 @@ def load_factory(target: str) -> Callable:
     return obj
 
 
-class IndexRecorder:
-    """Stands in for a DataLoader's batch sampler (or sampler): yields exactly what the real
-    one yields and keeps each batch of indices until its batch is delivered. Everything else
-    (len, set_epoch, attributes) goes to the real one."""
-
-    def __init__(self, inner, batched: bool) -> None:
-        self._inner = inner
-        self._batched = batched
-        self.pending: collections.deque = collections.deque()
-
-    def __iter__(self):
-        for item in self._inner:
-            self.pending.append(list(item) if self._batched else [item])
-            yield item
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-
-def _base_loader(loader):
-    """The torch DataLoader inside accelerate's wrappers (they delegate to `base_dataloader`)."""
-    return getattr(loader, "__dict__", {}).get("base_dataloader", loader)
-
-
 def id_reader(loader, id_field: Optional[str]) -> Callable:
-    """A function batch -> the 0-based sample ids it holds (a 1-D int64 CPU tensor), by id
-    field or by recorded indices."""
+    """read_ids(batch, tag) for the walk: the 0-based sample ids of a batch, by id field, or
+    by the indices the dataset was really asked for (walk.tag_batches records them in whatever
+    process fetched the batch, so workers, stateful loaders, prefetching and accelerate's
+    dispatch are all covered)."""
     import torch
 
+    from sharddemo.walk import base_loader, is_tagged, tag_batches
+
     if id_field is not None:
+        whole = id_field in (".", "batch")
         key: Any = int(id_field) if id_field.lstrip("-").isdigit() else id_field
 
-        def by_field(batch):
-            try:
-                ids = batch[key]
-            except (KeyError, IndexError, TypeError) as exc:
-                kind = type(batch).__name__
-                raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
-                                 f"field ({type(exc).__name__}: {exc})") from None
+        def by_field(batch, tag):
+            if whole:
+                ids = batch  # the batch is the ids themselves
+            else:
+                try:
+                    ids = batch[key]
+                except (KeyError, IndexError, TypeError) as exc:
+                    kind = type(batch).__name__
+                    raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
+                                     f"field ({type(exc).__name__}: {exc})") from None
             ids = torch.as_tensor(ids)
-            if ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
-                raise UsageError(f"--id-field {id_field} selects one number per batch (the batches "
-                                 f"are tensors of shape {tuple(batch.shape)}), not the ids of its "
-                                 "samples; name the field of a dict or tuple batch that holds them")
+            if not whole and ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
+                raise UsageError(f"--id-field {id_field} selects one number per batch (the "
+                                 f"batches are tensors of shape {tuple(batch.shape)}), not the "
+                                 "ids of its samples; pass --id-field . when each batch is "
+                                 "itself the tensor of ids")
             return ids.reshape(-1).to("cpu", torch.int64)
 
+        tag_batches(loader, record_indices=False)  # which worker made each batch
         return by_field
-    if type(loader).__name__ == "DataLoaderDispatcher":
-        raise UsageError("this loader dispatches batches from rank 0 (dispatch_batches), so the "
-                         "other ranks fetch no indices; pass --id-field with a field of the "
-                         "batches that holds each sample's id")
-    base = _base_loader(loader)
+    base = base_loader(loader)
     dataset = getattr(base, "dataset", None)
     from torch.utils.data import IterableDataset
 
-    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(base, "sampler"):
+    dataset = getattr(dataset, "_inner", dataset)  # already tagged on its way through prepare
+    if dataset is None or isinstance(dataset, IterableDataset) \
+            or type(dataset).__name__ == "IterableDataset":
         raise UsageError("the loader reads an iterable dataset, which has no indices to record; "
-                         "pass --id-field with a field of the batches that holds each sample's id")
-    batched = base.batch_sampler is not None
-    recorder = IndexRecorder(base.batch_sampler if batched else base.sampler, batched)
-    # DataLoader refuses to have its sampler set after construction: set it underneath.
-    object.__setattr__(base, "batch_sampler" if batched else "sampler", recorder)
+                         "pass --id-field with a field of the batches that holds each sample's "
+                         "id (--id-field . when each batch is the ids)")
+    if not tag_batches(loader, record_indices=True) and not is_tagged(loader):
+        raise UsageError("the loader's batches cannot be traced to dataset indices (no "
+                         "collate function to wrap); pass --id-field")
 
-    def by_index(batch):
-        if not recorder.pending:
-            raise RunFailed("the loader delivered a batch its sampler never drew; pass --id-field")
-        return torch.tensor(recorder.pending.popleft(), dtype=torch.int64)
+    def by_index(batch, tag):
+        if tag is None or "index" not in tag:
+            raise RunFailed("a batch arrived without the indices it was made of (the dataset "
+                            "was not asked for them one by one); pass --id-field")
+        return tag["index"].to("cpu", torch.int64)
 
     return by_index
 
 
+@contextlib.contextmanager
+def tagging_prepare(accelerator, record_indices: bool):
+    """While the user's factory runs: every DataLoader it passes to `accelerator.prepare` is
+    tagged (walk.tag_batches) on its way in, so the loader accelerate builds from it carries
+    the tags from its very first iterator. (A stateful loader starts its iterator, and its
+    workers, inside prepare; tagging afterwards would miss that epoch, and replacing the
+    iterator would change what it yields.) Nothing else about prepare changes."""
+    from torch.utils.data import DataLoader
+
+    from sharddemo.walk import tag_batches
+
+    original = accelerator.prepare
+
+    def prepare(*objects, **kwargs):
+        for obj in objects:
+            if isinstance(obj, DataLoader):
+                tag_batches(obj, record_indices=record_indices)
+        return original(*objects, **kwargs)
+
+    accelerator.prepare = prepare
+    try:
+        yield
+    finally:
+        del accelerator.prepare  # the bound method again
+
+
 def _set_epoch(loader, epoch: int) -> None:
     """What a training loop that calls set_epoch does."""
-    sampler = getattr(_base_loader(loader), "sampler", None)
-    for obj in (getattr(sampler, "_inner", sampler), loader):
+    from sharddemo.walk import base_loader
+
+    sampler = getattr(base_loader(loader), "sampler", None)
+    for obj in (sampler, loader):
         if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
@@ -214,7 +224,8 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     from sharddemo.options import PROGRESS_ENV
     from sharddemo.trace import (check_world, make_accelerator, peak_rss_mb, placement,
                                  teardown, write_trace)
-    from sharddemo.walk import describe_loader, is_prepared, progress_reporter, walk_epoch
+    from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
+                                progress_reporter, walk_epoch)
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -222,17 +233,20 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         check_world(accelerator.num_processes)
         world = accelerator.num_processes
         try:
-            loader = factory(accelerator)
+            with tagging_prepare(accelerator, record_indices=opts.id_field is None):
+                loader = factory(accelerator)
         except (UsageError, RunFailed):
             raise
         except Exception as exc:
             raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
         if not hasattr(loader, "__iter__") or (opts.id_field is None
-                                               and not hasattr(_base_loader(loader), "sampler")):
+                                               and not hasattr(base_loader(loader), "dataset")):
             raise UsageError(f"the factory {opts.target} returned an object of type "
                              f"{type(loader).__name__}, not a DataLoader; return the loader your "
                              "training loop walks (or pass --id-field for another iterable of "
                              "batches)")
+        description = describe_loader(loader)  # before the walk wraps anything
+        agreed = agree_on_fingerprint(accelerator, loader)
         read_ids = id_reader(loader, opts.id_field)
         prepared = is_prepared(loader)
         records = []
@@ -255,11 +269,10 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
         sizes = exchange_ints(accelerator, [size])
         size = max(row[0] for row in sizes)
-        base = _base_loader(loader)
+        base = base_loader(loader)
         batch = getattr(base, "batch_size", None)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
-        description = describe_loader(loader)
         if not accelerator.is_main_process:
             return None
         epochs = [r.to_dict() for r in records]
@@ -282,9 +295,10 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             "seed": 0,
             "options": {"audit": asdict(opts), "drop_last": description["drop_last"]},
             "placement": where,
+            "fingerprint": agreed,
             "modes": {AUDIT_MODE: {"description": f"your loader from {opts.target}",
                                    "prepared": prepared, "loader": description,
-                                   "epochs": epochs}},
+                                   "fingerprint": agreed, "epochs": epochs}},
             "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},
                         "peak_rss_mb": peak},
         }
@@ -298,9 +312,11 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
 def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
     """N: --dataset-size, else len(dataset), else one past the largest id this rank saw (the
     ranks then agree on the largest)."""
+    from sharddemo.walk import base_loader
+
     if opts.dataset_size is not None:
         return opts.dataset_size
-    dataset = getattr(_base_loader(loader), "dataset", None)
+    dataset = getattr(base_loader(loader), "dataset", None)
     try:
         return len(dataset)
     except TypeError:

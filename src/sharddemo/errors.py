@@ -27,3 +27,10 @@ class CollectiveFailed(RunFailed):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class Disagreement(RunFailed):
+    """The ranks compared what they hold and found they differ: every rank stops with the
+    same message, which names the ranks and the field."""
+
+    kind = "mismatch"

@@ -377,6 +377,10 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
     usage = [(r, f["message"]) for r, f in sorted(failed.items()) if f.get("kind") == "usage"]
     if usage:
         return "; ".join(_by_message(usage)), True
+    # The ranks compared notes and found they differ: the message names the ranks already.
+    agreed = [f["message"] for _, f in sorted(failed.items()) if f.get("kind") == "mismatch"]
+    if agreed:
+        return agreed[0], False
     own = [(r, f["message"]) for r, f in sorted(failed.items()) if f.get("kind") == "error"]
     waited = sorted(r for r, f in failed.items() if f.get("kind") == "timeout")
     lost = sorted(r for r, f in failed.items() if f.get("kind") == "peer")

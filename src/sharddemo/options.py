@@ -31,12 +31,15 @@ MODE_HELP = {
 }
 
 # Where the samples come from. Every source carries its sample ids.
-SOURCES = ("toy", "hf", "iterable", "hf-stream")
+SOURCES = ("toy", "hf", "iterable", "iterable-unsplit", "hf-stream")
 MAP_SOURCES = ("toy", "hf")
 SOURCE_HELP = {
     "toy": "the reference's dataset: sample i holds the value i + 1",
     "hf": "a datasets.Dataset built in memory with an `id` column, torch format",
-    "iterable": "a torch IterableDataset streaming ids 0..N-1 (no length)",
+    "iterable": "a torch IterableDataset streaming ids 0..N-1 (no length), split by DataLoader "
+                "worker",
+    "iterable-unsplit": "the common mistake: an IterableDataset that ignores workers and ranks, "
+                        "so every worker yields the whole stream",
     "hf-stream": "a datasets.IterableDataset streamed from JSON-lines shards written locally",
 }
 DEFAULT_SHARDS = 4

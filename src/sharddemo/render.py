@@ -54,7 +54,9 @@ def _epoch_summary(e: dict) -> list[str]:
         lines.append(f"why missing: {why}" if why else
                      "why missing: NO reason: a sharded loader lost these samples")
     if e["duplicates"]:
-        lines.append(f"why duplicated: {e['reasons'][e['duplicates'][0]['reason']]}"
+        codes = list(dict.fromkeys(c for d in e["duplicates"]
+                                   for c in d.get("causes") or [d["reason"]]))
+        lines.append("why duplicated: " + "; ".join(e["reasons"][c] for c in codes)
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
     how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
     g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
@@ -73,6 +75,17 @@ def _epoch_summary(e: dict) -> list[str]:
     elif e.get("ragged_steps"):
         lines.append(f"batch sizes differ between ranks at step(s) {_short(e['ragged_steps'])}: "
                      "a plain accelerator.gather of them fails on gloo")
+    shown = [w for w in e.get("workers", []) if w["worker"] >= 0]
+    if shown:
+        by_rank: dict[int, list[str]] = {}
+        for w in shown:
+            by_rank.setdefault(w["rank"], []).append(
+                f"worker {w['worker']} {w['samples']} ({w['share']:.0%})")
+        lines.append("workers: " + "; ".join(f"rank {r}: " + ", ".join(v)
+                                             for r, v in by_rank.items()))
+    if e.get("idle_workers"):
+        lines.append("IDLE workers (made nothing): " + ", ".join(
+            f"rank {w['rank']} worker {w['worker']}" for w in e["idle_workers"]))
     if len(e.get("by_node", {})) > 1:
         lines.append("by node: " + ", ".join(f"node {k} saw {v}" for k, v in e["by_node"].items()))
     order = []
@@ -84,6 +97,18 @@ def _epoch_summary(e: dict) -> list[str]:
     if order:
         lines.append("; ".join(order))
     return lines
+
+
+def stream_line(streams: dict) -> str:
+    """The shard arithmetic of an HF stream, as datasets computes it."""
+    text = (f"stream of {streams['files']} file(s): {streams['how']}; files per rank "
+            f"{streams['files_per_rank']}")
+    if streams["num_workers"]:
+        text += f", per worker {streams['files_per_worker']}"
+    if streams["idle_workers"]:
+        text += "; IDLE workers (no file): " + ", ".join(
+            f"rank {w['rank']} worker {w['worker']}" for w in streams["idle_workers"])
+    return text
 
 
 def placement_line(report: dict) -> str:
@@ -106,6 +131,8 @@ def render_table(report: dict) -> str:
     for mode, data in report["modes"].items():
         out.append("")
         out.append(f"== {mode}: {data['description']}")
+        if data.get("streams"):
+            out.append("  " + stream_line(data["streams"]))
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:

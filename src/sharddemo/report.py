@@ -44,8 +44,10 @@ REASON_LABEL = {
     "even-batches-fill": "accelerate's even_batches loop-around",
     "shard-fill": "IterableDatasetShard's loop-around",
     "replication": "replication",
+    "worker-replication": "every DataLoader worker yielded the same stream",
+    "stream-replication": "every rank read the same unsplit stream",
     "double-split": "the loader was split twice",
-    "ranks-disagree": "the ranks shuffled with different seeds",
+    "ranks-disagree": "the ranks dealt from different orders",
     "drop-last": "drop_last",
     "unexplained": "no known reason",
 }
@@ -59,11 +61,20 @@ REASON_SENTENCE = {
     "shard-fill": "IterableDatasetShard: the last global batch is filled from the start of the "
                   "stream",
     "replication": "replication: the loader is not sharded, so every rank walks the same samples",
+    "worker-replication": "worker replication: the IterableDataset ignores "
+                          "torch.utils.data.get_worker_info(), so each of a rank's DataLoader "
+                          "workers yields the whole stream (split it by worker id)",
+    "stream-replication": "stream replication: every rank reads the same stream, which nothing "
+                          "splits by rank (split_dataset_by_node, IterableDatasetShard, or "
+                          "dispatch_batches)",
     "double-split": "double split: a loader that already has a DistributedSampler was sharded "
                     "again by accelerator.prepare, so each rank's half is dealt round-robin "
                     "across the ranks once more",
-    "ranks-disagree": "the ranks shuffled with different seeds (use_seedable_sampler without "
-                      "set_seed), so their slices of their own permutations overlap",
+    "ranks-disagree": "the ranks dealt from different orders: each rank's slice is clean, but "
+                      "the slices overlap and leave holes (no common seed: use_seedable_sampler "
+                      "without set_seed, or a permutation drawn before the ranks synchronise "
+                      "their RNG, as a prepared stateful loader with workers does, accelerate "
+                      "issue 4204)",
     "unexplained": "not explained by the loader's own padding",
 }
 
@@ -158,11 +169,74 @@ def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optiona
             return code, True
     if _replicated(flat):
         return "replication", kind == REPLICATED
+    if _ranks_disagree(flat) and (code is not None or loader.get("seedable_sampler")):
+        # A loader that shards, each rank's slice clean, yet slices overlap: the ranks dealt
+        # from different orders (no common seed, or a permutation drawn before the sync).
+        return "ranks-disagree", False
     return code or "unexplained", False
 
 
+def _ranks_disagree(flat: list[list[int]]) -> bool:
+    """Every rank's ids are distinct, but some id is on several ranks."""
+    if len(flat) < 2 or any(len(set(ids)) != len(ids) for ids in flat):
+        return False
+    return sum(len(ids) for ids in flat) != len(set().union(*map(set, flat)))
+
+
+def stream_duplicate_reasons(ranks: list[list[list[int]]], workers: list[list[int]],
+                             dups: list[int]) -> dict[int, str]:
+    """For a stream: each duplicated id -> `worker-replication` when some rank received it
+    from several of its DataLoader workers, else `stream-replication` (several ranks read it).
+    Found in the records: which rank and which worker delivered each copy."""
+    wanted = set(dups)
+    where: dict[int, set] = {}
+    for r, (batches, made_by) in enumerate(zip(ranks, workers)):
+        for batch, worker in zip(batches, made_by):
+            for i in batch:
+                if i in wanted:
+                    where.setdefault(i, set()).add((r, worker))
+    out = {}
+    for i in dups:
+        seen = where.get(i, set())
+        per_rank: dict[int, set] = {}
+        for r, worker in seen:
+            per_rank.setdefault(r, set()).add(worker)
+        causes = []
+        if any(len(ws) > 1 and min(ws) >= 0 for ws in per_rank.values()):
+            causes.append("worker-replication")
+        if len(per_rank) > 1:
+            causes.append("stream-replication")
+        out[i] = causes or ["stream-replication"]
+    return out
+
+
+def worker_shares(ranks: list[list[list[int]]], workers: list[list[int]], configured: int,
+                  dispatched: bool = False) -> tuple[list[dict], list[dict]]:
+    """Per rank and worker: batches, samples and the worker's share of its rank; and the
+    workers that made nothing (of the `configured` per rank). With dispatch_batches every
+    batch is made by one of rank 0's workers and sliced to the ranks: idle is rank 0's."""
+    rows, idle = [], []
+    if dispatched:
+        made = {w for made_by in workers for w in made_by}
+        idle = [{"rank": 0, "worker": k} for k in range(configured) if k not in made]
+        configured = 0
+    for r, (batches, made_by) in enumerate(zip(ranks, workers)):
+        total = sum(len(b) for b in batches)
+        counts: dict[int, list[int]] = {}
+        for batch, worker in zip(batches, made_by):
+            entry = counts.setdefault(worker, [0, 0])
+            entry[0] += 1
+            entry[1] += len(batch)
+        for worker in sorted(counts):
+            rows.append({"rank": r, "worker": worker, "batches": counts[worker][0],
+                         "samples": counts[worker][1],
+                         "share": round(counts[worker][1] / total, 4) if total else 0.0})
+        idle += [{"rank": r, "worker": k} for k in range(configured) if k not in counts]
+    return rows, idle
+
+
 def explain_missing(missing: int, loader: dict, hint: Optional[str],
-                    global_size: int) -> tuple[Optional[str], bool]:
+                    global_size: int, dup_code: Optional[str] = None) -> tuple[Optional[str], bool]:
     """Why samples were never seen: a code (None: no reason, a broken promise) and whether
     that reason accounts for all of them. drop_last can drop less than one global batch:
     an incomplete last batch on each rank, or an incomplete last round of batches, or the
@@ -171,6 +245,8 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
         return "double-split", True
     if hint:
         return hint, True
+    if dup_code == "ranks-disagree":
+        return "ranks-disagree", True
     if loader.get("drop_last"):
         return "drop-last", missing < global_size
     return None, False
@@ -235,7 +311,21 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     per_rank_batch = max(1, global_batch(trace) // max(w, 1))
     reasons: dict[str, str] = {}
     dup_code, explained = None, True
-    if extra:
+    workers = [r.get("workers") or [] for r in record["ranks"]]
+    known = all(len(wk) == len(b) for wk, b in zip(workers, ranks)) and any(
+        x >= -1 for wk in workers for x in wk)
+    per_id: dict[int, str] = {}
+    if extra and loader.get("iterable_dataset") and known and not (
+            loader.get("iterable_shard") or loader.get("dispatcher")
+            or is_double_split(loader) or hint) and not _stream_padded(ranks, loader, w,
+                                                                        per_rank_batch):
+        per_id = stream_duplicate_reasons(ranks, workers, [i for i, _ in cov["duplicates"]])
+        codes = {c for causes in per_id.values() for c in causes}
+        dup_code = "worker-replication" if "worker-replication" in codes else "stream-replication"
+        explained = codes == {"stream-replication"} and kind == REPLICATED
+        for code in sorted(codes):
+            reasons[code] = REASON_SENTENCE[code]
+    elif extra:
         dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch)
         reasons[dup_code] = REASON_SENTENCE[dup_code]
     miss_code, miss_explained = None, True
@@ -244,7 +334,7 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
             miss_code, miss_explained = None, False
         else:
             miss_code, miss_explained = explain_missing(len(cov["missing"]), loader, hint,
-                                                        global_batch(trace))
+                                                        global_batch(trace), dup_code)
         if miss_code == "drop-last":
             reasons["drop-last"] = (f"drop_last: {len(cov['missing'])} sample(s) did not make a "
                                     "complete batch (or round of batches) and were dropped")
@@ -274,7 +364,9 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         "missing_reason": miss_code,
         "missing_explained": bool(miss_code) and miss_explained if cov["missing"] else True,
         "out_of_range": cov["out_of_range"],
-        "duplicates": [{"id": i, "count": c, "reason": dup_code} for i, c in cov["duplicates"]],
+        "duplicates": [{"id": i, "count": c, "reason": per_id[i][0] if i in per_id else dup_code,
+                        **({"causes": per_id[i]} if i in per_id else {})}
+                       for i, c in cov["duplicates"]],
         "duplicates_explained": explained,
         "reasons": reasons,
     }
@@ -285,6 +377,11 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         out["gather_for_metrics_exact"] = None if metrics is None else _exactly_once(metrics, n)
         out["gather_for_metrics_equals_gather"] = (metrics is not None
                                                    and len(metrics) == cov["seen"])
+    if known:
+        rows, idle = worker_shares(ranks, workers, int(loader.get("num_workers") or 0),
+                                   dispatched=bool(loader.get("dispatcher")))
+        out["workers"] = rows
+        out["idle_workers"] = idle
     out["ranks_same_order"] = (len(flat) > 1 and bool(flat[0])
                                and all(ids == flat[0] for ids in flat[1:]))
     if previous is None:
@@ -295,13 +392,22 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     return out
 
 
+def _stream_padded(ranks, loader, world: int, batch: int) -> bool:
+    """A stream's repeats that are its own loop-around fill (never the case for an unsplit
+    stream, whose repeats are whole copies)."""
+    again = tail_repeats_head(interleave_steps(ranks))
+    return again is not None and 0 < again < world * batch and bool(loader.get("iterable_shard"))
+
+
 def replicated_ok(e: dict) -> bool:
     """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
     ones on every rank)."""
     flat = [_flat(r["batches"]) for r in e["ranks"]]
     missing_ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
     # drop_last can keep nothing at all (N < B): then every rank saw all of nothing.
-    return missing_ok and (len(flat) < 2 or _replicated(flat) or not any(flat))
+    sets = [set(ids) for ids in flat]
+    return missing_ok and (len(flat) < 2 or all(x == sets[0] for x in sets[1:])) and \
+        (bool(sets and sets[0]) or not any(flat))
 
 
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
@@ -323,6 +429,10 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             # With drop_last every rank still sees all the full batches, not the dropped tail.
             problems.append(f"{tag}: the ranks did not each see the whole dataset (less what "
                             "drop_last drops)")
+        if any(d["reason"] == "worker-replication" for d in e["duplicates"]):
+            most = max(d["count"] for d in e["duplicates"])
+            problems.append(f"{tag}: each rank's DataLoader workers all yielded the same stream "
+                            f"(worker replication): samples arrived up to {most} times")
         if e["out_of_range"]:
             problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
     return problems
@@ -362,7 +472,8 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
         if expect == "sharded":
-            ok = w == 1 or not any(d["reason"] == "replication" for d in e["duplicates"])
+            ok = w == 1 or not any(d["reason"] in ("replication", "stream-replication")
+                                   for d in e["duplicates"])
             add("no-silent-replication", k, ok, "" if ok else
                 f"all {w} ranks received the same samples: the loader is not sharded")
         else:
@@ -405,12 +516,24 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
                  if first["ranks_same_order"] else "each in its own order")
         dropped = (f"; drop_last dropped {len(first['missing'])} on every rank"
                    if first["missing"] and first["missing_reason"] == "drop-last" else "")
+        workers = ""
+        if any(d["reason"] == "worker-replication" for d in first["duplicates"]):
+            most = max(d["count"] for d in first["duplicates"])
+            workers = (f"; worse, each rank's DataLoader workers each yielded the whole stream, "
+                       f"so samples arrived up to {most} times ({REASON_LABEL['worker-replication']})")
         return (f"Every rank walked the whole dataset {order}: {seen} samples per epoch for "
-                f"a dataset of {n} = {times} {sums}{dropped}; shard it with accelerator.prepare "
-                "or a DistributedSampler.")
+                f"a dataset of {n} = {times} {sums}{dropped}{workers}; shard it with "
+                "accelerator.prepare or a DistributedSampler.")
+    copies = {d["reason"] for d in first["duplicates"]} & {
+        "replication", "worker-replication", "stream-replication"}
     if w == 1:
         text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
                 f"dataset of {n} = {times}: nothing was sharded {sums}")
+    elif copies:
+        most = max((d["count"] for d in first["duplicates"]), default=1)
+        why = " and ".join(REASON_LABEL[c] for c in sorted(copies))
+        text = (f"The {w} ranks did NOT split the epoch: {seen} samples per epoch for a dataset "
+                f"of {n} = {times} {sums}, samples received up to {most} times ({why})")
     else:
         text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
                 f"dataset of {n} = {times} {sums}")
@@ -420,7 +543,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     elif missing:
         why = f" ({REASON_LABEL[why_missing]})" if why_missing else " (no known reason)"
         text += f", but {missing} sample(s) were never seen{why}"
-    if dup:
+    if dup and not copies:
         text += f", {dup} extra (repeated) sample(s) ({REASON_LABEL[first['duplicates'][0]['reason']]})"
     if first.get("gather_for_metrics_exact") is not None:
         if first["gather_for_metrics_exact"]:
@@ -475,6 +598,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             "prepared": data.get("prepared", False),
             "loader": data.get("loader"),
             "epochs": epochs,
+            "streams": data.get("streams"),
+            "fingerprint": data.get("fingerprint"),
             "broken_promises": broken,
             "conclusion": conclude(mode, trace, epochs),
         }
@@ -509,6 +634,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "modes": modes,
         "broken_promises": problems,
     }
+    if trace.get("fingerprint") is not None:
+        report["fingerprint"] = trace["fingerprint"]
     if "timings" in trace:
         report["timings"] = trace["timings"]
     return report

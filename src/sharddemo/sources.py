@@ -58,6 +58,17 @@ class ToyIterable(IterableDataset):
         return iter(range(start + 1, self.length + 1, step))
 
 
+class ToyIterableUnsplit(IterableDataset):
+    """The common mistake: a stream that ignores DataLoader workers (and ranks). Every worker
+    of every rank yields values 1..N: with K workers a rank receives each sample K times."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        return iter(range(1, self.length + 1))
+
+
 def hf_dataset(length: int):
     """A datasets.Dataset in memory: one `id` column, torch format."""
     from datasets import Dataset as HFDataset
@@ -93,11 +104,45 @@ def build_source(name: str, length: int, shards: int = 4):
         return ToyDataset(length)
     if name == "iterable":
         return ToyIterable(length)
+    if name == "iterable-unsplit":
+        return ToyIterableUnsplit(length)
     if name == "hf":
         return hf_dataset(length)
     if name == "hf-stream":
         return hf_stream(length, shards)
     raise ValueError(f"unknown source {name!r}")
+
+
+def stream_arithmetic(stream, world: int, num_workers: int, split: bool) -> dict:
+    """How HF datasets spreads a streamed dataset's files over ranks and DataLoader workers,
+    asked of datasets itself: `split_dataset_by_node` per rank (whole files when the file count
+    divides by W, else every W-th example of every file), then, per worker, the shard indices
+    its `_iter_pytorch` gives that worker (`split_shard_indices_by_worker`)."""
+    from datasets.distributed import split_dataset_by_node
+
+    files = int(stream.num_shards)
+    out: dict[str, Any] = {"files": files, "world_size": world, "num_workers": num_workers,
+                           "split_by_node": split}
+    per_rank, per_worker, idle = [], [], []
+    for rank in range(world):
+        part = split_dataset_by_node(stream, rank=rank, world_size=world) if split else stream
+        per_rank.append(int(part.num_shards))
+        workers = []
+        for k in range(max(num_workers, 1)):
+            shards = part._ex_iterable.split_shard_indices_by_worker(
+                num_shards=max(num_workers, 1), index=k, contiguous=False)
+            workers.append(len(shards))
+            if num_workers and not shards:
+                idle.append({"rank": rank, "worker": k})
+        per_worker.append(workers)
+    out["how"] = ("every rank reads the whole stream" if not split else
+                  "whole files per rank" if files % world == 0 else
+                  f"every {world}-th example of every file (the {files} files do not divide by "
+                  f"{world} ranks)")
+    out["files_per_rank"] = per_rank
+    out["files_per_worker"] = per_worker
+    out["idle_workers"] = idle
+    return out
 
 
 def batch_ids(batch: Any) -> torch.Tensor:

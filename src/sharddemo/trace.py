@@ -27,7 +27,8 @@ from sharddemo.sources import batch_ids
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import (EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
                                RunOptions)
-from sharddemo.walk import describe_loader, progress_reporter, walk_epoch
+from sharddemo.walk import (agree_on_fingerprint, describe_loader, progress_reporter,
+                            tag_batches, walk_epoch)
 
 TRACE_SCHEMA = "sharddemo.trace/1"
 
@@ -118,12 +119,15 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     # (`unseeded` then reseeds each process differently: that is its point).
     set_seed(opts.seed)
     plan = build_loader(mode, accelerator, dataset, opts)
+    description = describe_loader(plan.loader)
+    agreed = agree_on_fingerprint(accelerator, plan.loader)
+    tag_batches(plan.loader, record_indices=False)  # which worker made each batch
     epochs = []
     for epoch in range(opts.epochs):
         if plan.sampler is not None:
             plan.sampler.set_epoch(epoch)
         try:
-            record = walk_epoch(accelerator, plan.loader, batch_ids, epoch=epoch,
+            record = walk_epoch(accelerator, plan.loader, _source_ids, epoch=epoch,
                                 strategy=opts.gather,
                                 progress=progress_reporter(accelerator, f"{mode}:epoch{epoch}",
                                                            PROGRESS_ENV))
@@ -139,8 +143,19 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                 on_epoch(epochs[-1])
     if not accelerator.is_main_process:
         return {}
-    return {"description": MODE_HELP[mode], "prepared": plan.prepared,
-            "loader": describe_loader(plan.loader), "hint": plan.hint, "epochs": epochs}
+    out = {"description": MODE_HELP[mode], "prepared": plan.prepared, "loader": description,
+           "fingerprint": agreed, "hint": plan.hint, "epochs": epochs}
+    if opts.source == "hf-stream":
+        from sharddemo.sources import stream_arithmetic
+
+        out["streams"] = stream_arithmetic(dataset, accelerator.num_processes, opts.num_workers,
+                                           split=mode == "split")
+    return out
+
+
+def _source_ids(batch, tag) -> torch.Tensor:
+    """The built-in sources carry their ids in the batch itself."""
+    return batch_ids(batch)
 
 
 def peak_rss_mb(accelerator) -> list[float]:

@@ -39,6 +39,19 @@ from sharddemo.collect import collective, exchange_ints, gather_ragged, narrowes
 PER_BATCH_GATHER_LIMIT = 100
 
 Progress = Callable[[int, Optional[int]], None]
+# read_ids(batch, tag) -> the batch's 0-based ids: `batch` is the loader's own batch, `tag` what
+# sharddemo attached to it (see tag_batches below; None when untagged).
+ReadIds = Callable[[Any, Optional[dict]], torch.Tensor]
+UNKNOWN_WORKER = -2
+
+
+def _read(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int]:
+    inner, tag = unwrap(batch)
+    ids = read_ids(inner, tag)
+    worker = UNKNOWN_WORKER
+    if tag is not None and len(tag["worker"]):
+        worker = int(tag["worker"][0])
+    return ids, worker
 
 
 @dataclass
@@ -58,10 +71,14 @@ class EpochRecord:
     ranks: list[list[list[int]]]
     for_metrics: Optional[list[int]] = None
     remainder: list[Optional[int]] = field(default_factory=list)
+    # workers[r][k]: the DataLoader worker that made rank r's batch k (-1: the main process,
+    # -2: not known, the loader's batches could not be tagged).
+    workers: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"epoch": self.epoch, "gather": self.gather,
-                "ranks": [{"rank": r, "batches": b} for r, b in enumerate(self.ranks)],
+                "ranks": [{"rank": r, "batches": b, "workers": w}
+                          for r, (b, w) in enumerate(zip(self.ranks, self.workers))],
                 "gathered_for_metrics": self.for_metrics, "remainder": self.remainder}
 
 
@@ -86,7 +103,7 @@ def choose_gather(accelerator, loader, strategy: str) -> str:
     return "batch" if known and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT else "epoch"
 
 
-def walk_epoch(accelerator, loader, read_ids: Callable[[Any], torch.Tensor], *, epoch: int,
+def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
                strategy: str = "auto", progress: Optional[Progress] = None
                ) -> Optional[EpochRecord]:
     """Walk one epoch of `loader` on this rank. A collective: every rank calls it together."""
@@ -106,14 +123,16 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int,
     prepared = is_prepared(loader)
     total = safe_len(loader)
     ranks: list[list[list[int]]] = [[] for _ in range(world)]
+    workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
     iterator = iter(loader)
     alive, step = True, 0
     while True:
         batch = next(iterator, _END) if alive else _END
         alive = batch is not _END
-        ids = read_ids(batch) if alive else torch.empty(0, dtype=torch.int64)
-        heads = exchange_ints(accelerator, [int(alive), ids.numel()])
+        ids, worker = _read(read_ids, batch) if alive else (torch.empty(0, dtype=torch.int64),
+                                                            UNKNOWN_WORKER)
+        heads = exchange_ints(accelerator, [int(alive), ids.numel(), worker])
         has = [h[0] for h in heads]
         if not any(has):
             break
@@ -123,6 +142,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int,
             for r in range(world):
                 if has[r]:
                     ranks[r].append(parts[r].tolist())
+                    workers[r].append(heads[r][2])
         if for_metrics is not None:
             if all(has):
                 got = _gather_for_metrics(accelerator, ids, sizes)
@@ -138,7 +158,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int,
     remainders = _remainders(accelerator, loader) if prepared else [None] * world
     if not main:
         return None
-    return EpochRecord(epoch, "batch", ranks, for_metrics, remainders)
+    return EpochRecord(epoch, "batch", ranks, for_metrics, remainders, workers)
 
 
 def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> list[int]:
@@ -165,9 +185,12 @@ def _remainders(accelerator, loader) -> list[Optional[int]]:
 def _walk_then_gather(accelerator, loader, read_ids, epoch: int,
                       progress: Optional[Progress]) -> Optional[EpochRecord]:
     local: list[torch.Tensor] = []
+    made_by: list[int] = []
     total = safe_len(loader)
     for batch in loader:
-        local.append(read_ids(batch))
+        ids, worker = _read(read_ids, batch)
+        local.append(ids)
+        made_by.append(worker)
         if progress is not None:
             progress(len(local), total)
     prepared = is_prepared(loader)
@@ -175,24 +198,27 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int,
     ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
     top = int(ids.abs().max()) if ids.numel() else 0
     heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder])
-    # One tensor per rank: the batch sizes, then the ids. int32 when every id fits.
+    # One tensor per rank: the batch sizes, the batches' workers, then the ids. int32 when
+    # every id fits.
     dtype = narrowest_dtype(max(h[2] for h in heads))
     sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
-    packed = torch.cat([sizes, ids]).to(dtype)
-    parts = gather_ragged(accelerator, packed, [h[0] + h[1] for h in heads])
+    packed = torch.cat([sizes, torch.tensor(made_by, dtype=torch.int64), ids]).to(dtype)
+    parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads])
     if not accelerator.is_main_process:
         return None
-    ranks = []
+    ranks, workers = [], []
     for (n_batches, _, _, _), part in zip(heads, parts):
         part = part.to(torch.int64)
-        flat, cuts = part[n_batches:].tolist(), part[:n_batches].tolist()
+        cuts = part[:n_batches].tolist()
+        workers.append(part[n_batches:2 * n_batches].tolist())
+        flat = part[2 * n_batches:].tolist()
         batches, start = [], 0
         for size in cuts:
             batches.append(flat[start:start + size])
             start += size
         ranks.append(batches)
     remainders = [None if h[3] == -2 else h[3] for h in heads]
-    return EpochRecord(epoch, "epoch", ranks, None, remainders)
+    return EpochRecord(epoch, "epoch", ranks, None, remainders, workers)
 
 
 def progress_reporter(accelerator, label: str,
@@ -237,7 +263,7 @@ def describe_loader(loader) -> dict:
             continue
         visited.add(id(obj))
         name = type(obj).__name__
-        if name != "IndexRecorder":
+        if name != "IndexedDataset":
             seen.append(name)
         if getattr(obj, "drop_last", False) is True:
             info["drop_last"] = True
@@ -253,10 +279,217 @@ def describe_loader(loader) -> dict:
             if isinstance(getattr(obj, key, None), bool) and info[key] is None:
                 info[key] = getattr(obj, key)
         attrs = getattr(obj, "__dict__", {})
-        # `_inner`: what sharddemo's own index recorder stands in for (audit.py).
+        # `_inner`: what sharddemo's IndexedDataset stands in for.
         for key in ("base_dataloader", "batch_sampler", "sampler", "dataset", "_inner"):
             child = attrs.get(key)
             if child is not None and not isinstance(child, (int, float, str, bool)):
                 todo.append(child)
     info["classes"] = seen
+    base = base_loader(loader)
+    info["num_workers"] = int(getattr(base, "num_workers", 0) or 0)
+    dataset = getattr(base, "dataset", None)
+    dataset = getattr(dataset, "_inner", dataset)  # sharddemo's IndexedDataset
+    info["iterable_dataset"] = isinstance(dataset, torch.utils.data.IterableDataset) or \
+        type(dataset).__name__ == "IterableDataset"
+    shards = getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", None)
+    info["dataset_shards"] = int(shards) if isinstance(shards, int) else None
     return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Provenance: which indices each batch was made of, and which DataLoader worker made it.
+#
+# A DataLoader fetches a batch's samples and collates them in one process: the main process
+# with num_workers=0, else one worker. So sharddemo wraps, in the rank process and before any
+# worker starts, (1) the dataset, to note each index it is asked for, and (2) the collate
+# function, which runs right after in the same process, to attach those indices and the worker
+# id to the batch. The loader still draws the same indices in the same order (nothing consumes
+# an RNG), and only the walk sees the wrapped batch: `unwrap` gives back the user's batch.
+# Batches sliced by accelerate (dispatch_batches) carry per-sample tags, so slices stay right.
+
+TAG = "__sharddemo__"
+MAIN_PROCESS = -1  # the worker id of a batch made without workers
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Stands in for a map-style dataset: returns what it returns, and notes each index."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self._fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getitem__(self, index):
+        self._fetched.append(int(index))
+        return self._inner[index]
+
+    def __getitems__(self, indices):
+        self._fetched.extend(int(i) for i in indices)
+        batched = getattr(self._inner, "__getitems__", None)
+        return batched(indices) if batched else [self._inner[i] for i in indices]
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_inner"], name)
+
+    def take(self) -> list[int]:
+        out, self._fetched = self._fetched, []
+        return out
+
+
+class TaggingCollate:
+    """Wraps a collate function: the user's batch plus, per sample, its worker and (for an
+    IndexedDataset) its index."""
+
+    def __init__(self, inner: Callable, indexed: Optional[IndexedDataset]) -> None:
+        self.inner = inner
+        self.indexed = indexed
+
+    def __call__(self, samples):
+        batch = self.inner(samples)
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else MAIN_PROCESS
+        n = len(samples)
+        tag = {"worker": torch.full((n,), worker, dtype=torch.int64)}
+        if self.indexed is not None:
+            indices = self.indexed.take()
+            if len(indices) == n:
+                tag["index"] = torch.tensor(indices, dtype=torch.int64)
+        return {"batch": batch, TAG: tag}
+
+
+def base_loader(loader):
+    """The torch DataLoader inside accelerate's wrappers (they delegate to base_dataloader)."""
+    return getattr(loader, "__dict__", {}).get("base_dataloader", loader)
+
+
+def tag_batches(loader, record_indices: bool) -> bool:
+    """Make every batch of `loader` carry its worker id (and, for map-style datasets when
+    `record_indices`, the indices fetched). False when the loader is not a DataLoader whose
+    collate function can be wrapped (the walk then reads batches as they are)."""
+    base = base_loader(loader)
+    collate = getattr(base, "collate_fn", None)
+    if collate is None or isinstance(collate, TaggingCollate) or not hasattr(base, "dataset"):
+        return False
+    if getattr(base, "_iterator", None) is not None:
+        return False  # an iterator (and its workers) already runs with the loader as it was
+    indexed = None
+    dataset = base.dataset
+    if record_indices and not isinstance(dataset, torch.utils.data.IterableDataset) \
+            and hasattr(dataset, "__getitem__"):
+        indexed = IndexedDataset(dataset)
+        # DataLoader refuses to have its dataset set after construction: set it underneath.
+        object.__setattr__(base, "dataset", indexed)
+    base.collate_fn = TaggingCollate(collate, indexed)
+    return True
+
+
+def is_tagged(loader) -> bool:
+    return isinstance(getattr(base_loader(loader), "collate_fn", None), TaggingCollate)
+
+
+def unwrap(batch) -> tuple[Any, Optional[dict]]:
+    """A tagged batch -> (the user's batch, its tag); an untagged one -> (batch, None)."""
+    if isinstance(batch, dict) and TAG in batch and "batch" in batch:
+        return batch["batch"], batch[TAG]
+    return batch, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint: do the ranks even agree on the data, before anything is walked?
+
+
+def _order_hash(sampler) -> Optional[str]:
+    """A hash of the first epoch's full index order, where computing it draws from no RNG the
+    loader will use: a DistributedSampler (its own generator, seeded with seed + epoch; hashed
+    as a one-replica copy, so every rank hashes the same whole order), accelerate's
+    SeedableRandomSampler (reseeds itself on every pass), or a SequentialSampler. None for
+    samplers whose order would consume a generator (RandomSampler)."""
+    import copy
+    import hashlib
+
+    name = type(sampler).__name__
+    if name == "DistributedSampler":
+        whole = copy.copy(sampler)
+        whole.num_replicas, whole.rank, whole.epoch = 1, 0, 0
+        whole.num_samples = whole.total_size = len(whole.dataset)
+        order = list(whole)
+    elif name in ("SeedableRandomSampler", "SequentialSampler"):
+        if name == "SeedableRandomSampler":
+            epoch = getattr(sampler, "epoch", 0)
+            sampler.set_epoch(0)
+            order = list(sampler)
+            sampler.set_epoch(epoch)
+        else:
+            order = list(sampler)
+    else:
+        return None
+    digest = hashlib.sha256(torch.tensor(order, dtype=torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(loader) -> dict:
+    """What this rank believes the data is: dataset length (None for a stream), the sampler's
+    and batch sampler's classes and seed, drop_last, batch size, workers, and a hash of the
+    first epoch's whole order where that costs no RNG draw. Every rank must agree."""
+    base = base_loader(loader)
+    dataset = getattr(base, "dataset", None)
+    dataset = getattr(dataset, "_inner", dataset)
+    try:
+        length: Optional[int] = len(dataset)
+    except TypeError:
+        length = None
+    batch_sampler = getattr(base, "batch_sampler", None)
+    sampler = getattr(base, "sampler", None)
+    # accelerate keeps the user's sampler inside its batch sampler shard
+    inner = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", sampler)
+    seed = getattr(inner, "seed", None)
+    if seed is None:
+        seed = getattr(inner, "initial_seed", None)
+    return {"dataset_length": length,
+            "sampler": type(inner).__name__ if inner is not None else None,
+            "batch_sampler": type(batch_sampler).__name__ if batch_sampler is not None else None,
+            "seed": int(seed) if isinstance(seed, int) else None,
+            "drop_last": bool(getattr(base, "drop_last", False)),
+            "batch_size": getattr(base, "batch_size", None),
+            "num_workers": int(getattr(base, "num_workers", 0) or 0),
+            "order_hash": _order_hash(inner) if inner is not None else None}
+
+
+FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": "sampler seed",
+                     "batch_sampler": "batch sampler", "drop_last": "drop_last",
+                     "batch_size": "batch size", "num_workers": "DataLoader workers",
+                     "order_hash": "first epoch's order (hash)"}
+
+
+def agree_on_fingerprint(accelerator, loader) -> dict:
+    """Every rank's fingerprint, exchanged with one gather. If they differ, every rank stops
+    with the same one-line message naming the field and the ranks (a Disagreement, exit 1)."""
+    from accelerate.utils import gather_object
+
+    from sharddemo.collect import collective
+    from sharddemo.errors import Disagreement
+
+    mine = fingerprint(loader)
+    every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
+    for key, words in FINGERPRINT_WORDS.items():
+        values = [fp[key] for fp in every]
+        if len({repr(v) for v in values}) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(repr(value), []).append(rank)
+            # the minority first: the odd one out is most likely the one that is wrong
+            parts = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+            said = [f"rank {', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} "
+                    + _say(key, values[ranks[0]], words) for _, ranks in parts]
+            raise Disagreement("ranks disagree on the dataset: " + ", ".join(said))
+    return mine
+
+
+def _say(key: str, value: Any, words: str) -> str:
+    if key == "dataset_length" and isinstance(value, int):
+        return f"{value:,} samples"
+    if key == "dataset_length":
+        return "a stream with no length"
+    return f"{words} {value}"
