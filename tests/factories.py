@@ -105,3 +105,33 @@ def ragged_shapes(accelerator):
     r = accelerator.process_index
     ids = list(range(0, N, 2)) if r == 0 else list(range(1, 40, 2))  # 30 and 20 samples
     return DataLoader(Subset(_dataset(), ids), batch_size=3 if r == 0 else 2)  # 10 steps each
+
+
+def stateful_with_workers(accelerator):
+    """accelerate issue 4204: a prepared StatefulDataLoader with workers and no seed draws its
+    first permutation inside prepare(), before the ranks synchronise their RNG."""
+    accelerator.dataloader_config.use_stateful_dataloader = True
+    return accelerator.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4,
+                                          shuffle=True, num_workers=2))
+
+
+def length_depends_on_rank(accelerator):
+    """One node sees one file fewer: rank 1 has 9,999 samples, rank 0 10,000."""
+    n = 10_000 - accelerator.process_index
+    return accelerator.prepare(DataLoader(TensorDataset(torch.arange(n)), batch_size=4))
+
+
+class Unsplit(IterableDataset):
+    """Ignores workers and ranks: every worker yields ids 0..11."""
+
+    def __iter__(self):
+        return iter(range(12))
+
+
+def unsplit_stream_with_workers(accelerator):
+    return DataLoader(Unsplit(), batch_size=3, num_workers=2)
+
+
+def id_tensor_batches(accelerator):
+    """Each batch is itself the tensor of ids."""
+    return DataLoader(Unsplit(), batch_size=3)

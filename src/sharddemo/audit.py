@@ -310,17 +310,15 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
 
 
 def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
-    """N: --dataset-size, else len(dataset), else one past the largest id this rank saw (the
-    ranks then agree on the largest)."""
-    from sharddemo.walk import base_loader
+    """N: --dataset-size, else the length of the dataset under any Subset, else one past the
+    largest id this rank saw (the ranks then agree on the largest)."""
+    from sharddemo.walk import base_loader, root_length
 
     if opts.dataset_size is not None:
         return opts.dataset_size
-    dataset = getattr(base_loader(loader), "dataset", None)
-    try:
-        return len(dataset)
-    except TypeError:
-        pass
+    length = root_length(getattr(base_loader(loader), "dataset", None))
+    if length is not None:
+        return length
     top = -1
     for record in records:
         if record is None:

@@ -348,7 +348,7 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         "epoch": record["epoch"],
         "ranks": [
             {"rank": r["rank"], "batches": r["batches"], "steps": len(r["batches"]),
-             "samples": len(ids)}
+             "samples": len(ids), **({"workers": r["workers"]} if r.get("workers") else {})}
             for r, ids in zip(record["ranks"], flat)
         ],
         "steps_equal": hang is None,

@@ -378,9 +378,14 @@ def tag_batches(loader, record_indices: bool) -> bool:
     dataset = base.dataset
     if record_indices and not isinstance(dataset, torch.utils.data.IterableDataset) \
             and hasattr(dataset, "__getitem__"):
-        indexed = IndexedDataset(dataset)
+        # Indices into a Subset are not sample ids: note them where the Subset (or a chain of
+        # them) asks its own dataset, so the ids are the root dataset's indices.
+        holder, attr = base, "dataset"
+        while isinstance(getattr(holder, attr), torch.utils.data.Subset):
+            holder, attr = getattr(holder, attr), "dataset"
+        indexed = IndexedDataset(getattr(holder, attr))
         # DataLoader refuses to have its dataset set after construction: set it underneath.
-        object.__setattr__(base, "dataset", indexed)
+        object.__setattr__(holder, attr, indexed)
     base.collate_fn = TaggingCollate(collate, indexed)
     return True
 
@@ -405,7 +410,8 @@ def _order_hash(sampler) -> Optional[str]:
     loader will use: a DistributedSampler (its own generator, seeded with seed + epoch; hashed
     as a one-replica copy, so every rank hashes the same whole order), accelerate's
     SeedableRandomSampler (reseeds itself on every pass), or a SequentialSampler. None for
-    samplers whose order would consume a generator (RandomSampler)."""
+    samplers whose order would consume a generator (RandomSampler) or says nothing new
+    (SequentialSampler)."""
     import copy
     import hashlib
 
@@ -415,18 +421,34 @@ def _order_hash(sampler) -> Optional[str]:
         whole.num_replicas, whole.rank, whole.epoch = 1, 0, 0
         whole.num_samples = whole.total_size = len(whole.dataset)
         order = list(whole)
-    elif name in ("SeedableRandomSampler", "SequentialSampler"):
-        if name == "SeedableRandomSampler":
-            epoch = getattr(sampler, "epoch", 0)
-            sampler.set_epoch(0)
-            order = list(sampler)
-            sampler.set_epoch(epoch)
-        else:
-            order = list(sampler)
+    elif name == "SeedableRandomSampler":
+        epoch = getattr(sampler, "epoch", 0)
+        sampler.set_epoch(0)
+        order = list(sampler)
+        sampler.set_epoch(epoch)
     else:
-        return None
+        return None  # a SequentialSampler's order says no more than the length
     digest = hashlib.sha256(torch.tensor(order, dtype=torch.int64).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def root_length(dataset) -> Optional[int]:
+    """The length of the data every rank starts from, under the views that legitimately differ
+    by rank: a torch Subset, an HF dataset shard (split_dataset_by_node keeps the whole table
+    and an index of its rows), sharddemo's own IndexedDataset. None for a stream."""
+    for _ in range(16):
+        if isinstance(dataset, IndexedDataset):
+            dataset = dataset._inner
+        elif isinstance(dataset, torch.utils.data.Subset):
+            dataset = dataset.dataset
+        elif getattr(dataset, "_indices", None) is not None and hasattr(dataset, "data"):
+            return int(dataset.data.num_rows)
+        else:
+            break
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def fingerprint(loader) -> dict:
@@ -434,12 +456,7 @@ def fingerprint(loader) -> dict:
     and batch sampler's classes and seed, drop_last, batch size, workers, and a hash of the
     first epoch's whole order where that costs no RNG draw. Every rank must agree."""
     base = base_loader(loader)
-    dataset = getattr(base, "dataset", None)
-    dataset = getattr(dataset, "_inner", dataset)
-    try:
-        length: Optional[int] = len(dataset)
-    except TypeError:
-        length = None
+    length = root_length(getattr(base, "dataset", None))
     batch_sampler = getattr(base, "batch_sampler", None)
     sampler = getattr(base, "sampler", None)
     # accelerate keeps the user's sampler inside its batch sampler shard
@@ -452,9 +469,20 @@ def fingerprint(loader) -> dict:
             "batch_sampler": type(batch_sampler).__name__ if batch_sampler is not None else None,
             "seed": int(seed) if isinstance(seed, int) else None,
             "drop_last": bool(getattr(base, "drop_last", False)),
-            "batch_size": getattr(base, "batch_size", None),
+            "batch_size": getattr(base, "batch_size", None) or getattr(batch_sampler,
+                                                                      "batch_size", None),
             "num_workers": int(getattr(base, "num_workers", 0) or 0),
-            "order_hash": _order_hash(inner) if inner is not None else None}
+            "order_hash": _order_hash(inner) if inner is not None else None,
+            "shards_itself": _shards_itself(loader)}
+
+
+def _shards_itself(loader) -> bool:
+    """The loader splits the data across ranks itself (a DistributedSampler, or accelerate's
+    BatchSamplerShard, IterableDatasetShard or dispatch), so every rank must start from the
+    same data. A plain loader over data split by rank beforehand legitimately differs."""
+    info = describe_loader(loader)
+    return bool(info["distributed_sampler"] or info["batch_sampler_shard"]
+                or info["iterable_shard"] or info["dispatcher"])
 
 
 FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": "sampler seed",
@@ -473,23 +501,28 @@ def agree_on_fingerprint(accelerator, loader) -> dict:
 
     mine = fingerprint(loader)
     every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
+    same_data = any(fp["shards_itself"] for fp in every)
     for key, words in FINGERPRINT_WORDS.items():
+        if not same_data and key not in ("sampler", "batch_sampler", "num_workers"):
+            continue  # data split by rank before the loader: each rank's own may differ
         values = [fp[key] for fp in every]
         if len({repr(v) for v in values}) > 1:
             groups: dict[str, list[int]] = {}
             for rank, value in enumerate(values):
                 groups.setdefault(repr(value), []).append(rank)
-            # the minority first: the odd one out is most likely the one that is wrong
-            parts = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1]))
+            # the odd ones out first, rank 0's (the reference) last
+            parts = sorted(groups.values(), key=lambda ranks: (0 in ranks, len(ranks), ranks))
             said = [f"rank {', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} "
-                    + _say(key, values[ranks[0]], words) for _, ranks in parts]
+                    + _say(key, values[ranks[0]], words, first=k == 0)
+                    for k, ranks in enumerate(parts)]
             raise Disagreement("ranks disagree on the dataset: " + ", ".join(said))
     return mine
 
 
-def _say(key: str, value: Any, words: str) -> str:
+def _say(key: str, value: Any, words: str, first: bool = True) -> str:
+    """`9,999 samples` the first time, then `10,000`: the words once, as a person says it."""
     if key == "dataset_length" and isinstance(value, int):
-        return f"{value:,} samples"
+        return f"{value:,} samples" if first else f"{value:,}"
     if key == "dataset_length":
         return "a stream with no length"
     return f"{words} {value}"
