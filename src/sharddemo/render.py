@@ -133,6 +133,9 @@ def render_table(report: dict) -> str:
         out.append(f"== {mode}: {data['description']}")
         if data.get("streams"):
             out.append("  " + stream_line(data["streams"]))
+        if (data.get("fingerprint") or {}).get("disagreement"):
+            out.append(f"  fingerprint: {data['fingerprint']['disagreement']} (an audit would "
+                       "stop here)")
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:

@@ -150,7 +150,7 @@ def _replicated(flat: list[list[int]]) -> bool:
 
 
 def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optional[str],
-                       kind: str, world: int, batch: int) -> tuple[str, bool]:
+                       kind: str, world: int, batch: int, n: int) -> tuple[str, bool]:
     """Why samples appear more than once in this epoch, found in the records: which ids
     repeat and where. Returns a reason code and whether it accounts for every repeat
     (False: a broken promise)."""
@@ -169,18 +169,20 @@ def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optiona
             return code, True
     if _replicated(flat):
         return "replication", kind == REPLICATED
-    if _ranks_disagree(flat) and (code is not None or loader.get("seedable_sampler")):
+    if _ranks_disagree(flat, n) and (code is not None or loader.get("seedable_sampler")):
         # A loader that shards, each rank's slice clean, yet slices overlap: the ranks dealt
         # from different orders (no common seed, or a permutation drawn before the sync).
         return "ranks-disagree", False
     return code or "unexplained", False
 
 
-def _ranks_disagree(flat: list[list[int]]) -> bool:
-    """Every rank's ids are distinct, but some id is on several ranks."""
+def _ranks_disagree(flat: list[list[int]], n: int) -> bool:
+    """Every rank's ids are distinct, but some id is on several ranks while others are on
+    none: the overlap and the holes of slices cut from different orders."""
     if len(flat) < 2 or any(len(set(ids)) != len(ids) for ids in flat):
         return False
-    return sum(len(ids) for ids in flat) != len(set().union(*map(set, flat)))
+    union = set().union(*map(set, flat))
+    return sum(len(ids) for ids in flat) != len(union) and len(union) < n
 
 
 def stream_duplicate_reasons(ranks: list[list[list[int]]], workers: list[list[int]],
@@ -326,7 +328,7 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         for code in sorted(codes):
             reasons[code] = REASON_SENTENCE[code]
     elif extra:
-        dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch)
+        dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch, n)
         reasons[dup_code] = REASON_SENTENCE[dup_code]
     miss_code, miss_explained = None, True
     if cov["missing"]:

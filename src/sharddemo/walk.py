@@ -491,9 +491,11 @@ FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": 
                      "order_hash": "first epoch's order (hash)"}
 
 
-def agree_on_fingerprint(accelerator, loader) -> dict:
+def agree_on_fingerprint(accelerator, loader, stop: bool = True) -> dict:
     """Every rank's fingerprint, exchanged with one gather. If they differ, every rank stops
-    with the same one-line message naming the field and the ranks (a Disagreement, exit 1)."""
+    with the same one-line message naming the field and the ranks (a Disagreement, exit 1);
+    with `stop=False` (compare's pitfall demos, which disagree on purpose) the message is
+    returned under `disagreement` instead."""
     from accelerate.utils import gather_object
 
     from sharddemo.collect import collective
@@ -515,7 +517,10 @@ def agree_on_fingerprint(accelerator, loader) -> dict:
             said = [f"rank {', '.join(map(str, ranks))} {'has' if len(ranks) == 1 else 'have'} "
                     + _say(key, values[ranks[0]], words, first=k == 0)
                     for k, ranks in enumerate(parts)]
-            raise Disagreement("ranks disagree on the dataset: " + ", ".join(said))
+            message = "ranks disagree on the dataset: " + ", ".join(said)
+            if stop:
+                raise Disagreement(message)
+            return {**mine, "disagreement": message}
     return mine
 
 
