@@ -37,6 +37,9 @@ class AuditOptions:
     gather: str = "auto"
     # The whole launch's limit: a loader that hangs outside any collective ends here.
     max_time: float = 3600.0
+    # Set use_stateful_dataloader before the factory runs (the resume audit's `stateful`
+    # strategy, for its uninterrupted reference run).
+    stateful: bool = False
 
     def validate(self) -> "AuditOptions":
         parse_target(self.target)
@@ -63,6 +66,8 @@ class AuditOptions:
             args += ["--dataset-size", str(self.dataset_size)]
         if self.gather != "auto":
             args += ["--gather", self.gather]
+        if self.stateful:
+            args.append("--stateful-loader")
         return args
 
 
@@ -206,7 +211,7 @@ def tagging_prepare(accelerator, record_indices: bool):
         del accelerator.prepare  # the bound method again
 
 
-def _set_epoch(loader, epoch: int) -> None:
+def set_epoch(loader, epoch: int) -> None:
     """What a training loop that calls set_epoch does."""
     from sharddemo.walk import base_loader
 
@@ -232,6 +237,8 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     try:
         check_world(accelerator.num_processes)
         world = accelerator.num_processes
+        if opts.stateful:
+            accelerator.dataloader_config.use_stateful_dataloader = True
         try:
             with tagging_prepare(accelerator, record_indices=opts.id_field is None):
                 loader = factory(accelerator)
@@ -253,7 +260,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         start = time.perf_counter()
         for epoch in range(opts.epochs):
             if opts.set_epoch:
-                _set_epoch(loader, epoch)
+                set_epoch(loader, epoch)
             try:
                 record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
                                     strategy=opts.gather,

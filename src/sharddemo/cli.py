@@ -374,7 +374,28 @@ def _audit_options(kw: dict) -> "AuditOptions":
     return AuditOptions(target=kw["factory"], epochs=kw["epochs"], id_field=kw["id_field"],
                         expect=kw["expect"], set_epoch=kw["set_epoch"],
                         dataset_size=kw["dataset_size"], timeout=kw["timeout"],
-                        gather=kw["gather"], max_time=kw.get("max_time") or 3600.0).validate()
+                        gather=kw["gather"], max_time=kw.get("max_time") or 3600.0,
+                        stateful=bool(kw.get("stateful_loader"))).validate()
+
+
+def _resume_plan(kw: dict, epochs: int):
+    from sharddemo.resume import ResumePlan
+
+    return ResumePlan.parse(kw["resume_at"], kw["resume_strategy"], epochs,
+                            kw.get("resume_num_processes"))
+
+
+resume_options = [
+    click.option("--resume-at", metavar="EPOCH:STEP",
+                 help="Also stop after STEP steps (batches per rank) of EPOCH (0-based), save "
+                      "the state, restart in fresh processes, resume, and compare with the "
+                      "uninterrupted run (verdict resume-exact)."),
+    click.option("--resume-strategy", type=click.Choice(["skip", "stateful", "restart"]),
+                 default="skip", show_default=True,
+                 help="How the restarted run resumes: accelerator.skip_first_batches, the "
+                      "stateful loader's own state (use_stateful_dataloader), or the epoch "
+                      "from its start."),
+]
 
 
 @cli.command()
@@ -387,7 +408,16 @@ def _audit_options(kw: dict) -> "AuditOptions":
 @click.option("--max-time", type=float, default=3600.0, show_default=True,
               help="Seconds the whole audit may take before it is stopped.")
 @plot_option
-def audit(fmt: str, output: Optional[str], plot: Optional[str], **kw: Any) -> int:
+@resume_options[0]
+@resume_options[1]
+@click.option("--resume-num-processes", type=int,
+              help="Resume on this many ranks instead (a world size that changed).")
+@click.option("--keep-checkpoint", type=click.Path(file_okay=False),
+              help="Keep the resume checkpoint in this folder [default: a temporary folder, "
+                   "removed afterwards].")
+def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optional[str],
+          resume_strategy: str, resume_num_processes: Optional[int],
+          keep_checkpoint: Optional[str], **kw: Any) -> int:
     """Prove that your own DataLoader shards correctly, on real ranks.
 
     FACTORY is `package.module:make_loader` or `path/to/file.py:make_loader`, a function
@@ -403,9 +433,20 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], **kw: Any) -> in
     settings = _settings(kw)
     opts = _audit_options(kw)
     _check_files(output, plot)
-    from sharddemo.compare import audit_run
+    if resume_at is None:
+        if resume_num_processes is not None or keep_checkpoint is not None:
+            raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "
+                             "EPOCH:STEP")
+        from sharddemo.compare import audit_run
 
-    result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+        result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+    else:
+        from sharddemo.compare import resume_audit_run
+
+        plan = _resume_plan({"resume_at": resume_at, "resume_strategy": resume_strategy,
+                             "resume_num_processes": resume_num_processes}, opts.epochs)
+        result = resume_audit_run(opts, plan, settings, keep_checkpoint=keep_checkpoint,
+                                  debug=_debug(), progress=_progress(fmt))
     if not _show(result, fmt, output, plot):
         return 0
     failed = _failed_verdicts(result)
@@ -425,8 +466,34 @@ def _failed_verdicts(report: dict) -> list[str]:
     return [f"{name} (epoch {', '.join(map(str, epochs))})" for name, epochs in failed.items()]
 
 
+@cli.command("resume-rank", hidden=True)
+@audit_options
+@resume_options[0]
+@resume_options[1]
+@click.option("--phase", type=click.Choice(["stop", "resume"]), required=True)
+@click.option("--checkpoint", required=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--trace-out", type=click.Path(dir_okay=False))
+@click.option("--quiet", is_flag=True)
+def resume_rank_command(phase: str, checkpoint: str, device: str, trace_out: Optional[str],
+                        quiet: bool, **kw: Any) -> None:
+    """The rank side of `sharddemo audit --resume-at` (one launch that stops and saves, or one
+    that loads and resumes), started through accelerate launch.
+
+    Example:
+
+        accelerate launch -m sharddemo resume-rank F.py:make_loader --resume-at 0:3 --phase stop --checkpoint ckpt
+    """
+    from sharddemo.resume import resume_rank
+
+    opts = _audit_options(kw)
+    resume_rank(opts, _resume_plan(kw, opts.epochs), phase, checkpoint, device=device,
+                trace_out=trace_out)
+
+
 @cli.command("audit-rank", hidden=True)
 @audit_options
+@click.option("--stateful-loader", is_flag=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--trace-out", type=click.Path(dir_okay=False))
 @click.option("--quiet", is_flag=True)

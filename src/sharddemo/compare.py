@@ -110,3 +110,74 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
                        debug=debug, timeout=opts.max_time, progress=progress)
     return _report(launch, trace)
+
+
+def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
+                     keep_checkpoint: Optional[str] = None, debug: bool = False,
+                     progress: bool = False) -> dict:
+    """`sharddemo audit --resume-at`: the uninterrupted audit, a launch that stops and saves,
+    and a fresh launch that loads and resumes; the audit report with a `resume` object and
+    the `resume-exact` verdict. The checkpoint goes to a temporary folder removed afterwards
+    (`keep_checkpoint` keeps it); no launch leaves processes behind (run_launch)."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from sharddemo.audit import precheck_target
+    from sharddemo.resume import compare_resume, explain
+
+    precheck_target(opts.target)
+    if keep_checkpoint:
+        _check_checkpoint_dir(keep_checkpoint)
+    checkpoint = keep_checkpoint or tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
+    stateful = plan.strategy == "stateful"
+    reference_opts = dataclasses.replace(opts, epochs=max(opts.epochs, plan.epoch + 2),
+                                         stateful=stateful)
+    limits = RunOptions(epochs=reference_opts.epochs, timeout=opts.timeout)
+    try:
+        launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
+        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
+                               progress=progress)
+        phase_args = [*dataclasses.replace(opts, stateful=False).to_run_args(),
+                      "--resume-at", f"{plan.epoch}:{plan.step}",
+                      "--resume-strategy", plan.strategy, "--checkpoint", checkpoint]
+        stop = run_launch(make_launch(settings, [*phase_args, "--phase", "stop"],
+                                      command="resume-rank"),
+                          limits, debug=debug, timeout=opts.max_time)
+        after = dataclasses.replace(settings, num_processes=plan.num_processes
+                                    or settings.num_processes)
+        resumed = run_launch(make_launch(after, [*phase_args, "--phase", "resume"],
+                                         command="resume-rank"),
+                             limits, debug=debug, timeout=opts.max_time)
+    finally:
+        if not keep_checkpoint:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+    report = _report(launch, reference)
+    if not report:
+        return report
+    audit = report["modes"]["audit"]
+    resume = compare_resume(plan, {"world_size": reference["world_size"],
+                                   "epochs": reference["modes"]["audit"]["epochs"]},
+                            stop, resumed)
+    resume["explanation"] = explain(resume)
+    audit["resume"] = resume
+    ok = resume["resume_exact"]
+    detail = "" if ok else resume["explanation"]
+    audit["verdicts"].append({"verdict": "resume-exact", "epoch": plan.epoch, "ok": ok,
+                              "detail": detail})
+    if not ok:
+        broken = f"resume-exact (epoch {plan.epoch}): {detail}"
+        audit["broken_promises"].append(broken)
+        report["broken_promises"].append(broken)
+    return report
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--keep-checkpoint {path} is a file; pass a folder for the checkpoint")
+    parent = path if os.path.isdir(path) else (os.path.dirname(os.path.abspath(path)) or ".")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--keep-checkpoint {path} cannot be written (the folder "
+                         f"{parent} is missing or not writable); pick another folder")

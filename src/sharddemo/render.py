@@ -99,6 +99,18 @@ def _epoch_summary(e: dict) -> list[str]:
     return lines
 
 
+def resume_lines(resume: dict) -> list[str]:
+    """The resume audit in words, then per epoch what came twice and what never came."""
+    lines = [resume["explanation"]]
+    for e in resume["epochs"]:
+        rep, skip = e["repeated"], e["skipped"]
+        order = {True: "same order", False: "ORDER DIFFERS", None: "order not compared"}
+        lines.append(f"epoch {e['epoch']}: repeated {rep['count']} {_short(rep['ids'])} | "
+                     f"skipped {skip['count']} {_short(skip['ids'])} | "
+                     f"{order[e['order_equal']]}")
+    return lines
+
+
 def stream_line(streams: dict) -> str:
     """The shard arithmetic of an HF stream, as datasets computes it."""
     text = (f"stream of {streams['files']} file(s): {streams['how']}; files per rank "
@@ -143,6 +155,8 @@ def render_table(report: dict) -> str:
             out += ["    " + line for line in grid_lines(report, e)]
             out += ["    " + line for line in _epoch_summary(e)]
         out.append(f"  => {data['conclusion']}")
+        if data.get("resume"):
+            out += ["", "  resume:"] + ["    " + line for line in resume_lines(data["resume"])]
         if "verdicts" in data:
             out += ["", "  verdicts:"] + ["    " + line for line in verdict_lines(data["verdicts"])]
         for problem in data["broken_promises"]:

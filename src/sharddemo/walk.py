@@ -104,20 +104,22 @@ def choose_gather(accelerator, loader, strategy: str) -> str:
 
 
 def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
-               strategy: str = "auto", progress: Optional[Progress] = None
-               ) -> Optional[EpochRecord]:
-    """Walk one epoch of `loader` on this rank. A collective: every rank calls it together."""
+               strategy: str = "auto", progress: Optional[Progress] = None,
+               max_steps: Optional[int] = None) -> Optional[EpochRecord]:
+    """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
+    `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
+    (the loader is left where it stopped)."""
     how = choose_gather(accelerator, loader, strategy)
     if how == "batch":
-        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress)
-    return _walk_then_gather(accelerator, loader, read_ids, epoch, progress)
+        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
+    return _walk_then_gather(accelerator, loader, read_ids, epoch, progress, max_steps)
 
 
 _END = object()
 
 
-def _walk_per_batch(accelerator, loader, read_ids, epoch: int,
-                    progress: Optional[Progress]) -> Optional[EpochRecord]:
+def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
+                    max_steps: Optional[int] = None) -> Optional[EpochRecord]:
     main = accelerator.is_main_process
     world = accelerator.num_processes
     prepared = is_prepared(loader)
@@ -128,6 +130,8 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int,
     iterator = iter(loader)
     alive, step = True, 0
     while True:
+        if max_steps is not None and step >= max_steps:
+            alive = False
         batch = next(iterator, _END) if alive else _END
         alive = batch is not _END
         ids, worker = _read(read_ids, batch) if alive else (torch.empty(0, dtype=torch.int64),
@@ -182,12 +186,16 @@ def _remainders(accelerator, loader) -> list[Optional[int]]:
     return [row[0] for row in exchange_ints(accelerator, [mine])]
 
 
-def _walk_then_gather(accelerator, loader, read_ids, epoch: int,
-                      progress: Optional[Progress]) -> Optional[EpochRecord]:
+def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
+                      max_steps: Optional[int] = None) -> Optional[EpochRecord]:
     local: list[torch.Tensor] = []
     made_by: list[int] = []
     total = safe_len(loader)
-    for batch in loader:
+    iterator = iter(loader)
+    while max_steps is None or len(local) < max_steps:  # never fetch past a stop
+        batch = next(iterator, _END)
+        if batch is _END:
+            break
         ids, worker = _read(read_ids, batch)
         local.append(ids)
         made_by.append(worker)
