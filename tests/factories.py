@@ -135,3 +135,38 @@ def unsplit_stream_with_workers(accelerator):
 def id_tensor_batches(accelerator):
     """Each batch is itself the tensor of ids."""
     return DataLoader(Unsplit(), batch_size=3)
+
+
+def seeded_40(accelerator):
+    """A prepared shuffled loader of 40, seeded before it is built: every launch draws the same
+    permutation."""
+    from accelerate.utils import set_seed
+
+    set_seed(0)
+    return accelerator.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4,
+                                          shuffle=True))
+
+
+def unseeded_40(accelerator):
+    return accelerator.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4,
+                                          shuffle=True))
+
+
+def plain_40(accelerator):
+    """Not prepared, no state_dict: nothing the stateful strategy could restore."""
+    return DataLoader(TensorDataset(torch.arange(40)), batch_size=4)
+
+
+def fails_in_the_third_launch(accelerator):
+    """Counts its calls per rank in $SHARDDEMO_TEST_COUNTER_DIR: the reference and the stopping
+    launch run, the resuming launch (the third) raises."""
+    import os
+
+    folder = os.environ["SHARDDEMO_TEST_COUNTER_DIR"]
+    path = os.path.join(folder, f"calls-{accelerator.process_index}")
+    calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    with open(path, "w") as handle:
+        handle.write(str(calls))
+    if calls == 3:
+        raise RuntimeError("the resumed run cannot open its shards")
+    return seeded_40(accelerator)

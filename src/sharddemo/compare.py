@@ -135,15 +135,17 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
                                          stateful=stateful)
     limits = RunOptions(epochs=reference_opts.epochs, timeout=opts.timeout)
     try:
-        launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
-        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
-                               progress=progress)
+        # The stopping launch first: a STEP past the epoch's end or a loader that cannot save
+        # its state fails there, after one launch.
         phase_args = [*dataclasses.replace(opts, stateful=False).to_run_args(),
                       "--resume-at", f"{plan.epoch}:{plan.step}",
                       "--resume-strategy", plan.strategy, "--checkpoint", checkpoint]
         stop = run_launch(make_launch(settings, [*phase_args, "--phase", "stop"],
                                       command="resume-rank"),
                           limits, debug=debug, timeout=opts.max_time)
+        launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
+        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
+                               progress=progress)
         after = dataclasses.replace(settings, num_processes=plan.num_processes
                                     or settings.num_processes)
         resumed = run_launch(make_launch(after, [*phase_args, "--phase", "resume"],

@@ -225,9 +225,13 @@ def compare_resume(plan: ResumePlan, reference: dict, stop: dict, resumed: dict)
         order = (None if not (same_world and deterministic)
                  else [_flat(b) for b in got_ranks] == [_flat(b) for b in ref_ranks])
         exact = not repeated and not skipped and order is not False
+        small = sum(got_ids.values()) <= 10 * ID_LIST_CAP
         epochs.append({"epoch": epoch, "repeated": _capped(repeated), "skipped": _capped(skipped),
                        "order_equal": order, "resume_exact": exact,
-                       "seen": sum(got_ids.values()), "reference_seen": sum(ref_ids.values())})
+                       "seen": sum(got_ids.values()), "reference_seen": sum(ref_ids.values()),
+                       # what the resumed run's ranks received (stopped part first), small runs
+                       "ranks": [{"rank": r, "batches": b} for r, b in enumerate(got_ranks)]
+                       if small and same_world else None})
     return {"at": {"epoch": plan.epoch, "step": plan.step}, "strategy": plan.strategy,
             "world_sizes": [stop["world_size"], resumed["world_size"]],
             "deterministic": deterministic, "epochs": epochs,

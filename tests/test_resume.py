@@ -1,0 +1,134 @@
+"""Issue "Resume audit" on real gloo ranks: `audit --resume-at` really stops, saves, restarts
+in fresh processes and resumes. Every expected value comes from the uninterrupted reference
+run (a real launch of the same loader: the library's own behaviour), or from literals worked
+out by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+
+import pytest
+from conftest import ROOT, sharddemo
+
+FACTORIES = str(ROOT / "tests" / "factories.py")
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
+def resume_audit(target, *args, nproc=2, check=True, env=None):
+    import jsonschema
+
+    proc = sharddemo(["audit", f"{FACTORIES}:{target}", "--num-processes", str(nproc),
+                      "--format", "json", *args], check=False, env=env)
+    if check:
+        assert proc.returncode in (0, 1), proc.stderr
+        report = json.loads(proc.stdout)
+        jsonschema.validate(report, SCHEMA)
+        return proc, report
+    return proc, None
+
+
+def reference_batches(report, epoch):
+    return [r["batches"] for r in report["modes"]["audit"]["epochs"][epoch]["ranks"]]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_skip_with_a_seed_resumes_exactly(nproc):
+    proc, report = resume_audit("seeded_40", "--resume-at", "0:2", nproc=nproc)
+    resume = report["modes"]["audit"]["resume"]
+    assert resume["resume_exact"] and proc.returncode == 0, resume["explanation"]
+    assert resume["world_sizes"] == [nproc, nproc] and resume["deterministic"]
+    for e in resume["epochs"]:
+        # the resumed run's batches are the uninterrupted run's, rank by rank
+        assert [r["batches"] for r in e["ranks"]] == reference_batches(report, e["epoch"])
+
+
+def test_restart_repeats_exactly_what_the_first_launch_saw():
+    nproc, k = 2, 2
+    proc, report = resume_audit("seeded_40", "--resume-at", f"0:{k}", "--resume-strategy",
+                                "restart", nproc=nproc)
+    resume = report["modes"]["audit"]["resume"]
+    e0, e1 = resume["epochs"]
+    # the k x W x B ids of the uninterrupted run's first k steps on every rank come again
+    first_k = Counter(i for batches in reference_batches(report, 0) for b in batches[:k] for i in b)
+    assert sum(first_k.values()) == k * nproc * 4
+    assert e0["repeated"]["ids"] == sorted(first_k.elements()) and e0["skipped"]["count"] == 0
+    assert e1["resume_exact"] and not resume["resume_exact"] and proc.returncode == 1
+
+
+def test_stateful_with_a_seed_resumes_exactly_and_keep_checkpoint_keeps_it(tmp_path):
+    pytest.importorskip("torchdata")
+    keep = tmp_path / "ckpt"
+    proc, report = resume_audit("seeded_40", "--resume-at", "0:3", "--resume-strategy",
+                                "stateful", "--keep-checkpoint", str(keep))
+    resume = report["modes"]["audit"]["resume"]
+    assert resume["resume_exact"], resume["explanation"]
+    assert any(keep.iterdir())  # accelerate's save_state files, kept
+
+
+def test_skip_without_a_seed_repeats_and_skips_in_the_resumed_epoch():
+    proc, report = resume_audit("unseeded_40", "--resume-at", "0:3")
+    resume = report["modes"]["audit"]["resume"]
+    e0, e1 = resume["epochs"]
+    # a new permutation after the restart: as many samples come twice as never come
+    assert e0["repeated"]["count"] == e0["skipped"]["count"] > 0
+    assert not resume["deterministic"] and e0["order_equal"] is None
+    assert e1["repeated"]["count"] == e1["skipped"]["count"] == 0
+    assert not resume["resume_exact"] and proc.returncode == 1
+
+
+def test_resume_at_an_epoch_boundary_replays_epoch_0s_order():
+    """Saved at the end of epoch 0 with a seed: the fresh loader counts its epochs from 0, so
+    its "epoch 1" is the uninterrupted run's epoch 0 order (accelerate 1.16, by hand)."""
+    proc, report = resume_audit("seeded_40", "--resume-at", "1:0", "--epochs", "2")
+    resume = report["modes"]["audit"]["resume"]
+    e1 = resume["epochs"][0]
+    assert e1["epoch"] == 1 and e1["order_equal"] is False and e1["repeated"]["count"] == 0
+    assert [r["batches"] for r in e1["ranks"]] == reference_batches(report, 0)
+    assert "counts its epochs from 0" in resume["explanation"]
+
+
+def test_a_changed_world_size_is_reported_with_counts():
+    proc, report = resume_audit("seeded_40", "--resume-at", "0:2", "--resume-num-processes",
+                                "3")
+    resume = report["modes"]["audit"]["resume"]
+    assert resume["world_sizes"] == [2, 3] and not resume["resume_exact"]
+    e0 = resume["epochs"][0]
+    assert e0["order_equal"] is None and e0["repeated"]["count"] + e0["skipped"]["count"] > 0
+    assert "world size changed (2 -> 3)" in resume["explanation"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["seeded_40", "--resume-at", "0:10"], "an epoch of this loader has 5 steps per rank"),
+    (["seeded_40", "--resume-at", "2:0"], "beyond --epochs 2"),
+    (["seeded_40", "--resume-at", "x"], "is not EPOCH:STEP"),
+    (["plain_40", "--resume-at", "0:1", "--resume-strategy", "stateful"],
+     "needs a loader that can save its state"),
+    (["seeded_40", "--resume-at", "0:1", "--keep-checkpoint", "/proc/nope/ckpt"],
+     "cannot be written"),
+])
+def test_bad_resume_input_is_one_error_line(args, message):
+    proc = sharddemo(["audit", f"{FACTORIES}:{args[0]}", *args[1:]], check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+
+
+def test_a_failed_resume_launch_leaves_no_process_and_no_checkpoint(tmp_path):
+    from test_faults import assert_nothing_left, tagged_env
+
+    env, token = tagged_env()
+    env["SHARDDEMO_TEST_COUNTER_DIR"] = str(tmp_path)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env["TMPDIR"] = str(scratch)
+    start = time.monotonic()
+    proc = sharddemo(["audit", f"{FACTORIES}:fails_in_the_third_launch", "--resume-at", "0:2"],
+                     check=False, env=env)
+    assert proc.returncode == 1
+    assert "the resumed run cannot open its shards" in proc.stderr
+    assert time.monotonic() - start < 60
+    assert_nothing_left(token)
+    assert not [p for p in os.listdir(scratch) if p.startswith("sharddemo-checkpoint-")]
