@@ -175,3 +175,18 @@ def test_id_field_dot_takes_batches_that_are_the_ids_and_0_is_refused():
                      check=False)
     assert proc.returncode == 2
     assert "selects one number per batch" in proc.stderr and "--id-field ." in proc.stderr
+
+
+def test_audit_of_an_unsplit_stream_does_not_claim_the_ranks_split_it():
+    # 12 ids, batch 3, 2 workers, 2 ranks, a stream that ignores both: every id 4 times.
+    proc, report = audit_json(f"{FACTORIES}:unsplit_stream_with_workers", "--id-field", ".",
+                              "--epochs", "1")
+    mode = report["modes"]["audit"]
+    e = mode["epochs"][0]
+    assert e["seen"] == 48 and {d["count"] for d in e["duplicates"]} == {4}
+    assert "split each epoch" not in mode["conclusion"]
+    assert "did NOT split the epoch" in mode["conclusion"]
+    assert "padding" not in mode["conclusion"]
+    failed = {v["verdict"] for v in mode["verdicts"] if not v["ok"]}
+    assert {"no-unexplained-duplicates", "no-silent-replication"} <= failed
+    assert proc.returncode == 1

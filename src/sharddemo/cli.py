@@ -349,8 +349,9 @@ def audit_options(func: Callable) -> Callable:
         click.argument("factory"),
         click.option("--epochs", type=int, default=2, show_default=True, help="Epochs to walk."),
         click.option("--id-field", help="The field (dict key, or tuple position) of each batch "
-                     "that holds the sample ids. Default: the dataset indices the loader's "
-                     "sampler drew (map-style datasets only)."),
+                     "that holds the sample ids, or '.' when each batch is itself the tensor of "
+                     "ids. Default: the dataset indices each batch was made of, recorded as "
+                     "the dataset is asked for them (map-style datasets only)."),
         click.option("--expect", type=click.Choice(["sharded", "replicated"]), default="sharded",
                      show_default=True, help="What the loader is meant to do across ranks."),
         click.option("--set-epoch", is_flag=True,
