@@ -474,7 +474,8 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
         if expect == "sharded":
-            ok = w == 1 or not any(d["reason"] in ("replication", "stream-replication")
+            ok = w == 1 or not any({"replication", "stream-replication"}
+                                   & {d["reason"], *d.get("causes", [])}
                                    for d in e["duplicates"])
             add("no-silent-replication", k, ok, "" if ok else
                 f"all {w} ranks received the same samples: the loader is not sharded")
