@@ -211,6 +211,22 @@ def tagging_prepare(accelerator, record_indices: bool):
         del accelerator.prepare  # the bound method again
 
 
+def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: bool = False):
+    """The user's loader on this rank, as their script builds it: the factory called with the
+    rank's Accelerator (with use_stateful_dataloader set first when `stateful`), every
+    DataLoader tagged on its way through prepare. A factory that raises is a RunFailed."""
+    if stateful:
+        # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
+        accelerator.dataloader_config.use_stateful_dataloader = True
+    try:
+        with tagging_prepare(accelerator, record_indices=opts.id_field is None):
+            return factory(accelerator)
+    except (UsageError, RunFailed):
+        raise
+    except Exception as exc:
+        raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
+
+
 def set_epoch(loader, epoch: int) -> None:
     """What a training loop that calls set_epoch does."""
     from sharddemo.walk import base_loader
@@ -237,15 +253,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     try:
         check_world(accelerator.num_processes)
         world = accelerator.num_processes
-        if opts.stateful:
-            accelerator.dataloader_config.use_stateful_dataloader = True
-        try:
-            with tagging_prepare(accelerator, record_indices=opts.id_field is None):
-                loader = factory(accelerator)
-        except (UsageError, RunFailed):
-            raise
-        except Exception as exc:
-            raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
+        loader = build_loader(accelerator, factory, opts, stateful=opts.stateful)
         if not hasattr(loader, "__iter__") or (opts.id_field is None
                                                and not hasattr(base_loader(loader), "dataset")):
             raise UsageError(f"the factory {opts.target} returned an object of type "

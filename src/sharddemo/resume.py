@@ -71,7 +71,7 @@ class ResumePlan:
 def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: str = "auto",
                 trace_out: Optional[str] = None) -> Optional[dict]:
     """One phase on this rank. Returns the phase's trace on the main process."""
-    from sharddemo.audit import set_epoch, id_reader, load_factory, tagging_prepare
+    from sharddemo.audit import build_loader, id_reader, load_factory, set_epoch
     from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
     from sharddemo.walk import agree_on_fingerprint, is_prepared, walk_epoch
 
@@ -81,15 +81,7 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
         check_world(accelerator.num_processes)
         if plan.strategy == "stateful":
             _need_torchdata()
-            # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
-            accelerator.dataloader_config.use_stateful_dataloader = True
-        try:
-            with tagging_prepare(accelerator, record_indices=opts.id_field is None):
-                loader = factory(accelerator)
-        except (UsageError, RunFailed):
-            raise
-        except Exception as exc:
-            raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
+        loader = build_loader(accelerator, factory, opts, stateful=plan.strategy == "stateful")
         agree_on_fingerprint(accelerator, loader)
         read_ids = id_reader(loader, opts.id_field)
         prepared = is_prepared(loader)
