@@ -19,7 +19,15 @@ import torch
 from sharddemo.sources import ToyDataset
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
-from sharddemo.trace import make_accelerator, trace_epoch
+from sharddemo.sources import batch_ids
+from sharddemo.trace import make_accelerator
+from sharddemo.walk import walk_epoch
+
+
+def trace_epoch(accelerator, plan, epoch: int, strategy: str):
+    """One traced epoch through sharddemo's public walk, as the tool runs it."""
+    return walk_epoch(accelerator, plan.loader, lambda batch, tag: batch_ids(batch),
+                      epoch=epoch, strategy=strategy)
 
 
 def timed(accelerator, fn) -> float:
