@@ -425,11 +425,15 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     make_loader(accelerator) -> DataLoader. Every rank calls it with its Accelerator and walks
     the loader as training would. Verdicts per epoch: no missing samples, no duplicates beyond
     the loader's own padding, equal step counts, a new order each epoch, no silent
-    replication. Exit 0 when all hold, 1 when one fails, 2 for bad input.
+    replication; with --resume-at, also resume-exact (the run stopped, restarted in fresh
+    processes and resumed sees exactly what an uninterrupted run sees). Exit 0 when all
+    hold, 1 when one fails, 2 for bad input.
 
     Example:
 
         sharddemo audit examples/good.py:make_loader --num-processes 3
+
+        sharddemo audit examples/resume_exact.py:make_loader --resume-at 0:3
     """
     settings = _settings(kw)
     opts = _audit_options(kw)
