@@ -46,7 +46,7 @@ def test_unknown_mode(command, flag):
     assert result.exit_code == 2
     assert error_line(result) == (
         "Error: unknown mode 'bogus'; choose 'all', 'pitfalls' or a comma list of: prepared, "
-        "sampler, replicated, double-split, unseeded, split")
+        "sampler, replicated, double-split, unseeded, split, resume")
 
 
 def test_unknown_format():
@@ -191,3 +191,12 @@ def test_run_and_compare_take_the_same_modes_option(command):
     for spelling in ("--modes", "--mode"):
         result = CliRunner().invoke(cli, [command, spelling, "nope"])
         assert result.exit_code == 2 and "unknown mode 'nope'" in result.output
+
+
+def test_run_refuses_the_resume_mode():
+    from click.testing import CliRunner
+
+    from sharddemo.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "--modes", "resume"])
+    assert result.exit_code == 2 and "only compare can do" in result.output

@@ -215,6 +215,9 @@ def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, allow_al
         accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
     """
     opts = _options(modes, kw)
+    if "resume" in opts.modes:
+        raise UsageError("mode resume stops and restarts launches, which only compare can do: "
+                         "sharddemo compare --modes resume --dataset-size 40")
     if trace_out:
         _check_output(trace_out, "--trace-out")
     from sharddemo.trace import run_trace
@@ -469,6 +472,27 @@ def _failed_verdicts(report: dict) -> list[str]:
             if not v["ok"]:
                 failed.setdefault(v["verdict"], []).append(v["epoch"])
     return [f"{name} (epoch {', '.join(map(str, epochs))})" for name, epochs in failed.items()]
+
+
+@cli.command("resume-demo-rank", hidden=True)
+@click.option("--modes", "--mode", "modes", default="resume")
+@loader_options
+@click.option("--phase", type=click.Choice(["reference", "stop", "resume"]), required=True)
+@click.option("--checkpoint", required=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--trace-out", type=click.Path(dir_okay=False))
+@click.option("--quiet", is_flag=True)
+def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: str,
+                             trace_out: Optional[str], quiet: bool, **kw: Any) -> None:
+    """The rank side of `sharddemo compare --modes resume`, started through accelerate launch.
+
+    Example:
+
+        accelerate launch -m sharddemo resume-demo-rank --dataset-size 40 --phase stop --checkpoint ckpt
+    """
+    from sharddemo.resume import demo_rank
+
+    demo_rank(_options(modes, kw), phase, checkpoint, device=device, trace_out=trace_out)
 
 
 @cli.command("resume-rank", hidden=True)

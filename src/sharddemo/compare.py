@@ -50,6 +50,8 @@ def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "r
 
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
                 debug: bool = False, progress: bool = False) -> dict:
+    if opts.modes == ("resume",):
+        return resume_demo_run(opts, settings, debug=debug)
     launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
     return _report(launch, run_launch(launch, opts, debug=debug, progress=progress))
 
@@ -183,3 +185,38 @@ def _check_checkpoint_dir(path: str) -> None:
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise UsageError(f"--keep-checkpoint {path} cannot be written (the folder "
                          f"{parent} is missing or not writable); pick another folder")
+
+
+def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
+                    debug: bool = False) -> dict:
+    """`compare --modes resume`: three launches (stop and save, uninterrupted, load and
+    resume) run every scenario of resume.demo_scenarios; a report with a `resume` list."""
+    import shutil
+    import tempfile
+
+    from sharddemo.report import REPORT_SCHEMA
+    from sharddemo.resume import demo_report
+
+    checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
+    # A resume launch also runs epochs 0..2 for 12 scenarios: more work than one mode.
+    limits = RunOptions(epochs=3 * 12, dataset_size=opts.dataset_size, timeout=opts.timeout)
+    traces = {}
+    try:
+        for phase in ("stop", "reference", "resume"):
+            launch = make_launch(settings, [*opts.to_run_args(), "--phase", phase,
+                                            "--checkpoint", checkpoint],
+                                 command="resume-demo-rank", check=opts.check_world)
+            traces[phase] = run_launch(launch, limits, debug=debug)
+    finally:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    if not traces.get("resume"):
+        return {}
+    ref = traces["reference"]
+    return {"schema": REPORT_SCHEMA, "world_size": ref["world_size"],
+            "backend": ref.get("backend", "gloo"), "distributed_type": ref.get("distributed_type"),
+            "device": ref.get("device"), "dataset_size": opts.dataset_size,
+            "batch_size": opts.batch_size, "global_batch": opts.batch_size * ref["world_size"],
+            "epochs": 3, "seed": opts.seed, "source": opts.source, "options": opts.to_dict(),
+            "config_file": launch.config_file, "launch_command": None, "modes": {},
+            "broken_promises": [],
+            "resume": demo_report(ref, traces["stop"], traces["resume"])}

@@ -16,7 +16,7 @@ from sharddemo.errors import UsageError
 # that silently lose samples; `split` is the datasets-native split for the HF sources.
 BASIC_MODES = ("prepared", "sampler", "replicated")
 PITFALL_MODES = ("double-split", "unseeded")
-MODES = BASIC_MODES + PITFALL_MODES + ("split",)
+MODES = BASIC_MODES + PITFALL_MODES + ("split", "resume")
 MODE_GROUPS = {"all": BASIC_MODES, "pitfalls": PITFALL_MODES}
 
 MODE_HELP = {
@@ -28,6 +28,8 @@ MODE_HELP = {
     "unseeded": "pitfall: accelerator.prepare with use_seedable_sampler=True and no seed, so every "
                 "process shuffles with its own seed",
     "split": "datasets.distributed.split_dataset_by_node per rank, then a plain DataLoader, not prepared",
+    "resume": "the prepared loader stopped, saved, restarted and resumed: skip, stateful and restart "
+              "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers (compare only)",
 }
 
 # Where the samples come from. Every source carries its sample ids.
@@ -137,6 +139,9 @@ class RunOptions:
             raise UsageError(f"unknown source {self.source!r}; choose from: " + ", ".join(SOURCES))
         if self.shards < 1:
             raise UsageError(f"--shards must be at least 1, got {self.shards}")
+        if "resume" in self.modes and (len(self.modes) > 1 or self.source not in MAP_SOURCES):
+            raise UsageError("mode resume runs alone, on a map-style source: pass --modes resume "
+                             "(with --source toy or hf)")
         if "split" in self.modes and self.source not in ("hf", "hf-stream"):
             raise UsageError("mode split uses datasets' split_dataset_by_node: pass --source hf "
                              "or --source hf-stream")

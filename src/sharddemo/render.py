@@ -140,6 +140,21 @@ def render_table(report: dict) -> str:
         out.append("ranks by node: " + placement_line(report))
     if report.get("launch_command"):
         out.append(f"rerun by hand: {report['launch_command']}")
+    if report.get("resume"):
+        out += ["", "== resume: the prepared loader stopped, saved, restarted in fresh processes "
+                "and resumed, against the uninterrupted run"]
+        for r in report["resume"]:
+            at = r["at"]
+            cells = []
+            for e in r["epochs"]:
+                rep, skip = e["repeated"]["count"], e["skipped"]["count"]
+                order = {True: "same order", False: "OTHER ORDER", None: "-"}[e["order_equal"]]
+                cells.append(f"epoch {e['epoch']}: {'exact' if e['resume_exact'] else 'NOT exact'}"
+                             f" ({rep} repeated, {skip} skipped, {order})")
+            out.append(f"  workers {r['workers']} | stop {at['epoch']}:{at['step']} | "
+                       f"{r['strategy']:<8} | " + " | ".join(cells)
+                       + f" | resume-exact {'yes' if r['resume_exact'] else 'NO'}")
+        out.append("  (docs/resume.md explains each row; audit --resume-at runs it on your loader)")
     for mode, data in report["modes"].items():
         out.append("")
         out.append(f"== {mode}: {data['description']}")

@@ -263,3 +263,127 @@ def explain(resume: dict) -> str:
                  "set_epoch with the real epoch, or resume the loader's state).")
     verdict = "resume-exact: yes" if resume["resume_exact"] else "resume-exact: NO"
     return f"{head}. " + "; ".join(parts) + f".{tail} {verdict}."
+
+
+# ---------------------------------------------------------------------------------------------
+# `compare --modes resume`: every strategy, two stop points, 0 and 2 workers, on the demo data,
+# in three launches (stop, reference, resume) instead of three per scenario. Each scenario gets
+# its own Accelerator instance (so save_state holds only its loader) and its own checkpoint.
+
+DEMO_WORKERS = (0, 2)
+
+
+def demo_scenarios(steps: int) -> list[dict]:
+    """The 12 scenarios for an epoch of `steps` steps per rank: stop in the middle of epoch 0
+    and at the start of epoch 1; skip, stateful, restart; 0 and 2 workers."""
+    stops = [(0, steps // 2), (1, 0)]
+    return [{"workers": w, "epoch": e, "step": s, "strategy": strategy}
+            for w in DEMO_WORKERS for e, s in stops for strategy in STRATEGIES]
+
+
+def _demo_loader(accelerator, opts, workers: int, stateful: bool):
+    """The demo's `prepared` loader, built as compare builds it (seeded with --seed first)."""
+    import dataclasses
+
+    from accelerate.utils import set_seed
+
+    from sharddemo.loaders import build_loader, dataloader_config
+    from sharddemo.sources import build_source
+
+    set_seed(opts.seed)
+    run = dataclasses.replace(opts, num_workers=workers, modes=("prepared",))
+    with dataloader_config(accelerator, use_stateful_dataloader=stateful):
+        return build_loader("prepared", accelerator, build_source(opts.source, opts.dataset_size),
+                            run).loader
+
+
+def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
+              trace_out: Optional[str] = None) -> Optional[dict]:
+    """One phase of the demo on this rank: `reference` (per workers x stateful, three epochs),
+    `stop` or `resume` (per scenario). Returns {key: epochs} on the main process."""
+    from accelerate import Accelerator
+
+    from sharddemo.sources import batch_ids
+    from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
+    from sharddemo.walk import walk_epoch
+
+    first = make_accelerator(device, opts.timeout)
+    out: dict[str, Any] = {}
+
+    def read(batch, tag):
+        return batch_ids(batch)
+
+    def walk(acc, source, epoch, max_steps=None):
+        return walk_epoch(acc, source, read, epoch=epoch, strategy="batch", max_steps=max_steps)
+
+    def fresh():
+        # Another Accelerator on the same process group: its own list of prepared loaders.
+        return Accelerator(cpu=first.device.type == "cpu")
+
+    try:
+        check_world(first.num_processes)
+        steps = None
+        if phase == "reference":
+            for workers in DEMO_WORKERS:
+                for stateful in (False, True):
+                    acc = fresh()
+                    loader = _demo_loader(acc, opts, workers, stateful)
+                    steps = len(loader)
+                    out[f"w{workers}-{'stateful' if stateful else 'plain'}"] = [
+                        walk(acc, loader, epoch) for epoch in range(3)]
+        else:
+            acc0 = fresh()
+            steps = len(_demo_loader(acc0, opts, 0, False))
+            if steps < 2:
+                raise UsageError(f"--modes resume stops in the middle of an epoch, but an epoch "
+                                 f"here has {steps} step per rank; pass a larger --dataset-size "
+                                 "(e.g. --dataset-size 40 --batch-size 4)")
+            for k, sc in enumerate(demo_scenarios(steps)):
+                acc = fresh()
+                stateful = sc["strategy"] == "stateful"
+                loader = _demo_loader(acc, opts, sc["workers"], stateful)
+                folder = os.path.join(checkpoint, f"scenario-{k}")
+                records = []
+                if phase == "stop":
+                    for epoch in range(sc["epoch"]):
+                        records.append(walk(acc, loader, epoch))
+                    records.append(walk(acc, loader, sc["epoch"], max_steps=sc["step"]))
+                    _save(acc, loader, True, folder)
+                else:
+                    _load(acc, loader, True, folder)
+                    if sc["strategy"] == "skip" and sc["step"]:
+                        records.append(walk(acc, acc.skip_first_batches(loader, sc["step"]),
+                                            sc["epoch"]))
+                    else:
+                        records.append(walk(acc, loader, sc["epoch"]))
+                    records.append(walk(acc, loader, sc["epoch"] + 1))
+                out[str(k)] = records
+        if not first.is_main_process:
+            return None
+        trace = {"phase": phase, "world_size": first.num_processes, "steps": steps,
+                 "backend": getattr(first.state, "backend", None) or "none",
+                 "distributed_type": first.state.distributed_type.value,
+                 "device": first.device.type,
+                 "results": {key: [r.to_dict() for r in records]
+                             for key, records in out.items()}}
+        if trace_out:
+            write_trace(trace, trace_out)
+        return trace
+    finally:
+        teardown(first)
+
+
+def demo_report(reference: dict, stop: dict, resumed: dict) -> list[dict]:
+    """Every scenario's `resume` object, with its workers."""
+    rows = []
+    for k, sc in enumerate(demo_scenarios(stop["steps"])):
+        plan = ResumePlan(sc["epoch"], sc["step"], sc["strategy"])
+        key = f"w{sc['workers']}-{'stateful' if sc['strategy'] == 'stateful' else 'plain'}"
+        result = compare_resume(
+            plan, {"world_size": reference["world_size"], "epochs": reference["results"][key]},
+            {"world_size": stop["world_size"], "epochs": stop["results"][str(k)]},
+            {"world_size": resumed["world_size"], "epochs": resumed["results"][str(k)]})
+        result["workers"] = sc["workers"]
+        result["explanation"] = explain(result)
+        rows.append(result)
+    return rows
