@@ -26,6 +26,8 @@ REPRODUCTIONS = [
     Case("prepared", 1006, 4, 0, even_batches=False, epochs=1),
     Case("unseeded", 11, 2, 0, even_batches=False, epochs=1),
     Case("replicated", 10, 3, 0, drop_last=True),
+    # The reference experiment: 8 samples, batch 4.
+    Case("sampler", 8, 4, 0), Case("prepared", 8, 4, 0), Case("replicated", 8, 4, 0),
 ]
 
 
@@ -60,7 +62,8 @@ def main(out_path: str) -> None:
                                 "trace": trace})
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
-            json.dump({"world": world, "results": results}, handle)
+            json.dump({"world": world, "backend": accelerator.state.backend,
+                       "results": results}, handle)
     accelerator.end_training()
 
 

@@ -24,7 +24,7 @@ def truth(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"truth{request.param}") / "truth.json"
     accelerate_launch(["tests/rank_truth.py", str(out)], nproc=request.param, timeout=240)
     data = json.loads(out.read_text())
-    assert data["world"] == request.param
+    assert data["world"] == request.param and data["backend"] == "gloo"  # one real gloo group
     assert len(data["results"]) >= 50
     return data["world"], data["results"]
 
@@ -125,3 +125,27 @@ def test_compare_reproductions_through_the_cli(args, promise):
     jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()))
     assert report["broken_promises"] == ([promise] if promise else []), proc.stderr
     assert proc.returncode == (1 if promise else 0), proc.stderr
+
+
+def test_reference_observations(truth):
+    """The reference's finding, N=8, B=4: the sharded modes split each epoch (at W=2: 4 each,
+    disjoint, all 8, a new order each epoch); replicated gives every rank all 8, W x 8 in all."""
+    world, results = truth
+    for result in results:
+        case, report = _report(result, world)
+        if (case.n, case.b) != (8, 4):
+            continue
+        for e in report["epochs"]:
+            per_rank = [r["samples"] for r in e["ranks"]]
+            if case.mode == "replicated":
+                assert per_rank == [8] * world and e["seen"] == 8 * world
+            elif world == 2:
+                assert per_rank == [4, 4] and e["seen"] == e["unique"] == 8
+                assert e["duplicates"] == []
+            elif case.mode == "sampler":  # ceil(8/3) = 3 each, one index padded
+                assert per_rank == [3, 3, 3] and e["seen"] == 9
+            else:  # one full batch of 4 each, 4 filled from the epoch's start
+                assert per_rank == [4, 4, 4] and e["seen"] == 12
+            assert e["missing"] == [] and e["unique"] == 8
+        if case.mode in ("sampler", "prepared"):
+            assert report["epochs"][1]["order_changed"] is True
