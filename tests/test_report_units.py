@@ -168,3 +168,17 @@ def test_order_verdict():
 def test_empty_epochs(epochs):
     m = report_of(trace("audit", 3, 2, 2, epochs, SAMPLER, drop_last=True))
     assert m["epochs"][0]["seen"] == 0 and "received nothing" in m["conclusion"]
+
+
+def test_a_loader_of_length_zero_has_a_known_length():
+    """len(loader) == 0 is a length (walked per batch), not 'unknown' (which forces the
+    per-epoch gather of a stream)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sharddemo.walk import choose_gather
+
+    alone = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    assert choose_gather(alone, [], "auto") == "batch"
+    assert choose_gather(alone, iter([]), "auto") == "epoch"  # no len(): unknown

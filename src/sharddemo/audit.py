@@ -261,7 +261,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
                              "training loop walks (or pass --id-field for another iterable of "
                              "batches)")
         description = describe_loader(loader)  # before the walk wraps anything
-        agreed = agree_on_fingerprint(accelerator, loader)
+        agreed = agree_on_fingerprint(accelerator, loader, description=description)
         read_ids = id_reader(loader, opts.id_field)
         prepared = is_prepared(loader)
         records = []

@@ -122,7 +122,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     description = describe_loader(plan.loader)
     # sharddemo's own modes are built to show what happens, the pitfalls included: a
     # disagreement is reported with the mode rather than stopping the run.
-    agreed = agree_on_fingerprint(accelerator, plan.loader, stop=False)
+    agreed = agree_on_fingerprint(accelerator, plan.loader, stop=False,
+                                  description=description)
     tag_batches(plan.loader, record_indices=False)  # which worker made each batch
     epochs = []
     for epoch in range(opts.epochs):

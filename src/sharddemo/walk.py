@@ -98,7 +98,8 @@ def choose_gather(accelerator, loader, strategy: str) -> str:
     """`batch` or `epoch`, the same on every rank (a collective: the lengths are exchanged)."""
     if strategy in ("batch", "epoch"):
         return strategy
-    lengths = [row[0] for row in exchange_ints(accelerator, [safe_len(loader) or -1])]
+    length = safe_len(loader)
+    lengths = [row[0] for row in exchange_ints(accelerator, [-1 if length is None else length])]
     known = all(n >= 0 for n in lengths)
     return "batch" if known and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT else "epoch"
 
@@ -459,7 +460,7 @@ def root_length(dataset) -> Optional[int]:
         return None
 
 
-def fingerprint(loader) -> dict:
+def fingerprint(loader, description: Optional[dict] = None) -> dict:
     """What this rank believes the data is: dataset length (None for a stream), the sampler's
     and batch sampler's classes and seed, drop_last, batch size, workers, and a hash of the
     first epoch's whole order where that costs no RNG draw. Every rank must agree."""
@@ -481,14 +482,13 @@ def fingerprint(loader) -> dict:
                                                                       "batch_size", None),
             "num_workers": int(getattr(base, "num_workers", 0) or 0),
             "order_hash": _order_hash(inner) if inner is not None else None,
-            "shards_itself": _shards_itself(loader)}
+            "shards_itself": _shards_itself(description or describe_loader(loader))}
 
 
-def _shards_itself(loader) -> bool:
+def _shards_itself(info: dict) -> bool:
     """The loader splits the data across ranks itself (a DistributedSampler, or accelerate's
     BatchSamplerShard, IterableDatasetShard or dispatch), so every rank must start from the
     same data. A plain loader over data split by rank beforehand legitimately differs."""
-    info = describe_loader(loader)
     return bool(info["distributed_sampler"] or info["batch_sampler_shard"]
                 or info["iterable_shard"] or info["dispatcher"])
 
@@ -499,7 +499,8 @@ FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": 
                      "order_hash": "first epoch's order (hash)"}
 
 
-def agree_on_fingerprint(accelerator, loader, stop: bool = True) -> dict:
+def agree_on_fingerprint(accelerator, loader, stop: bool = True,
+                         description: Optional[dict] = None) -> dict:
     """Every rank's fingerprint, exchanged with one gather. If they differ, every rank stops
     with the same one-line message naming the field and the ranks (a Disagreement, exit 1);
     with `stop=False` (compare's pitfall demos, which disagree on purpose) the message is
@@ -509,7 +510,7 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True) -> dict:
     from sharddemo.collect import collective
     from sharddemo.errors import Disagreement
 
-    mine = fingerprint(loader)
+    mine = fingerprint(loader, description)
     every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
     same_data = any(fp["shards_itself"] for fp in every)
     for key, words in FINGERPRINT_WORDS.items():
