@@ -24,6 +24,8 @@ headers [[4], [1]] -> width 4 -> rank 1 sends [4, -1, -1, -1] -> gathered
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -86,3 +88,36 @@ def narrowest_dtype(top: int) -> torch.dtype:
     """int32 when every value fits (a gather of a large epoch costs about a quarter as much
     on gloo as int64), else int64."""
     return torch.int32 if top < 2**31 - 1 else torch.int64
+
+
+# ---------------------------------------------------------------------------------------------
+# Forks right after a collective.
+
+FORK_PAUSE_S = 0.005
+_fork_guard = [False]
+
+
+def guard_forks() -> None:
+    """Make every fork of this rank (a DataLoader starting its workers) wait a few ms first,
+    on the Pythons that need it. Once per process; a no-op on CPython 3.12 and later.
+
+    CPython before 3.12 (gh-112275; seen here with 3.11.7) re-initialises the runtime's HEAD
+    lock in a forked child only AFTER taking it, so a child forked while another thread holds
+    that lock deadlocks before running a line. Here it happens when the fork follows a
+    collective at once (never when a pause separates them), which points at gloo's threads,
+    the only other threads then, taking the lock as the collective finishes (to give back
+    what it held); which thread holds it was not pinned down. Loaders fork right after a
+    collective all the time: accelerate's prepared loaders broadcast their RNG state and then
+    start the workers; sharddemo's walk exchanges lengths and then iterates. On the 2-core
+    machines here that hung a rank within a minute of back-to-back epochs
+    (benchmarks/fork_after_collective.py). Sleeping before the fork lets the other thread
+    leave the lock first; the loader yields exactly the same batches.
+    """
+    if _fork_guard[0] or sys.version_info >= (3, 12) or not hasattr(os, "register_at_fork"):
+        return
+    _fork_guard[0] = True
+    os.register_at_fork(before=_pause_before_fork)
+
+
+def _pause_before_fork() -> None:
+    time.sleep(FORK_PAUSE_S)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import collective, exchange_ints, set_timeout
+from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
 from sharddemo.sources import batch_ids
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import (EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
@@ -58,6 +58,7 @@ def make_accelerator(device: str, timeout: float):
         raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
     set_timeout(timeout)
+    guard_forks()  # DataLoader workers forked right after a collective (collect.guard_forks)
     mark_started()
     return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
 

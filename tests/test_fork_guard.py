@@ -1,0 +1,46 @@
+"""The fork guard every rank installs (sharddemo.collect.guard_forks, docs/reliability.md).
+
+The hang it prevents is a race (benchmarks/fork_after_collective.py reproduces it in about a
+minute of back-to-back epochs), too slow and too random for the suite; what is tested here is
+that the guard is really in place where it must be: a fork in a process that built sharddemo's
+Accelerator waits first, and one in a process that did not, does not.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent("""
+    import os, sys, time
+    if sys.argv[1] == "guarded":
+        from sharddemo.trace import make_accelerator
+        make_accelerator("cpu", 30)
+    waits = []
+    for _ in range(5):
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        waits.append(time.perf_counter() - start)  # the parent's os.fork() call, hooks included
+        os.waitpid(pid, 0)
+    print(min(waits))
+""")
+
+
+def _fork_wait(how: str) -> float:
+    out = subprocess.run([sys.executable, "-c", PROBE, how], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="CPython 3.12 fixed the fork race")
+def test_a_rank_pauses_before_every_fork():
+    # FORK_PAUSE_S is 5 ms: time.sleep never returns early, so every fork takes at least that.
+    assert _fork_wait("guarded") >= 0.005
+
+
+def test_a_plain_process_does_not():
+    # Without the hook a fork of this small process takes well under 5 ms (about 1 ms here).
+    assert _fork_wait("plain") < 0.005
