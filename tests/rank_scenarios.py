@@ -6,6 +6,7 @@ source of the scenarios issue, in one process group (one launch per world size).
 
 import json
 import sys
+from dataclasses import replace
 
 from sharddemo.sources import build_source
 from sharddemo.options import RunOptions
@@ -43,7 +44,22 @@ SCENARIOS = {
     "hf-stream/split": ("split", dict(dataset_size=12, batch_size=2, source="hf-stream", shards=4)),
     "hf-stream/prepared": ("prepared", dict(dataset_size=12, batch_size=2, source="hf-stream")),
     "hf-stream/replicated": ("replicated", dict(dataset_size=12, batch_size=2, source="hf-stream")),
+    # Longer epochs (more batches than the count path keeps whole), for the count comparison.
+    "long/prepared": ("prepared", dict(dataset_size=203, batch_size=4)),
+    "long/sampler": ("sampler", dict(dataset_size=203, batch_size=4, num_workers=2)),
+    "long/no-even-batches": ("prepared", dict(dataset_size=203, batch_size=4, even_batches=False)),
+    "long/drop-last": ("prepared", dict(dataset_size=203, batch_size=4, drop_last=True)),
+    "long/split-batches": ("prepared", dict(dataset_size=203, batch_size=6, split_batches=True)),
+    "long/replicated": ("replicated", dict(dataset_size=203, batch_size=4)),
+    "long/double-split": ("double-split", dict(dataset_size=203, batch_size=4)),
+    "long/worker-replication": ("replicated", dict(dataset_size=203, batch_size=4,
+                                                   source="iterable-unsplit", num_workers=2)),
+    "long/iterable-shard": ("prepared", dict(dataset_size=203, batch_size=4, source="iterable",
+                                             dispatch_batches=False)),
 }
+# Every scenario is walked twice: as the demos walk it (`auto`: every batch gathered) and by
+# the count path (counts, order hashes, first and last batches), so tests can check that both
+# give the same report.
 
 
 def main(out_path: str) -> None:
@@ -54,8 +70,12 @@ def main(out_path: str) -> None:
         opts = RunOptions(epochs=2, seed=5, modes=(mode,), **kwargs).validate()
         dataset = build_source(opts.source, opts.dataset_size, opts.shards)
         trace = trace_mode(accelerator, mode, dataset, opts)
+        counted = trace_mode(accelerator, mode, build_source(opts.source, opts.dataset_size,
+                                                             opts.shards),
+                             replace(opts, gather="count"))
         if accelerator.is_main_process:
-            results[name] = {"mode": mode, "options": opts.to_dict(), "trace": trace}
+            results[name] = {"mode": mode, "options": opts.to_dict(), "trace": trace,
+                             "counted": counted}
     if accelerator.is_main_process:
         results = {"world": accelerator.num_processes, "scenarios": results}
         with open(out_path, "w") as handle:

@@ -237,3 +237,47 @@ def test_replicated_streams_give_every_rank_everything(scenarios):
     for name, n in (("iterable/replicated", 10), ("hf-stream/replicated", 12)):
         for batches in got(cases[name])[0]:
             assert sum(batches, []) == list(range(n)), name
+
+
+# The count path (--gather count, and auto from 1,000,000 samples on) must tell the same story
+# as the path that ships every id: the same loader, walked both ways in one launch.
+COMPARED_EPOCH_FIELDS = ["seen", "unique", "missing", "missing_count", "missing_reason",
+                         "missing_explained", "duplicate_count", "duplicates_explained",
+                         "steps_equal", "hang_at_step", "ragged_steps", "times_dataset",
+                         "gathered_for_metrics_count", "gather_for_metrics_exact",
+                         "gather_for_metrics_equals_gather", "workers", "idle_workers",
+                         "order_changed", "ranks_same_order", "same_ids_on_every_rank",
+                         "reasons", "out_of_range"]
+
+
+def _with_counted(case):
+    return {**case, "trace": case["counted"]}
+
+
+@pytest.mark.parametrize("name", [
+    "drop-last/prepared", "drop-last/sampler", "drop-last/replicated", "no-even-batches/prepared",
+    "split-batches/prepared", "dispatch/prepared", "workers2/sampler", "workers2/prepared",
+    "no-set-epoch/sampler", "double-split", "unseeded", "toy/replicated", "hf/split",
+    "iterable/prepared", "iterable/prepared-shard", "hf-stream/split", "hf-stream/replicated",
+    "long/prepared", "long/sampler", "long/no-even-batches", "long/drop-last",
+    "long/split-batches", "long/replicated", "long/double-split", "long/worker-replication",
+    "long/iterable-shard"])
+def test_the_count_path_gives_the_same_report(scenarios, name):
+    world, cases = scenarios
+    case = cases[name]
+    assert all(e["gather"] == "count" for e in case["counted"]["epochs"])
+    full, counted = report_of(case, world), report_of(_with_counted(case), world)
+    assert counted["conclusion"] == full["conclusion"]
+    assert counted["broken_promises"] == full["broken_promises"]
+    for a, b in zip(full["epochs"], counted["epochs"], strict=True):
+        for field in COMPARED_EPOCH_FIELDS:
+            assert b.get(field) == a.get(field), (name, a["epoch"], field)
+        assert [(d["id"], d["count"]) for d in b["duplicates"]] == \
+            [(d["id"], d["count"]) for d in a["duplicates"]]
+        assert {d["reason"] for d in b["duplicates"]} <= \
+            {c for d in a["duplicates"] for c in [d["reason"], *d.get("causes", [])]}
+        for ra, rb in zip(a["ranks"], b["ranks"], strict=True):
+            assert (rb["steps"], rb["samples"], rb["ascending"]) == \
+                (ra["steps"], ra["samples"], ra["ascending"])
+            # What the count path keeps of each rank's batches is that rank's real first ones.
+            assert rb["first_batches"] == ra["batches"][:len(rb["first_batches"])]

@@ -266,12 +266,14 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         prepared = is_prepared(loader)
         records = []
         start = time.perf_counter()
+        # N before the walk, where the loader says it (the count path needs it); else after.
+        known = _known_size(loader, opts)
         for epoch in range(opts.epochs):
             if opts.set_epoch:
                 set_epoch(loader, epoch)
             try:
                 record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
-                                    strategy=opts.gather,
+                                    strategy=opts.gather, n=known,
                                     progress=progress_reporter(accelerator, f"audit:epoch{epoch}",
                                                                PROGRESS_ENV))
             except (UsageError, RunFailed):
@@ -290,9 +292,10 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         where = placement(accelerator)
         if not accelerator.is_main_process:
             return None
-        epochs = [r.to_dict() for r in records]
+        epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
         if batch is None:
-            batch = max((len(b) for e in epochs for r in e["ranks"] for b in r["batches"]), default=1)
+            batch = max((len(b) for e in epochs for r in e["ranks"]
+                         for b in r.get("batches", r.get("head", []))), default=1)
         split = bool(description.get("split_batches"))
         per_rank = max(1, batch // world) if split else batch
         state = accelerator.state
@@ -324,19 +327,25 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         teardown(accelerator)
 
 
-def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
-    """N: --dataset-size, else the length of the dataset under any Subset, else one past the
-    largest id this rank saw (the ranks then agree on the largest)."""
+def _known_size(loader, opts: AuditOptions):
+    """N where it is known before any walk: --dataset-size, else the length of the dataset
+    under any Subset; None for a stream."""
     from sharddemo.walk import base_loader, root_length
 
     if opts.dataset_size is not None:
         return opts.dataset_size
-    length = root_length(getattr(base_loader(loader), "dataset", None))
+    return root_length(getattr(base_loader(loader), "dataset", None))
+
+
+def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
+    """N: --dataset-size, else the length of the dataset under any Subset, else one past the
+    largest id this rank saw (the ranks then agree on the largest)."""
+    length = _known_size(loader, opts)
     if length is not None:
         return length
     top = -1
     for record in records:
-        if record is None:
+        if record is None or isinstance(record, dict):
             continue
         for batches in record.ranks:
             for batch in batches:

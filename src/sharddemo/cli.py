@@ -335,6 +335,12 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     settings = _settings(kw)
     opts = _options(modes, kw)
     _check_files(output, plot)
+    if plot:
+        from sharddemo.counting import COUNT_FROM
+        from sharddemo.plot import COUNTED_NO_PLOT
+
+        if opts.gather == "count" or (opts.gather == "auto" and opts.dataset_size >= COUNT_FROM):
+            raise UsageError(COUNTED_NO_PLOT)
     from sharddemo.compare import compare_run
 
     result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))

@@ -51,7 +51,7 @@ DEFAULT_BATCH_SIZE = 4
 DEFAULT_EPOCHS = 2
 DEFAULT_SEED = 42
 DEFAULT_TIMEOUT = 60.0
-GATHER_STRATEGIES = ("auto", "batch", "epoch")
+GATHER_STRATEGIES = ("auto", "batch", "epoch", "count")
 
 # Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"

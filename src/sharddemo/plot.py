@@ -28,7 +28,7 @@ def grid_lines(report: dict, epoch: dict) -> list[str]:
     """One character per sample id: the rank that received it, `+` when several ranks (or one
     rank several times) did, `-` when nobody did. Empty above GRID_LIMIT samples."""
     n = report["dataset_size"]
-    if n > GRID_LIMIT:
+    if n > GRID_LIMIT or epoch.get("gather") == "count":
         return []
     owners: list[list[int]] = [[] for _ in range(n)]
     for r in epoch["ranks"]:
@@ -61,12 +61,19 @@ def _pyplot():
     return plt
 
 
+COUNTED_NO_PLOT = ("--plot draws every id a rank received, and this run was counted (the count "
+                   "path keeps no id lists; it is chosen from 1,000,000 samples on): pass "
+                   "--gather epoch to draw it")
+
+
 def plot_report(report: dict, path: str) -> dict:
     """Draw the report to `path` (PNG). Returns what was drawn, per mode and epoch: for each
     rank the number of ids placed, and the missing and duplicated ids marked, so a test can
     check the picture against the report."""
     import numpy as np
 
+    if any(e.get("gather") == "count" for m in report["modes"].values() for e in m["epochs"]):
+        raise UsageError(COUNTED_NO_PLOT)
     plt = _pyplot()
     modes = list(report["modes"])
     n, w, b = report["dataset_size"], report["world_size"], report["batch_size"]

@@ -27,6 +27,14 @@ def batches_text(batches: list) -> str:
     return f"{head} ... ({len(batches)} batches, {sum(len(b) for b in batches)} samples)"
 
 
+def counted_text(first: list, steps: int, samples: int) -> str:
+    """A counted rank (the count path kept only its first and last batches)."""
+    if not first:
+        return "(nothing)"
+    head = " ".join(_ids(b, 8) for b in first[:2])
+    return f"{head} ... ({steps} batches, {samples} samples)"
+
+
 def _short(ids, limit: int = 16) -> str:
     if not ids:
         return "-"
@@ -43,11 +51,19 @@ def header(report: dict) -> list[str]:
     ]
 
 
+def _counted(ids: list[int], total=None) -> str:
+    """A short list, with how many there are when it was cut (the count path keeps lists
+    short)."""
+    if total is None or total <= len(ids):
+        return _short(ids)
+    return " ".join(str(i) for i in ids[:16]) + f" ... ({total:,})"
+
+
 def _epoch_summary(e: dict) -> list[str]:
     lines = [
         f"seen {e['seen']} = {e['times_dataset']:g}x the dataset | unique {e['unique']} | "
-        f"missing {_short(e['missing'])} | duplicated "
-        + _short([d['id'] for d in e['duplicates']])
+        f"missing {_counted(e['missing'], e.get('missing_count'))} | duplicated "
+        + _counted([d['id'] for d in e['duplicates']], e.get('duplicate_count'))
     ]
     if e["missing"]:
         why = e["reasons"].get(e["missing_reason"]) if e["missing_reason"] else None
@@ -58,8 +74,12 @@ def _epoch_summary(e: dict) -> list[str]:
                                    for c in d.get("causes") or [d["reason"]]))
         lines.append("why duplicated: " + "; ".join(e["reasons"][c] for c in codes)
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
-    how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
-    g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
+    if e["gather"] == "count":
+        g = (f"counted on the ranks, one all-reduce of per-sample counts: {e['gathered_count']} "
+             "received in all")
+    else:
+        how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
+        g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
     if e.get("gathered_for_metrics_count") is not None:
         exact = ("exactly the dataset" if e["gather_for_metrics_exact"] else
                  "the same as gather, NOT the dataset" if e["gather_for_metrics_equals_gather"]
@@ -73,7 +93,8 @@ def _epoch_summary(e: dict) -> list[str]:
         lines.append(f"UNEQUAL step counts across ranks {steps}: a training loop hangs at step "
                      f"{e['hang_at_step']} (sharddemo kept every rank answering)")
     elif e.get("ragged_steps"):
-        lines.append(f"batch sizes differ between ranks at step(s) {_short(e['ragged_steps'])}: "
+        lines.append(f"batch sizes differ between ranks at step(s) "
+                     f"{_counted(e['ragged_steps'], e.get('ragged_step_count'))}: "
                      "a plain accelerator.gather of them fails on gloo")
     shown = [w for w in e.get("workers", []) if w["worker"] >= 0]
     if shown:
@@ -166,7 +187,9 @@ def render_table(report: dict) -> str:
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:
-                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {batches_text(r['batches'])}")
+                shown = (batches_text(r["batches"]) if "batches" in r else
+                         counted_text(r["first_batches"], r["steps"], r["samples"]))
+                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {shown}")
             out += ["    " + line for line in grid_lines(report, e)]
             out += ["    " + line for line in _epoch_summary(e)]
         out.append(f"  => {data['conclusion']}")

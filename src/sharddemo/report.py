@@ -300,6 +300,10 @@ def for_metrics(record: dict, ranks: list[list[list[int]]]) -> Optional[list[int
 
 def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict],
                   loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
+    if record.get("gather") == "count":
+        from sharddemo.report_counts import analyse_counted_epoch
+
+        return analyse_counted_epoch(mode, trace, record, previous, loader, hint)
     n, w = trace["dataset_size"], trace["world_size"]
     loader = dict(loader or {})
     # drop_last as the loader's objects say it, or as the run was asked for (older traces).
@@ -363,12 +367,14 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         "times_dataset": round(cov["seen"] / n, 4) if n else 0.0,
         "unique": cov["unique"],
         "missing": cov["missing"],
+        "missing_count": len(cov["missing"]),
         "missing_reason": miss_code,
         "missing_explained": bool(miss_code) and miss_explained if cov["missing"] else True,
         "out_of_range": cov["out_of_range"],
         "duplicates": [{"id": i, "count": c, "reason": per_id[i][0] if i in per_id else dup_code,
                         **({"causes": per_id[i]} if i in per_id else {})}
                        for i, c in cov["duplicates"]],
+        "duplicate_count": len(cov["duplicates"]),
         "duplicates_explained": explained,
         "reasons": reasons,
     }
@@ -386,11 +392,15 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         out["idle_workers"] = idle
     out["ranks_same_order"] = (len(flat) > 1 and bool(flat[0])
                                and all(ids == flat[0] for ids in flat[1:]))
-    if previous is None:
+    if previous is None or previous.get("gather") == "count":
         out["order_changed"] = None
     else:
         before = [_flat(r["batches"]) for r in previous["ranks"]]
         out["order_changed"] = before != flat
+    sets = [set(ids) for ids in flat]
+    out["same_ids_on_every_rank"] = all(x == sets[0] for x in sets[1:])
+    for entry, ids in zip(out["ranks"], flat):
+        entry["ascending"] = ids == sorted(ids)
     return out
 
 
@@ -404,12 +414,11 @@ def _stream_padded(ranks, loader, world: int, batch: int) -> bool:
 def replicated_ok(e: dict) -> bool:
     """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
     ones on every rank)."""
-    flat = [_flat(r["batches"]) for r in e["ranks"]]
-    missing_ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
+    missing_ok = not e["missing_count"] or (e["missing_reason"] == "drop-last"
+                                            and e["missing_explained"])
+    samples = [r["samples"] for r in e["ranks"]]
     # drop_last can keep nothing at all (N < B): then every rank saw all of nothing.
-    sets = [set(ids) for ids in flat]
-    return missing_ok and (len(flat) < 2 or all(x == sets[0] for x in sets[1:])) and \
-        (bool(sets and sets[0]) or not any(flat))
+    return missing_ok and e["same_ids_on_every_rank"] and (samples[0] > 0 or not any(samples))
 
 
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
@@ -421,7 +430,8 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
         tag = f"{mode} epoch {e['epoch']}"
         if kind == SHARDED:
             if e["missing"] and not (e["missing_reason"] == "drop-last" and e["missing_explained"]):
-                problems.append(f"{tag}: {len(e['missing'])} sample(s) never seen: {_short(e['missing'])}")
+                problems.append(f"{tag}: {e['missing_count']} sample(s) never seen: "
+                                f"{_short(e['missing'], total=e['missing_count'])}")
             if not e["duplicates_explained"]:
                 problems.append(f"{tag}: duplicates the loader's own padding does not explain")
             if not e["steps_equal"]:
@@ -463,8 +473,8 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
     for e in epochs:
         k = e["epoch"]
         ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
-        add("no-missing-samples", k, ok,
-            "" if ok else f"{len(e['missing'])} never seen: {_short(e['missing'])}")
+        add("no-missing-samples", k, ok, "" if ok else
+            f"{e['missing_count']} never seen: {_short(e['missing'], total=e['missing_count'])}")
         if expect == "sharded":
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
@@ -486,10 +496,8 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
                 "the ranks did not each receive the whole dataset (less what drop_last drops)"
                 + (f": ranks {', '.join(map(str, short))} received fewer" if short else ""))
         if previous is not None:
-            flat = [_flat(r["batches"]) for r in e["ranks"]]
-            before = [_flat(r["batches"]) for r in previous["ranks"]]
-            shuffled = any(ids != sorted(ids) for ids in flat)
-            ok = flat != before or not shuffled
+            shuffled = not all(r["ascending"] for r in e["ranks"])
+            ok = bool(e["order_changed"]) or not shuffled
             add("order-changes-each-epoch", k, ok, "" if ok else
                 "the same shuffled order as the previous epoch: set_epoch is never called")
         previous = e
@@ -517,7 +525,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     if kind == REPLICATED:
         order = ("in the same order, so the ranks train on identical batches"
                  if first["ranks_same_order"] else "each in its own order")
-        dropped = (f"; drop_last dropped {len(first['missing'])} on every rank"
+        dropped = (f"; drop_last dropped {first['missing_count']} on every rank"
                    if first["missing"] and first["missing_reason"] == "drop-last" else "")
         workers = ""
         if any(d["reason"] == "worker-replication" for d in first["duplicates"]):
@@ -540,7 +548,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     else:
         text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
                 f"dataset of {n} = {times} {sums}")
-    missing, why_missing = len(first["missing"]), first["missing_reason"]
+    missing, why_missing = first["missing_count"], first["missing_reason"]
     if missing and why_missing == "drop-last":
         text += f"; drop_last dropped {missing}"
     elif missing:
@@ -570,9 +578,12 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     return text + "."
 
 
-def _short(ids: list[int], limit: int = 12) -> str:
+def _short(ids: list[int], limit: int = 12, total: Optional[int] = None) -> str:
+    """The first `limit` ids, and `...` when there are more (`total`: how many there are, for
+    a list kept short already)."""
     shown = ", ".join(str(i) for i in ids[:limit])
-    return f"[{shown}{', ...' if len(ids) > limit else ''}]"
+    more = (total if total is not None else len(ids)) > limit
+    return f"[{shown}{', ...' if more else ''}]"
 
 
 def build_report(trace: dict, *, launch_command: Optional[str] = None,

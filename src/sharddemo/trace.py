@@ -132,7 +132,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
             plan.sampler.set_epoch(epoch)
         try:
             record = walk_epoch(accelerator, plan.loader, _source_ids, epoch=epoch,
-                                strategy=opts.gather,
+                                strategy=opts.gather, n=opts.dataset_size,
                                 progress=progress_reporter(accelerator, f"{mode}:epoch{epoch}",
                                                            PROGRESS_ENV))
         except (UsageError, RunFailed):
@@ -142,7 +142,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                     else f"; its epochs 0-{epoch - 1} completed")
             raise RunFailed(f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}") from exc
         if record is not None:
-            epochs.append(record.to_dict())
+            epochs.append(record if isinstance(record, dict) else record.to_dict())
             if on_epoch is not None:
                 on_epoch(epochs[-1])
     if not accelerator.is_main_process:
@@ -285,6 +285,19 @@ PRINT_LIMIT = 64
 def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) -> None:
     """Reference-style output: each rank's batches as sample values (id + 1), then the merge."""
     talk(f"epoch {record['epoch']}")
+    if record["gather"] == "count":
+        for rank in record["ranks"]:
+            talk(f"{rank_label(rank['rank'], world)} {rank['steps']} batches, "
+                 f"{rank['samples']} samples")
+        cov = record["coverage"]
+        talk(f"counted on the ranks and summed with one all-reduce: {cov['seen']} received, "
+             f"{cov['unique']} distinct, {cov['missing_count']} never seen")
+        talk(f"total {cov['seen']} = {cov['seen'] / max(n, 1):g}x the dataset of {n}")
+        steps = [r["steps"] for r in record["ranks"]]
+        if len(set(steps)) > 1:
+            talk(f"steps per rank {steps}: a training loop would hang at step {min(steps)} "
+                 "(sharddemo kept every rank answering, so it did not)")
+        return
     small = n <= PRINT_LIMIT
     for rank in record["ranks"]:
         label = rank_label(rank["rank"], world)

@@ -94,23 +94,40 @@ def is_prepared(loader) -> bool:
     return hasattr(loader, "gradient_state") and hasattr(loader, "end_of_dataloader")
 
 
-def choose_gather(accelerator, loader, strategy: str) -> str:
-    """`batch` or `epoch`, the same on every rank (a collective: the lengths are exchanged)."""
-    if strategy in ("batch", "epoch"):
+def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -> str:
+    """`batch`, `epoch` or `count`, the same on every rank (a collective: the lengths are
+    exchanged). auto: every batch up to PER_BATCH_GATHER_LIMIT steps per rank; counted from
+    COUNT_FROM samples on when the dataset's length is known; else once per epoch. `count`
+    without a known length falls back to `epoch`."""
+    from sharddemo.counting import COUNT_FROM
+
+    if strategy == "batch" or strategy == "epoch":
         return strategy
+    if strategy == "count":
+        return "count" if n is not None else "epoch"
     length = safe_len(loader)
     lengths = [row[0] for row in exchange_ints(accelerator, [-1 if length is None else length])]
-    known = all(n >= 0 for n in lengths)
-    return "batch" if known and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT else "epoch"
+    known = all(k >= 0 for k in lengths)
+    if known and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT:
+        return "batch"
+    return "count" if n is not None and n >= COUNT_FROM else "epoch"
 
 
 def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
                strategy: str = "auto", progress: Optional[Progress] = None,
-               max_steps: Optional[int] = None) -> Optional[EpochRecord]:
+               max_steps: Optional[int] = None, n: Optional[int] = None):
     """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
     `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
-    (the loader is left where it stopped)."""
-    how = choose_gather(accelerator, loader, strategy)
+    (the loader is left where it stopped). `n`: the dataset's length where known (ids are
+    0..n-1), which the count path needs. Returns an EpochRecord, or for the count path a
+    counted record (a dict, see counting.py), on the main process; None elsewhere."""
+    how = choose_gather(accelerator, loader, strategy, n)
+    if how == "count":
+        from sharddemo.counting import walk_and_count
+
+        return walk_and_count(accelerator, loader, lambda batch: _read(read_ids, batch),
+                              epoch=epoch, n=int(n), progress=progress, max_steps=max_steps,
+                              safe_len=safe_len)
     if how == "batch":
         return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
     return _walk_then_gather(accelerator, loader, read_ids, epoch, progress, max_steps)

@@ -1,0 +1,257 @@
+"""The count path: walk an epoch of any size with about one byte per sample on each rank.
+
+Above `COUNT_FROM` samples no rank ships its ids anywhere. Each rank walks its loader as a
+training loop does and keeps, for its own batches:
+
+- a counter over the dataset, one uint8 per sample (numpy), raised for every id received;
+- a running order hash (blake2b over the ids as int64, batch after batch): equal hashes, same
+  order; compared across ranks and across epochs;
+- its batch sizes run-length encoded ([size, how many], usually one or two runs), which
+  DataLoader worker made how many batches and samples, and the first and last `KEEP_BATCHES`
+  batches themselves (what the report prints, and where padding and loop-around leave their
+  repeats);
+- the ids it received more than once, with counts, and ids outside the dataset (both few,
+  except where a loader really replicates; then capped).
+
+Then the counters become presence (received at least once: 0 or 1) and ONE all-reduce (sum,
+uint8) gives, per sample, how many ranks received it. Missing (0 ranks), coverage, overlap
+between ranks and the exact copy count of every sample (ranks holding it + the extra copies
+each rank listed) follow; the main process keeps a capped list of missing and duplicated ids
+and their totals. Memory: the counter (N bytes) on every rank, plus what the loader itself
+holds (a DistributedSampler keeps its whole index list).
+
+Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch` is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from sharddemo.collect import collective, exchange_ints, gather_ragged
+
+# The auto strategy counts from this many samples on (the small path ships every id).
+COUNT_FROM = 1_000_000
+# First and last batches each rank keeps in full.
+KEEP_BATCHES = 3
+# Most ids any list in a counted record holds (missing, duplicated, out of range, a rank's
+# repeats); the totals are always exact.
+LIST_CAP = 1000
+# Counters are recoded and read this many samples at a time (no temporary of N elements).
+CHUNK = 1 << 22
+# A rank may receive one sample at most this many times in an epoch (the uint8 counter).
+MAX_COPIES = 255
+
+
+class TooManyCopies(RuntimeError):
+    pass
+
+
+def counter_bytes(n: int) -> int:
+    """What the count path holds per rank for an epoch of a dataset of n samples."""
+    return int(n)
+
+
+def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=None,
+                   max_steps: Optional[int] = None, safe_len=None) -> Optional[dict]:
+    """Walk one epoch of `loader` on this rank and count it (see the module). `read(batch)`
+    -> (ids tensor, worker). Returns the counted record on the main process, None elsewhere."""
+    counts = np.zeros(max(int(n), 1), dtype=np.uint8)
+    order = hashlib.blake2b(digest_size=16)
+    sizes: list[list[int]] = []  # run-length: [size, times]
+    made: dict[int, list[int]] = {}  # worker -> [batches, samples]
+    head: list[list[int]] = []
+    tail: list[list[int]] = []
+    outside: set[int] = set()
+    outside_total = 0
+    samples = 0
+    steps = 0
+    ascending, last = True, None  # ids non-decreasing over the whole epoch (an unshuffled walk)
+    total = safe_len(loader) if safe_len else None
+    iterator = iter(loader)
+    while max_steps is None or steps < max_steps:
+        batch = next(iterator, _END)
+        if batch is _END:
+            break
+        ids, worker = read(batch)
+        arr = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        order.update(arr.tobytes())
+        if ascending and arr.size:
+            ascending = bool((last is None or arr[0] >= last) and np.all(arr[1:] >= arr[:-1]))
+            last = arr[-1]
+        size = int(arr.size)
+        if sizes and sizes[-1][0] == size:
+            sizes[-1][1] += 1
+        else:
+            sizes.append([size, 1])
+        entry = made.setdefault(int(worker), [0, 0])
+        entry[0] += 1
+        entry[1] += size
+        if len(head) < KEEP_BATCHES:
+            head.append(arr.tolist())
+        else:
+            tail.append(arr.tolist())
+            if len(tail) > KEEP_BATCHES:
+                tail.pop(0)
+        inside = (arr >= 0) & (arr < n)
+        if not inside.all():
+            bad = arr[~inside]
+            outside_total += int(bad.size)
+            if len(outside) < LIST_CAP:
+                outside.update(bad[:LIST_CAP].tolist())
+            arr = arr[inside]
+        np.add.at(counts, arr, 1)  # uint8: wraps past 255, caught by the total below
+        samples += size
+        steps += 1
+        if progress is not None:
+            progress(steps, total)
+    inside_total = samples - outside_total
+    # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
+    wrapped = int(counts.sum(dtype=np.int64)) != inside_total
+    repeats = np.flatnonzero(counts > 1)
+    distinct = int(np.count_nonzero(counts))
+    heads = exchange_ints(accelerator, [int(wrapped), steps, samples, len(repeats), distinct,
+                                        outside_total, len(sizes), len(made), _remainder(loader),
+                                        int(ascending)])
+    if any(h[0] for h in heads):
+        bad = [r for r, h in enumerate(heads) if h[0]]
+        raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} times in "
+                            f"epoch {epoch}: too many for the count path; use --gather epoch")
+    # Per-rank detail in one ragged gather: sizes (RLE), workers, head, tail, repeats, outside,
+    # the order hash.
+    mine = _pack(sizes, made, head, tail, repeats[:LIST_CAP], counts[repeats[:LIST_CAP]],
+                 sorted(outside)[:LIST_CAP], order.digest())
+    lengths = [row[0] for row in exchange_ints(accelerator, [int(mine.numel())])]
+    parts = gather_ragged(accelerator, mine, lengths)
+    # One reduce (sum) of a code per sample: ranks that received it (low part) and ranks that
+    # received it more than once (high part). uint8 up to 15 ranks, else uint16.
+    world = accelerator.num_processes
+    shift, dtype = (16, np.uint8) if world <= 15 else (256, np.uint16)
+    code = counts if dtype is np.uint8 else np.empty(counts.shape, dtype)
+    for lo in range(0, counts.size, CHUNK):  # in place, a chunk at a time: no N-sized temporary
+        part = counts[lo:lo + CHUNK]
+        code[lo:lo + CHUNK] = np.minimum(part, 1) + (part > 1) * dtype(shift)
+    reduced = torch.from_numpy(code)
+    if world > 1:
+        import torch.distributed as dist
+
+        collective(dist.all_reduce, reduced, op=dist.ReduceOp.SUM)
+    if not accelerator.is_main_process:
+        return None
+    ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
+    return _summarise(epoch, code[:n], shift, ranks)
+
+
+_END = object()
+
+
+def _remainder(loader) -> int:
+    from sharddemo.walk import is_prepared
+
+    if not is_prepared(loader):
+        return -2
+    value = getattr(loader, "remainder", -1)
+    return -1 if value is None else int(value)
+
+
+def _pack(sizes, made, head, tail, repeat_ids, repeat_counts, outside, digest: bytes):
+    flat: list[int] = []
+    for size, times in sizes:
+        flat += [size, times]
+    for worker in sorted(made):
+        flat += [worker, made[worker][0], made[worker][1]]
+    for group in (head, tail):
+        flat.append(len(group))
+        for batch in group:
+            flat.append(len(batch))
+            flat += batch
+    flat.append(len(repeat_ids))
+    flat += np.asarray(repeat_ids, dtype=np.int64).tolist()
+    flat += np.asarray(repeat_counts, dtype=np.int64).tolist()
+    flat.append(len(outside))
+    flat += outside
+    flat += list(digest)
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def _unpack(flat: list[int], rank: int, head_row: list[int]) -> dict:
+    (_, steps, samples, repeats_total, distinct, outside_total, n_sizes, n_workers, remainder,
+     ascending) = head_row
+    pos = 0
+
+    def take(k: int) -> list[int]:
+        nonlocal pos
+        out = flat[pos:pos + k]
+        pos += k
+        return out
+
+    sizes = [take(2) for _ in range(n_sizes)]
+    workers = {w: [b, s] for w, b, s in (take(3) for _ in range(n_workers))}
+    groups = []
+    for _ in range(2):
+        count = take(1)[0]
+        groups.append([take(take(1)[0]) for _ in range(count)])
+    k = take(1)[0]
+    repeat_ids, repeat_counts = take(k), take(k)
+    outside = take(take(1)[0])
+    digest = bytes(take(16)).hex()
+    return {"rank": rank, "steps": steps, "samples": samples, "sizes": sizes,
+            "workers": workers, "head": groups[0], "tail": groups[1],
+            "repeats": [[i, c] for i, c in zip(repeat_ids, repeat_counts)],
+            "repeats_total": repeats_total, "distinct": distinct,
+            "out_of_range": outside, "out_of_range_total": outside_total,
+            "order_hash": digest, "ascending": bool(ascending),
+            "remainder": None if remainder == -2 else remainder}
+
+
+def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> dict[str, Any]:
+    """The counted epoch on the main process, from the reduced code per sample (ranks holding
+    it + shift x ranks holding it more than once) and every rank's listed repeats. Read a
+    chunk at a time."""
+    missing: list[int] = []
+    dup_ids: list[int] = []
+    dup_present: list[int] = []
+    n_missing = n_dup = n_several = n_present = 0
+    levels: set[int] = set()
+    for lo in range(0, code.size, CHUNK):
+        part = code[lo:lo + CHUNK]
+        present = part % shift
+        several = part // shift
+        levels.update(int(v) for v in np.unique(present))
+        gone = np.flatnonzero(present == 0)
+        n_missing += int(gone.size)
+        if len(missing) < LIST_CAP:
+            missing += (gone[:LIST_CAP - len(missing)] + lo).tolist()
+        dup = np.flatnonzero((present > 1) | (several > 0))
+        n_dup += int(dup.size)
+        if len(dup_ids) < LIST_CAP:
+            keep = dup[:LIST_CAP - len(dup_ids)]
+            dup_ids += (keep + lo).tolist()
+            dup_present += present[keep].tolist()
+        n_several += int(np.count_nonzero(several))
+        n_present += int(np.count_nonzero(present))
+    extra: dict[int, int] = {}
+    for r in ranks:
+        for i, c in r["repeats"]:
+            extra[i] = extra.get(i, 0) + c - 1
+    # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
+    # repeats more than LIST_CAP ids); else a lower bound, said so.
+    exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)
+    duplicates = [(i, p + extra.get(i, 0)) for i, p in zip(dup_ids, dup_present)]
+    outside = sorted({i for r in ranks for i in r["out_of_range"]})
+    return {
+        "epoch": epoch, "gather": "count", "ranks": ranks,
+        "coverage": {
+            "seen": sum(r["samples"] for r in ranks),
+            "unique": n_present + len(outside),
+            "missing": missing, "missing_count": n_missing,
+            "duplicates": duplicates, "duplicate_count": n_dup,
+            "duplicate_counts_exact": exact,
+            "ranks_per_sample": sorted(levels),
+            "repeated_within_a_rank": n_several,
+            "out_of_range": outside[:LIST_CAP],
+        },
+    }

@@ -1,0 +1,299 @@
+"""The analysis of a counted epoch (counting.py): the same report fields as
+report.analyse_epoch, found in counts, order hashes and the first and last batches instead of
+every id. Lists (missing, duplicated, ragged steps) hold at most counting.LIST_CAP entries;
+`missing_count`, `duplicate_count` and `ragged_step_count` are always exact.
+
+What the count path cannot say, and the small path can: which DataLoader worker delivered
+each copy of a duplicated stream sample (`causes` per id); here a stream's repeats are
+worker replication when a rank with several workers received some sample more than once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sharddemo import report as R
+
+
+def _known_units(rank: dict, order: str) -> tuple[int, dict[int, Any]]:
+    """Rank's units (batches for 'batch' order, single ids for 'sample' order) whose position
+    is known: the first and last batches it kept. -> (how many units, {position: unit})."""
+    head, tail = rank["head"], rank["tail"]
+    if order == "batch":
+        total = rank["steps"]
+        known = dict(enumerate(head))
+        known.update({total - len(tail) + k: b for k, b in enumerate(tail)})
+        return total, known
+    total = rank["samples"]
+    first = [i for b in head for i in b]
+    last = [i for b in tail for i in b]
+    known = dict(enumerate(first))
+    known.update({total - len(last) + k: i for k, i in enumerate(last)})
+    return total, known
+
+
+def _dealt_ends(ranks: list[dict], order: str, want: int):
+    """The first and the last `want` ids in the order the loader dealt them (rank after rank
+    per step, or per sample position), from the kept batches; None where a needed position
+    was not kept."""
+    units = [_known_units(r, order) for r in ranks]
+    longest = max((t for t, _ in units), default=0)
+
+    def at(pos: int):
+        out = []
+        for total, known in units:
+            if pos < total:
+                if pos not in known:
+                    return None
+                unit = known[pos]
+                out.extend(unit if order == "batch" else [unit])
+        return out
+
+    first: list[int] = []
+    pos = 0
+    while len(first) < want and pos < longest:
+        got = at(pos)
+        if got is None:
+            return None
+        first += got
+        pos += 1
+    last: list[int] = []
+    pos = longest - 1
+    while len(last) < want and pos >= 0:
+        got = at(pos)
+        if got is None:
+            return None
+        last = got + last
+        pos -= 1
+    return first[:want], last[-want:] if want else []
+
+
+def _complete(ranks: list[dict]) -> Optional[list[list[list[int]]]]:
+    """Every rank's whole epoch, where each kept all its batches (short epochs)."""
+    out = []
+    for r in ranks:
+        if r["steps"] > len(r["head"]) + len(r["tail"]):
+            return None
+        out.append(r["head"] + r["tail"])
+    return out
+
+
+def tail_repeats_head(record: dict, order: str) -> Optional[int]:
+    """report.tail_repeats_head on the dealt order, from the counts: the `extra` repeated ids
+    are the last ones dealt, they equal the first ones dealt, and each of them arrived twice
+    (so the rest of the head is distinct). The whole order where every batch was kept."""
+    ranks, cov = record["ranks"], record["coverage"]
+    whole = _complete(ranks)
+    if whole is not None:
+        dealt = (R.interleave_steps(whole) if order == "batch"
+                 else R._interleave_samples([R._flat(b) for b in whole]))
+        return R.tail_repeats_head(dealt)
+    extra = cov["seen"] - cov["unique"]
+    if extra > cov["unique"] or cov["duplicate_count"] != extra or cov["out_of_range"]:
+        return None
+    if not cov["duplicate_counts_exact"] or any(c != 2 for _, c in cov["duplicates"]):
+        return None
+    ends = _dealt_ends(ranks, order, extra)
+    if ends is None:
+        return None
+    first, last = ends
+    return extra if first == last else None
+
+
+def _replicated(record: dict, world: int) -> bool:
+    ranks, cov = record["ranks"], record["coverage"]
+    return (world >= 2 and ranks[0]["samples"] > 0
+            and all(r["repeats_total"] == 0 and r["samples"] == ranks[0]["samples"] for r in ranks)
+            and set(cov["ranks_per_sample"]) <= {0, world})
+
+
+def _ranks_disagree(record: dict, n: int) -> bool:
+    ranks, cov = record["ranks"], record["coverage"]
+    if len(ranks) < 2 or any(r["repeats_total"] for r in ranks):
+        return False
+    union = cov["unique"]
+    return sum(r["samples"] for r in ranks) != union and union < n
+
+
+def explain_duplicates(record: dict, loader: dict, hint: Optional[str], kind: str,
+                       world: int, batch: int, n: int) -> tuple[str, bool]:
+    """report.explain_duplicates, decided from the counts."""
+    if R.is_double_split(loader):
+        return "double-split", True
+    if hint:
+        return hint, True
+    code, order = R.padding_mechanism(loader)
+    if code is not None:
+        again = tail_repeats_head(record, order)
+        limit = world if order == "sample" else world * batch
+        if again is not None and 0 < again < max(limit, 1):
+            return code, True
+    if _replicated(record, world):
+        return "replication", kind == R.REPLICATED
+    if _ranks_disagree(record, n) and (code is not None or loader.get("seedable_sampler")):
+        return "ranks-disagree", False
+    return code or "unexplained", False
+
+
+def _ragged(ranks: list[dict]) -> tuple[list[int], int]:
+    """Steps where the ranks' batches differ in size, from the run-length batch sizes."""
+    cuts = {0}
+    runs = []
+    for r in ranks:
+        pos, mine = 0, []
+        for size, times in r["sizes"]:
+            mine.append((pos, pos + times, size))
+            pos += times
+            cuts.add(pos)
+        runs.append(mine)
+    cuts = sorted(cuts)
+    steps: list[int] = []
+    total = 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        sizes = {size for mine in runs for a, b, size in mine if a <= lo < b}
+        if len(sizes) > 1:
+            total += hi - lo
+            steps.extend(range(lo, min(hi, lo + R_CAP - len(steps))) if len(steps) < R_CAP else [])
+    return steps, total
+
+
+R_CAP = 1000
+
+
+def _for_metrics(record: dict, n: int) -> tuple[Optional[int], Optional[bool]]:
+    """What gather_for_metrics would return over the epoch (report.for_metrics: every step
+    whole, the last keeps its first `remainder` ids): its length and whether it is every
+    sample exactly once. (None, None) where no loop reaches the last step."""
+    ranks, cov = record["ranks"], record["coverage"]
+    rem = [r["remainder"] for r in ranks]
+    if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
+        return None, None
+    keep = rem[0]
+    last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
+    dropped = last[keep:] if keep > 0 else []
+    count = cov["seen"] - len(dropped)
+    if count != n or cov["missing_count"] or cov["out_of_range"]:
+        return count, False
+    drop: dict[int, int] = {}
+    for i in dropped:
+        drop[i] = drop.get(i, 0) + 1
+    if cov["duplicate_count"] != len(drop) or not cov["duplicate_counts_exact"]:
+        return count, False
+    dups = dict(cov["duplicates"])
+    return count, all(dups.get(i, 1) - d == 1 for i, d in drop.items())
+
+
+def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict],
+                          loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
+    n, w = trace["dataset_size"], trace["world_size"]
+    loader = dict(loader or {})
+    loader["drop_last"] = bool(loader.get("drop_last") or R._opts(trace).get("drop_last"))
+    kind = R.mode_kind(mode, trace)
+    ranks, cov = record["ranks"], record["coverage"]
+    steps = [r["steps"] for r in ranks]
+    extra = cov["seen"] - cov["unique"]
+    per_rank_batch = max(1, R.global_batch(trace) // max(w, 1))
+    reasons: dict[str, str] = {}
+    dup_code, explained = None, True
+    known = all(all(int(k) >= -1 for k in r["workers"]) for r in ranks) and any(
+        r["workers"] for r in ranks)
+    stream_padded = (loader.get("iterable_shard") and 0 < (tail_repeats_head(record, "batch") or 0)
+                     < w * per_rank_batch)
+    if extra and loader.get("iterable_dataset") and known and not (
+            loader.get("iterable_shard") or loader.get("dispatcher")
+            or R.is_double_split(loader) or hint) and not stream_padded:
+        codes = set()
+        if any(r["repeats_total"] and sum(int(k) >= 0 for k in r["workers"]) > 1 for r in ranks):
+            codes.add("worker-replication")
+        if max(cov["ranks_per_sample"], default=0) > 1 or not codes:
+            codes.add("stream-replication")
+        dup_code = "worker-replication" if "worker-replication" in codes else "stream-replication"
+        explained = codes == {"stream-replication"} and kind == R.REPLICATED
+        for code in sorted(codes):
+            reasons[code] = R.REASON_SENTENCE[code]
+    elif extra:
+        dup_code, explained = explain_duplicates(record, loader, hint, kind, w, per_rank_batch, n)
+        reasons[dup_code] = R.REASON_SENTENCE[dup_code]
+    missing = cov["missing_count"]
+    miss_code, miss_explained = None, True
+    if missing:
+        if kind == R.REPLICATED and not loader.get("drop_last"):
+            miss_code, miss_explained = None, False
+        else:
+            miss_code, miss_explained = R.explain_missing(missing, loader, hint,
+                                                          R.global_batch(trace), dup_code)
+        if miss_code == "drop-last":
+            reasons["drop-last"] = (f"drop_last: {missing} sample(s) did not make a complete "
+                                    "batch (or round of batches) and were dropped")
+        elif miss_code:
+            reasons.setdefault(miss_code, R.REASON_SENTENCE[miss_code])
+    hang = min(steps) if len(set(steps)) > 1 else None
+    ragged, ragged_total = _ragged(ranks)
+    out: dict[str, Any] = {
+        "epoch": record["epoch"],
+        "ranks": [
+            {"rank": r["rank"], "steps": r["steps"], "samples": r["samples"],
+             "first_batches": r["head"], "last_batches": r["tail"], "batch_sizes": r["sizes"],
+             "order_hash": r["order_hash"], "ascending": r["ascending"]}
+            for r in ranks
+        ],
+        "steps_equal": hang is None,
+        "hang_at_step": hang,
+        "ragged_steps": ragged,
+        "ragged_step_count": ragged_total,
+        "gather": "count",
+        "gathered": None,
+        "gathered_count": cov["seen"],
+        "seen": cov["seen"],
+        "times_dataset": round(cov["seen"] / n, 4) if n else 0.0,
+        "unique": cov["unique"],
+        "missing": cov["missing"],
+        "missing_count": missing,
+        "missing_reason": miss_code,
+        "missing_explained": bool(miss_code) and miss_explained if missing else True,
+        "out_of_range": cov["out_of_range"],
+        "duplicates": [{"id": i, "count": c, "reason": dup_code} for i, c in cov["duplicates"]],
+        "duplicate_count": cov["duplicate_count"],
+        "duplicates_explained": explained,
+        "reasons": reasons,
+    }
+    if loader.get("prepared"):
+        count, exact = _for_metrics(record, n)
+        out["gathered_for_metrics"] = None
+        out["gathered_for_metrics_count"] = count
+        out["gather_for_metrics_exact"] = exact
+        out["gather_for_metrics_equals_gather"] = count is not None and count == cov["seen"]
+    if known:
+        rows, idle = [], []
+        configured = int(loader.get("num_workers") or 0)
+        if loader.get("dispatcher"):
+            made = {int(k) for r in ranks for k in r["workers"]}
+            idle = [{"rank": 0, "worker": k} for k in range(configured) if k not in made]
+            configured = 0
+        for r in ranks:
+            total = r["samples"]
+            for worker in sorted(r["workers"], key=int):
+                b, s = r["workers"][worker]
+                rows.append({"rank": r["rank"], "worker": int(worker), "batches": b,
+                             "samples": s, "share": round(s / total, 4) if total else 0.0})
+            idle += [{"rank": r["rank"], "worker": k} for k in range(configured)
+                     if k not in {int(x) for x in r["workers"]}]
+        out["workers"] = rows
+        out["idle_workers"] = idle
+    hashes = [r["order_hash"] for r in ranks]
+    out["ranks_same_order"] = len(ranks) > 1 and ranks[0]["samples"] > 0 and len(set(hashes)) == 1
+    if previous is None or "coverage" not in previous:
+        out["order_changed"] = None
+    else:
+        out["order_changed"] = hashes != [r["order_hash"] for r in previous["ranks"]]
+    out["same_ids_on_every_rank"] = _same_ids(record)
+    return out
+
+
+def _same_ids(record: dict) -> bool:
+    """Every rank received the same set of ids (report.replicated_ok's test)."""
+    ranks, cov = record["ranks"], record["coverage"]
+    if len(ranks) < 2:
+        return True
+    levels = set(cov["ranks_per_sample"]) - {0}
+    return levels <= {len(ranks)} and not cov["out_of_range"]
