@@ -5,6 +5,7 @@ own objects for that rank, and the report's verdict is checked too."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
@@ -13,6 +14,9 @@ from oracle import Case, IdStream, all_ranks
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from sharddemo.report import build_report
+
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "report.schema.json")
+                    .read_text())
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
@@ -41,12 +45,17 @@ def simulated(case, world: int) -> list:
                           shards=o["shards"]))
 
 
-def report_of(case, world):
+def report_of(case, world, validate=False):
     o = case["options"]
     trace = {"world_size": world, "backend": "gloo", "dataset_size": o["dataset_size"],
              "batch_size": o["batch_size"], "epochs": o["epochs"], "seed": o["seed"],
              "source": o["source"], "options": o, "modes": {case["mode"]: case["trace"]}}
-    return build_report(trace)["modes"][case["mode"]]
+    report = json.loads(json.dumps(build_report(trace)))
+    if validate:
+        import jsonschema
+
+        jsonschema.validate(report, SCHEMA)
+    return report["modes"][case["mode"]]
 
 
 def chunks(ids, b, drop_last=False):
@@ -266,7 +275,8 @@ def test_the_count_path_gives_the_same_report(scenarios, name):
     world, cases = scenarios
     case = cases[name]
     assert all(e["gather"] == "count" for e in case["counted"]["epochs"])
-    full, counted = report_of(case, world), report_of(_with_counted(case), world)
+    full = report_of(case, world, validate=True)
+    counted = report_of(_with_counted(case), world, validate=True)
     assert counted["conclusion"] == full["conclusion"]
     assert counted["broken_promises"] == full["broken_promises"]
     for a, b in zip(full["epochs"], counted["epochs"], strict=True):

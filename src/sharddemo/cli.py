@@ -128,8 +128,10 @@ def loader_options(func: Callable) -> Callable:
                           "on for iterable sources, off for map-style]."),
         click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
                      show_default=True,
-                     help="accelerator.gather every batch, or each rank's ids once per epoch; "
-                          "auto: every batch up to 100 steps per rank and epoch."),
+                     help="batch: accelerator.gather every batch; epoch: each rank's ids once "
+                          "per epoch; count: no id lists, each rank counts its ids (1 byte per "
+                          "sample) and one all-reduce sums them; auto: batch up to 100 steps "
+                          "per rank and epoch, count from 1,000,000 samples, else epoch."),
         click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
                      help="Seconds a rank waits on a collective before the run fails."),
     ]
