@@ -3,7 +3,8 @@
     accelerate launch --config_file accelerate_configs/cpu2.yaml benchmarks/rank_bench.py WHAT OUT.json
 
 WHAT is `overhead` (the tracing against the same loop without it), `sharding` (epoch time of
-each mode with a fixed real cost per sample) or `gather` (collective latency). Every figure is
+each mode with a fixed real cost per sample), `gather` (collective latency) or `bare` (the
+sampler loader alone: its epoch time and peak memory per rank). Every figure is
 timed on the main rank between barriers, repeated, and the median kept.
 """
 
@@ -24,10 +25,11 @@ from sharddemo.trace import make_accelerator
 from sharddemo.walk import walk_epoch
 
 
-def trace_epoch(accelerator, plan, epoch: int, strategy: str):
-    """One traced epoch through sharddemo's public walk, as the tool runs it."""
+def trace_epoch(accelerator, plan, epoch: int, strategy: str, n=None):
+    """One traced epoch through sharddemo's public walk, as the tool runs it (`n`: the
+    dataset's length, which the tool passes and the count path needs)."""
     return walk_epoch(accelerator, plan.loader, lambda batch, tag: batch_ids(batch),
-                      epoch=epoch, strategy=strategy)
+                      epoch=epoch, strategy=strategy, n=n)
 
 
 def timed(accelerator, fn) -> float:
@@ -52,7 +54,7 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
         bare, traced = [], []
         run_bare = lambda: bare.append(timed(accelerator, lambda: bare_epoch(accelerator, plan)))
         run_traced = lambda: traced.append(
-            timed(accelerator, lambda: trace_epoch(accelerator, plan, 0, "auto")))
+            timed(accelerator, lambda: trace_epoch(accelerator, plan, 0, "auto", n)))
         run_bare()  # warm-up: first epochs pay for allocations both would pay
         run_traced()
         bare.clear(), traced.clear()
@@ -132,6 +134,17 @@ def gather(accelerator, repeats: int) -> dict:
     return out
 
 
+def bare(accelerator, n: int, b: int, mode: str = "sampler") -> dict:
+    """The loader alone, as `compare --modes MODE` builds it, walked once with nothing
+    recorded: its time and every rank's peak memory (the baseline of the scale figures)."""
+    from sharddemo.trace import peak_rss_mb
+
+    opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
+    plan = build_loader(mode, accelerator, ToyDataset(n), opts)
+    seconds = timed(accelerator, lambda: bare_epoch(accelerator, plan))
+    return {"epoch_s": seconds, "peak_rss_mb": peak_rss_mb(accelerator)}
+
+
 def main() -> None:
     what, out_path = sys.argv[1], sys.argv[2]
     args = [int(a) for a in sys.argv[3:]]
@@ -143,6 +156,10 @@ def main() -> None:
         result = sharding(accelerator, *args)
     elif what == "gather":
         result = gather(accelerator, *args)
+    elif what == "bare":
+        result = bare(accelerator, *args)
+    elif what == "bare-prepared":
+        result = bare(accelerator, *args, mode="prepared")
     else:
         raise SystemExit(f"unknown measurement {what!r}")
     if accelerator.is_main_process:

@@ -109,6 +109,66 @@ def section_scale(repeats: int) -> dict:
             "met": big["wall_s"] <= 30 and big["peak_rank_mb"] <= 1536}
 
 
+def _watch_peak(proc) -> int:
+    """Poll a running process's own resident memory (not its children's) until it exits;
+    the peak in bytes."""
+    import psutil
+
+    peak = 0
+    try:
+        me = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            peak = max(peak, me.memory_info().rss)
+            time.sleep(0.05)
+    except psutil.NoSuchProcess:
+        pass
+    return peak
+
+
+def section_counted(repeats: int) -> dict:
+    """Issue 17: the count path from 10^5 to 10^8 samples, sampler and prepared, B = 4096, one
+    epoch, beside the loader alone (`rank_bench.py bare`) at the same N."""
+    rows = {}
+    for n in (100_000, 1_000_000, 10_000_000, 100_000_000):
+        row = {}
+        for mode in ("sampler", "prepared"):
+            base = rank_bench("bare" if mode == "sampler" else "bare-prepared", n, 4096)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "r.json")
+                cmd = [sys.executable, "-m", "sharddemo", "compare", "--modes", mode, "--epochs",
+                       "1", "--batch-size", "4096", "--dataset-size", str(n), "--gather",
+                       "count", "--format", "json", "--output", out]
+                start = time.perf_counter()
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        env=env(), cwd=ROOT)
+                parent = _watch_peak(proc)
+                _, err = proc.communicate()
+                elapsed = time.perf_counter() - start
+                if proc.returncode != 0:
+                    raise SystemExit(f"benchmark command failed: {' '.join(cmd)}\n{err[-3000:]}")
+                report = json.loads(Path(out).read_text())
+                e = report["modes"][mode]["epochs"][0]
+                row[mode] = {"bare_epoch_s": base["epoch_s"],
+                             "bare_peak_rank_mb": max(base["peak_rss_mb"]),
+                             "wall_s": elapsed, "walk_s": report["timings"]["mode_s"][mode],
+                             "peak_rank_mb": max(report["timings"]["peak_rss_mb"]),
+                             "parent_peak_mb": parent / 2**20,
+                             "report_bytes": os.path.getsize(out), "seen": e["seen"],
+                             "unique": e["unique"], "missing": e["missing_count"],
+                             "duplicated": e["duplicate_count"]}
+                row[mode]["extra_bytes_per_sample"] = (
+                    (row[mode]["peak_rank_mb"] - row[mode]["bare_peak_rank_mb"]) * 2**20 / n)
+        rows[str(n)] = row
+        print(f"[bench] counted {n}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    big = rows["100000000"]
+    worst_wall = max(big[m]["wall_s"] for m in ("sampler", "prepared"))
+    worst_rank = max(big[m]["peak_rank_mb"] for m in ("sampler", "prepared"))
+    worst_parent = max(big[m]["parent_peak_mb"] for m in ("sampler", "prepared"))
+    return {"rows": rows,
+            "target": "N = 10^8: <= 60 s wall, <= 1 GB peak per rank and in the parent",
+            "met": worst_wall <= 60 and worst_rank <= 1024 and worst_parent <= 1024}
+
+
 def section_sharding(repeats: int) -> dict:
     result = rank_bench("sharding", 20_000, 64, repeats)
     worst = min(result[m]["speedup_vs_replicated"] for m in ("sampler", "prepared"))
@@ -152,6 +212,7 @@ def section_gpu(repeats: int) -> dict:
 
 
 SECTIONS = {"startup": section_startup, "overhead": section_overhead, "scale": section_scale,
+            "counted": section_counted,
             "sharding": section_sharding, "gather": section_gather, "audit": section_audit,
             "gpu": section_gpu}
 

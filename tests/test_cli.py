@@ -200,3 +200,26 @@ def test_run_refuses_the_resume_mode():
 
     result = CliRunner().invoke(cli, ["run", "--modes", "resume"])
     assert result.exit_code == 2 and "only compare can do" in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    # 100,000,000 samples x 1 byte = 95.4 MiB of counter per rank: more than 50 MB.
+    (["--dataset-size", "100000000", "--max-memory", "50MB"],
+     "Error: --max-memory 50 MB is less than the count path's counter of 100,000,000 samples "
+     "needs, about 95 MB per rank"),
+    # --gather epoch ships every id to rank 0: 40 bytes x 10^8 x 2 ranks = 7,629 MiB > 2 GB.
+    (["--dataset-size", "100000000", "--gather", "epoch", "--max-memory", "2GB"],
+     "Error: --max-memory 2,048 MB is less than every id of an epoch of 100,000,000 samples "
+     "(--gather epoch) needs, about 7,629 MB on rank 0"),
+    (["--max-memory", "lots"], "Error: --max-memory 'lots' is not a size"),
+])
+def test_max_memory_refuses_before_any_rank_starts(args, message):
+    result = invoke(["compare", *args])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(message)
+
+
+def test_plot_of_a_counted_run_is_refused_before_it_starts(tmp_path):
+    result = invoke(["compare", "--dataset-size", "2000000", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2
+    assert "pass --gather epoch to draw it" in error_line(result)

@@ -260,6 +260,37 @@ def launch_options(func: Callable) -> Callable:
     return func
 
 
+def parse_size(text: str, option: str) -> int:
+    """'512MB', '2GB', '1.5G', '300' (MB) -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
+    if not match:
+        raise UsageError(f"{option} {text!r} is not a size; write it like 512MB or 2GB")
+    value, unit = float(match.group(1)), match.group(2) or "M"
+    return int(value * 1024 ** "KMGT".index(unit) * 1024)
+
+
+def _check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
+    """One Error line before any rank starts when the ids would not fit in `limit`."""
+    from sharddemo.counting import COUNT_FROM, counter_bytes
+
+    n = opts.dataset_size
+    counted = opts.gather == "count" or (opts.gather == "auto" and n >= COUNT_FROM)
+    if counted:
+        need = counter_bytes(n) * (2 if (world or 0) > 15 else 1)
+        what, where = f"the count path's counter of {n:,} samples", "per rank"
+    else:
+        # Replicated modes send every rank's whole epoch: up to W x N ids.
+        need = 40 * n * (world or 2)
+        what, where = f"every id of an epoch of {n:,} samples (--gather {opts.gather})", "on rank 0"
+    if need > limit:
+        hint = "" if counted else "; --gather count holds 1 byte per sample"
+        raise UsageError(f"--max-memory {limit / 2**20:,.0f} MB is less than {what} needs, about "
+                         f"{need / 2**20:,.0f} MB {where}: raise --max-memory or lower "
+                         f"--dataset-size{hint}")
+
+
 def _settings(kw: dict):
     from sharddemo.launch import LaunchSettings
 
@@ -322,8 +353,14 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @click.option("--check", is_flag=True,
               help="Exit 1 when a mode breaks what it promises (missing samples, unequal steps, "
                    "a replicated rank that did not see everything).")
+@click.option("--max-memory", metavar="SIZE", default=None,
+              help="Refuse to start when what sharddemo itself would hold on a rank for the ids "
+                   "exceeds SIZE (e.g. 512MB, 2GB): the count path's counter, 1 byte per sample "
+                   "(2 above 15 ranks); every id as a Python int on rank 0 otherwise (about 40 "
+                   "bytes per sample received, an estimate). The loader's own memory is not "
+                   "counted.")
 def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], check: bool,
-            **kw: Any) -> int:
+            max_memory: Optional[str], **kw: Any) -> int:
     """Run the modes on real ranks in one launch and show side by side what each rank saw.
 
     For every mode and epoch: each rank's batches (0-based sample ids), step counts,
@@ -337,6 +374,8 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     settings = _settings(kw)
     opts = _options(modes, kw)
     _check_files(output, plot)
+    if max_memory is not None:
+        _check_memory(opts, settings.num_processes, parse_size(max_memory, "--max-memory"))
     if plot:
         from sharddemo.counting import COUNT_FROM
         from sharddemo.plot import COUNTED_NO_PLOT

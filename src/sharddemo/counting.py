@@ -60,11 +60,13 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     """Walk one epoch of `loader` on this rank and count it (see the module). `read(batch)`
     -> (ids tensor, worker). Returns the counted record on the main process, None elsewhere."""
     counts = np.zeros(max(int(n), 1), dtype=np.uint8)
+    counter = torch.from_numpy(counts)  # the same memory: torch's index_add_ counts fast
+    ones = torch.ones(1, dtype=torch.uint8)
     order = hashlib.blake2b(digest_size=16)
     sizes: list[list[int]] = []  # run-length: [size, times]
     made: dict[int, list[int]] = {}  # worker -> [batches, samples]
-    head: list[list[int]] = []
-    tail: list[list[int]] = []
+    head: list[np.ndarray] = []
+    tail: list[np.ndarray] = []
     outside: set[int] = set()
     outside_total = 0
     samples = 0
@@ -77,12 +79,13 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         if batch is _END:
             break
         ids, worker = read(batch)
-        arr = ids.reshape(-1).to("cpu", torch.int64).numpy()
+        ids = ids.reshape(-1).to("cpu", torch.int64)
+        arr = ids.numpy()
         order.update(arr.tobytes())
-        if ascending and arr.size:
+        size = int(arr.size)
+        if ascending and size:
             ascending = bool((last is None or arr[0] >= last) and np.all(arr[1:] >= arr[:-1]))
             last = arr[-1]
-        size = int(arr.size)
         if sizes and sizes[-1][0] == size:
             sizes[-1][1] += 1
         else:
@@ -91,23 +94,26 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         entry[0] += 1
         entry[1] += size
         if len(head) < KEEP_BATCHES:
-            head.append(arr.tolist())
+            head.append(arr)
         else:
-            tail.append(arr.tolist())
+            tail.append(arr)
             if len(tail) > KEEP_BATCHES:
                 tail.pop(0)
-        inside = (arr >= 0) & (arr < n)
-        if not inside.all():
+        if size and (arr.min() < 0 or arr.max() >= n):
+            inside = (arr >= 0) & (arr < n)
             bad = arr[~inside]
             outside_total += int(bad.size)
             if len(outside) < LIST_CAP:
                 outside.update(bad[:LIST_CAP].tolist())
-            arr = arr[inside]
-        np.add.at(counts, arr, 1)  # uint8: wraps past 255, caught by the total below
+            ids = ids[torch.from_numpy(inside)]
+        # uint8: wraps past 255, caught by the total below
+        counter.index_add_(0, ids, ones.expand(ids.numel()))
         samples += size
         steps += 1
         if progress is not None:
             progress(steps, total)
+    head = [a.tolist() for a in head]
+    tail = [a.tolist() for a in tail]
     inside_total = samples - outside_total
     # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
     wrapped = int(counts.sum(dtype=np.int64)) != inside_total
