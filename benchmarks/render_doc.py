@@ -21,8 +21,11 @@ def render_doc(results: dict) -> str:
     notes: list[str] = []
     s = results.get("startup")
     if s:
+        spread = (f" (pair by pair {s['pair_ratio_min']:.2f}-{s['pair_ratio_max']:.2f}x)"
+                  if "pair_ratio_min" in s else "")
         out.append(f"| start-up: `sharddemo compare` (defaults) vs a bare 2-rank launch | "
-                   f"{s['compare_s']:.2f} s vs {s['floor_s']:.2f} s = **{s['ratio']:.2f}x**; "
+                   f"{s['compare_s']:.2f} s vs {s['floor_s']:.2f} s = **{s['ratio']:.2f}x**"
+                   f"{spread}; "
                    f"`sharddemo --help` {s['help_s'] * 1000:.0f} ms | {s['target']} | {_met(s)} |")
         notes.append(f"- start-up ({_when(s)}): the floor is `accelerate launch` of "
                      "`benchmarks/floor.py`, which only builds an `Accelerator(cpu=True)` and "
@@ -71,6 +74,47 @@ def render_doc(results: dict) -> str:
                      "memory is the peak resident set of the busiest rank (rank 0, which "
                      "receives every id and writes the trace). Past the fixed start-up cost, "
                      "time and memory grow linearly with N.")
+    cn = results.get("counted")
+    if cn:
+        rows = cn["rows"]
+        for mode in ("sampler", "prepared"):
+            cells = "; ".join(
+                f"N = {int(n):,}: {r[mode]['wall_s']:.1f} s, ranks {r[mode]['peak_rank_mb']:,.0f} "
+                f"MB (loader alone {r[mode]['bare_peak_rank_mb']:,.0f} MB, "
+                f"{r[mode]['bare_epoch_s']:.1f} s), parent {r[mode]['parent_peak_mb']:.0f} MB, "
+                f"JSON {r[mode]['report_bytes'] / 1024:,.0f} KB"
+                for n, r in rows.items())
+            out.append(f"| count path: `compare --modes {mode} --epochs 1 -B 4096 --gather count` "
+                       f"| {cells} | {cn['target']} | {_met(cn)} |")
+        extra = "; ".join(f"N = {int(n):,}: " + ", ".join(
+            f"{m} {r[m]['extra_bytes_per_sample']:.1f}" for m in ("sampler", "prepared"))
+            for n, r in rows.items())
+        out.append(f"| count path: memory per rank above the loader alone, bytes per sample | "
+                   f"{extra} | about 1 byte per sample | see below |")
+        big = rows.get("100000000")
+        notes.append(f"- count path ({_when(cn)}): the whole command, start-up included, one "
+                     "epoch on 2 ranks; `ranks` is the busiest rank's peak resident memory (from "
+                     "the report's own timings), `parent` the `sharddemo compare` process alone "
+                     "(polled every 50 ms), `loader alone` the same loader built the same way and "
+                     "walked with nothing recorded (`rank_bench.py bare`, `bare-prepared`). "
+                     "The count path holds one byte per sample on each rank (the counter); the "
+                     "rest of a rank's memory is the loader's own: torch's DistributedSampler "
+                     "(and RandomSampler) turn the whole permutation into a Python list every "
+                     "epoch (`torch.randperm(n).tolist()`, about 36 bytes per sample), and the "
+                     "toy dataset is read one `__getitem__` at a time.")
+        if big:
+            notes.append("  At N = 10^8 the 60 s / 1 GB target cannot be met by any tracer on "
+                         "this machine: the loader alone takes "
+                         f"{big['sampler']['bare_epoch_s']:.0f} s and "
+                         f"{big['sampler']['bare_peak_rank_mb']:,.0f} MB per rank (sampler), "
+                         f"{big['prepared']['bare_epoch_s']:.0f} s and "
+                         f"{big['prepared']['bare_peak_rank_mb']:,.0f} MB (prepared), before "
+                         "anything is recorded. What sharddemo controls is met: the parent stays "
+                         "at tens of MB and the JSON at hundreds of KB at every N (the per-id path "
+                         "needed 5.5 GB in the parent at 10^8), and the rank's excess over the "
+                         "loader is shown per sample in the row above; at small N it is "
+                         "dominated by fixed costs (the report, the kept batches), not per-sample "
+                         "ones.")
     sh = results.get("sharding")
     if sh:
         out.append("| sharding pays: epoch time with a real per-sample cost, W = 2 | " + "; ".join(

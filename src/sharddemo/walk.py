@@ -432,29 +432,37 @@ def unwrap(batch) -> tuple[Any, Optional[dict]]:
 
 
 def _order_hash(sampler) -> Optional[str]:
-    """A hash of the first epoch's full index order, where computing it draws from no RNG the
-    loader will use: a DistributedSampler (its own generator, seeded with seed + epoch; hashed
-    as a one-replica copy, so every rank hashes the same whole order), accelerate's
-    SeedableRandomSampler (reseeds itself on every pass), or a SequentialSampler. None for
-    samplers whose order would consume a generator (RandomSampler) or says nothing new
-    (SequentialSampler)."""
+    """A hash of the first epoch's index order, where computing it draws from no RNG the
+    loader will use: a DistributedSampler (its own generator, seeded with seed + epoch; every
+    rank hashes rank 0's part of it, from a copy set to rank 0, so the ranks compare the same
+    thing and none holds more than its own walk holds), accelerate's SeedableRandomSampler
+    (reseeds itself on every pass), or a SequentialSampler. None for samplers whose order
+    would consume a generator (RandomSampler) or says nothing new (SequentialSampler). The
+    order is hashed as it streams, a chunk at a time: no second copy of it."""
     import copy
     import hashlib
+    import itertools
+
+    import numpy as np
 
     name = type(sampler).__name__
     if name == "DistributedSampler":
-        whole = copy.copy(sampler)
-        whole.num_replicas, whole.rank, whole.epoch = 1, 0, 0
-        whole.num_samples = whole.total_size = len(whole.dataset)
-        order = list(whole)
+        first = copy.copy(sampler)
+        first.rank, first.epoch = 0, 0
+        order = iter(first)
     elif name == "SeedableRandomSampler":
         epoch = getattr(sampler, "epoch", 0)
         sampler.set_epoch(0)
-        order = list(sampler)
+        order = iter(list(sampler))
         sampler.set_epoch(epoch)
     else:
         return None  # a SequentialSampler's order says no more than the length
-    digest = hashlib.sha256(torch.tensor(order, dtype=torch.int64).numpy().tobytes())
+    digest = hashlib.sha256()
+    while True:
+        chunk = np.fromiter(itertools.islice(order, 1 << 16), dtype=np.int64)
+        if not chunk.size:
+            break
+        digest.update(chunk.tobytes())
     return digest.hexdigest()[:16]
 
 
