@@ -71,9 +71,11 @@ def render_doc(results: dict) -> str:
         out.append(f"| scale: `compare --modes sampler --epochs 1 -B 512` | {cells} | "
                    f"{sc['target']} | {_met(sc)} |")
         notes.append(f"- scale ({_when(sc)}): wall time of the whole command, start-up included; "
-                     "memory is the peak resident set of the busiest rank (rank 0, which "
-                     "receives every id and writes the trace). Past the fixed start-up cost, "
-                     "time and memory grow linearly with N.")
+                     "memory is the peak resident set of the busiest rank. From 1,000,000 "
+                     "samples on `auto` takes the count path (one byte per sample on each rank, "
+                     "no ids sent); below it the ids are gathered. Past the fixed start-up cost, "
+                     "time and memory grow linearly with N, most of it the loader's own "
+                     "(see the count path rows).")
     cn = results.get("counted")
     if cn:
         rows = cn["rows"]

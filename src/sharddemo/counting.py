@@ -25,6 +25,7 @@ Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch`
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from typing import Any, Optional
 
@@ -62,58 +63,57 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     counts = np.zeros(max(int(n), 1), dtype=np.uint8)
     counter = torch.from_numpy(counts)  # the same memory: torch's index_add_ counts fast
     ones = torch.ones(1, dtype=torch.uint8)
-    order = hashlib.blake2b(digest_size=16)
+    state = _Running(counter, ones, n)
     sizes: list[list[int]] = []  # run-length: [size, times]
     made: dict[int, list[int]] = {}  # worker -> [batches, samples]
-    head: list[np.ndarray] = []
-    tail: list[np.ndarray] = []
-    outside: set[int] = set()
-    outside_total = 0
+    head: list[torch.Tensor] = []
+    tail: collections.deque = collections.deque(maxlen=KEEP_BATCHES)
+    pending: list[torch.Tensor] = []
+    pending_ids = 0
     samples = 0
     steps = 0
-    ascending, last = True, None  # ids non-decreasing over the whole epoch (an unshuffled walk)
     total = safe_len(loader) if safe_len else None
     iterator = iter(loader)
+    # Per batch only bookkeeping; the ids are counted, hashed and checked FLUSH_IDS at a time
+    # (one index_add_, one hash update, one comparison), which is what keeps the walk close
+    # to the bare loop's speed.
     while max_steps is None or steps < max_steps:
         batch = next(iterator, _END)
         if batch is _END:
             break
         ids, worker = read(batch)
-        ids = ids.reshape(-1).to("cpu", torch.int64)
-        arr = ids.numpy()
-        order.update(arr.tobytes())
-        size = int(arr.size)
-        if ascending and size:
-            ascending = bool((last is None or arr[0] >= last) and np.all(arr[1:] >= arr[:-1]))
-            last = arr[-1]
+        ids = ids.reshape(-1)
+        if ids.dtype != torch.int64 or ids.device.type != "cpu":
+            ids = ids.to("cpu", torch.int64)
+        size = int(ids.numel())
         if sizes and sizes[-1][0] == size:
             sizes[-1][1] += 1
         else:
             sizes.append([size, 1])
-        entry = made.setdefault(int(worker), [0, 0])
+        entry = made.get(worker)
+        if entry is None:
+            entry = made[worker] = [0, 0]
         entry[0] += 1
         entry[1] += size
         if len(head) < KEEP_BATCHES:
-            head.append(arr)
+            head.append(ids)
         else:
-            tail.append(arr)
-            if len(tail) > KEEP_BATCHES:
-                tail.pop(0)
-        if size and (arr.min() < 0 or arr.max() >= n):
-            inside = (arr >= 0) & (arr < n)
-            bad = arr[~inside]
-            outside_total += int(bad.size)
-            if len(outside) < LIST_CAP:
-                outside.update(bad[:LIST_CAP].tolist())
-            ids = ids[torch.from_numpy(inside)]
-        # uint8: wraps past 255, caught by the total below
-        counter.index_add_(0, ids, ones.expand(ids.numel()))
+            tail.append(ids)
+        pending.append(ids)
+        pending_ids += size
+        if pending_ids >= FLUSH_IDS:
+            state.add(pending)
+            pending, pending_ids = [], 0
         samples += size
         steps += 1
         if progress is not None:
             progress(steps, total)
-    head = [a.tolist() for a in head]
-    tail = [a.tolist() for a in tail]
+    state.add(pending)
+    del pending
+    order, ascending = state.order, state.ascending
+    outside, outside_total = state.outside, state.outside_total
+    head = [t.tolist() for t in head]
+    tail = [t.tolist() for t in tail]
     inside_total = samples - outside_total
     # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
     wrapped = int(counts.sum(dtype=np.int64)) != inside_total
@@ -148,10 +148,79 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     if not accelerator.is_main_process:
         return None
     ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
-    return _summarise(epoch, code[:n], shift, ranks)
+    record = _summarise(epoch, code[:n], shift, ranks)
+    record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"], n)
+    return record
+
+
+def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: int):
+    """What accelerate's gather_for_metrics returns over the epoch (every step whole, the last
+    keeping its first `remainder` ids, as report.for_metrics): {"count", "exact"}, or None
+    where no loop reaches the last step (unequal steps) or the loader is not prepared.
+    Exact when it holds n ids and no id had all its copies in the dropped part."""
+    rem = [r["remainder"] for r in ranks]
+    if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
+        return None
+    keep = rem[0]
+    last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
+    dropped = last[keep:] if keep > 0 else []
+    count = cov["seen"] - len(dropped)
+    if count != n or cov["missing_count"] or cov["out_of_range"]:
+        return {"count": count, "exact": False}
+    drop: dict[int, int] = {}
+    for i in dropped:
+        drop[i] = drop.get(i, 0) + 1
+    extra: dict[int, int] = {}
+    for r in ranks:
+        for i, c in r["repeats"]:
+            extra[i] = extra.get(i, 0) + c - 1
+    listed = all(r["repeats_total"] <= LIST_CAP for r in ranks)
+    for i, d in drop.items():
+        present, several = int(code[i] % shift), int(code[i] // shift)
+        copies = present + extra.get(i, 0) if listed else present + several  # else a floor
+        if copies <= d:
+            return {"count": count, "exact": False}
+    return {"count": count, "exact": True}
 
 
 _END = object()
+
+# Ids counted, hashed and checked at a time.
+FLUSH_IDS = 1 << 16
+
+
+class _Running:
+    """What the walk accumulates over the ids, fed a list of batches at a time: the counter,
+    the order hash, whether the ids never decrease, and the ids outside [0, n)."""
+
+    def __init__(self, counter: torch.Tensor, ones: torch.Tensor, n: int) -> None:
+        self.counter, self.ones, self.n = counter, ones, n
+        self.order = hashlib.blake2b(digest_size=16)
+        self.ascending, self.last = True, None
+        self.outside: set[int] = set()
+        self.outside_total = 0
+
+    def add(self, batches: list[torch.Tensor]) -> None:
+        if not batches:
+            return
+        ids = batches[0] if len(batches) == 1 else torch.cat(batches)
+        if not ids.numel():
+            return
+        arr = ids.numpy()
+        self.order.update(arr.tobytes())  # the same digest as hashing batch after batch
+        if self.ascending:
+            self.ascending = bool((self.last is None or arr[0] >= self.last)
+                                  and np.all(arr[1:] >= arr[:-1]))
+        self.last = arr[-1]
+        if arr.min() < 0 or arr.max() >= self.n:
+            inside = (arr >= 0) & (arr < self.n)
+            bad = arr[~inside]
+            self.outside_total += int(bad.size)
+            if len(self.outside) < LIST_CAP:
+                self.outside.update(bad[:LIST_CAP].tolist())
+            ids = ids[torch.from_numpy(inside)]
+        # uint8: wraps past 255, caught by the total after the walk
+        self.counter.index_add_(0, ids, self.ones.expand(ids.numel()))
 
 
 def _remainder(loader) -> int:

@@ -80,8 +80,8 @@ def _complete(ranks: list[dict]) -> Optional[list[list[list[int]]]]:
 
 def tail_repeats_head(record: dict, order: str) -> Optional[int]:
     """report.tail_repeats_head on the dealt order, from the counts: the `extra` repeated ids
-    are the last ones dealt, they equal the first ones dealt, and each of them arrived twice
-    (so the rest of the head is distinct). The whole order where every batch was kept."""
+    each arrived twice, and the last `extra` ids dealt equal the first ones dealt (so the rest
+    of the head is distinct). The whole order where every batch was kept."""
     ranks, cov = record["ranks"], record["coverage"]
     whole = _complete(ranks)
     if whole is not None:
@@ -89,9 +89,9 @@ def tail_repeats_head(record: dict, order: str) -> Optional[int]:
                  else R._interleave_samples([R._flat(b) for b in whole]))
         return R.tail_repeats_head(dealt)
     extra = cov["seen"] - cov["unique"]
+    # extra = the sum over duplicated ids of (copies - 1): as many duplicated ids as extra
+    # copies means each arrived exactly twice.
     if extra > cov["unique"] or cov["duplicate_count"] != extra or cov["out_of_range"]:
-        return None
-    if not cov["duplicate_counts_exact"] or any(c != 2 for _, c in cov["duplicates"]):
         return None
     ends = _dealt_ends(ranks, order, extra)
     if ends is None:
@@ -160,27 +160,12 @@ def _ragged(ranks: list[dict]) -> tuple[list[int], int]:
 R_CAP = 1000
 
 
-def _for_metrics(record: dict, n: int) -> tuple[Optional[int], Optional[bool]]:
-    """What gather_for_metrics would return over the epoch (report.for_metrics: every step
-    whole, the last keeps its first `remainder` ids): its length and whether it is every
-    sample exactly once. (None, None) where no loop reaches the last step."""
-    ranks, cov = record["ranks"], record["coverage"]
-    rem = [r["remainder"] for r in ranks]
-    if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
-        return None, None
-    keep = rem[0]
-    last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
-    dropped = last[keep:] if keep > 0 else []
-    count = cov["seen"] - len(dropped)
-    if count != n or cov["missing_count"] or cov["out_of_range"]:
-        return count, False
-    drop: dict[int, int] = {}
-    for i in dropped:
-        drop[i] = drop.get(i, 0) + 1
-    if cov["duplicate_count"] != len(drop) or not cov["duplicate_counts_exact"]:
-        return count, False
-    dups = dict(cov["duplicates"])
-    return count, all(dups.get(i, 1) - d == 1 for i, d in drop.items())
+def _for_metrics(record: dict) -> tuple[Optional[int], Optional[bool]]:
+    """What gather_for_metrics would return over the epoch: its length and whether it is
+    every sample exactly once, found on the main rank where the counts are
+    (counting._for_metrics). (None, None) where no loop reaches the last step."""
+    got = record["coverage"].get("for_metrics")
+    return (None, None) if got is None else (got["count"], got["exact"])
 
 
 def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict],
@@ -258,7 +243,7 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
         "reasons": reasons,
     }
     if loader.get("prepared"):
-        count, exact = _for_metrics(record, n)
+        count, exact = _for_metrics(record)
         out["gathered_for_metrics"] = None
         out["gathered_for_metrics_count"] = count
         out["gather_for_metrics_exact"] = exact
