@@ -38,11 +38,12 @@ def verdicts(proc):
     return report, out
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-@pytest.mark.parametrize("example,failing", [
-    ("good", set()),
-    ("double_split", {"no-missing-samples"}),
-    ("no_set_epoch", {"order-changes-each-epoch"}),
+@pytest.mark.parametrize("example,failing,nproc", [
+    ("good", set(), 2),
+    ("double_split", {"no-missing-samples"}, 2),
+    # On 3 ranks the double split deals each rank's third round-robin again: still holes.
+    ("double_split", {"no-missing-samples"}, 3),
+    ("no_set_epoch", {"order-changes-each-epoch"}, 3),
 ])
 def test_examples_give_the_right_verdicts(example, failing, nproc):
     proc = audit(f"examples/{example}.py:make_loader", nproc=nproc)
