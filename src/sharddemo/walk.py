@@ -488,7 +488,12 @@ def root_length(dataset) -> Optional[int]:
 def fingerprint(loader, description: Optional[dict] = None) -> dict:
     """What this rank believes the data is: dataset length (None for a stream), the sampler's
     and batch sampler's classes and seed, drop_last, batch size, workers, and a hash of the
-    first epoch's whole order where that costs no RNG draw. Every rank must agree."""
+    first epoch's order where that costs no RNG draw and the dataset is smaller than
+    COUNT_FROM (above it the hash would be a second pass over the whole order; the count path
+    then reports ranks that dealt from different orders as `ranks-disagree`). Every rank must
+    agree."""
+    from sharddemo.counting import COUNT_FROM
+
     base = base_loader(loader)
     length = root_length(getattr(base, "dataset", None))
     batch_sampler = getattr(base, "batch_sampler", None)
@@ -506,7 +511,8 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
             "batch_size": getattr(base, "batch_size", None) or getattr(batch_sampler,
                                                                       "batch_size", None),
             "num_workers": int(getattr(base, "num_workers", 0) or 0),
-            "order_hash": _order_hash(inner) if inner is not None else None,
+            "order_hash": (_order_hash(inner) if inner is not None
+                           and (length is None or length < COUNT_FROM) else None),
             "shards_itself": _shards_itself(description or describe_loader(loader))}
 
 
