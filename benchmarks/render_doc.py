@@ -101,8 +101,10 @@ def render_doc(results: dict) -> str:
                      "epoch (`torch.randperm(n).tolist()`, about 36 bytes per sample), and the "
                      "toy dataset is read one `__getitem__` at a time.")
         if big:
-            notes.append("  At N = 10^8 the 60 s / 1 GB target cannot be met by any tracer on "
-                         "this machine: the loader alone takes "
+            walls = ", ".join(f"{m} {big[m]['wall_s']:.0f} s" for m in ("sampler", "prepared"))
+            notes.append(f"  At N = 10^8 the whole command takes {walls}. The 1 GB part of the "
+                         "target cannot be met by any tracer on this machine: the loader alone "
+                         "takes "
                          f"{big['sampler']['bare_epoch_s']:.0f} s and "
                          f"{big['sampler']['bare_peak_rank_mb']:,.0f} MB per rank (sampler), "
                          f"{big['prepared']['bare_epoch_s']:.0f} s and "
@@ -145,7 +147,8 @@ def render_doc(results: dict) -> str:
                      "and a training loop do, while an epoch has at most 100 steps per rank (all "
                      "the demos); above that it keeps the ids on the rank and gathers them once "
                      "per epoch, because a small gather costs more than a toy step and would "
-                     "dominate. `--gather batch|epoch` forces either.")
+                     "dominate; from 1,000,000 samples on it sends no ids at all (the count path). "
+                     "`--gather batch|epoch|count` forces one.")
         if not g["met"]:
             notes.append("  The 10% target is missed at most sizes: the difference is Python work in "
                          "accelerate's wrapper on every call (`recursively_apply` over the input, "
