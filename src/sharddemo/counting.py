@@ -117,9 +117,16 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     inside_total = samples - outside_total
     # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
     wrapped = int(counts.sum(dtype=np.int64)) != inside_total
-    repeats = np.flatnonzero(counts > 1)
+    # The ids this rank received more than once: how many, and the first LIST_CAP (a chunk at
+    # a time: no N-sized temporary, and no N-sized index list where a loader replicates).
+    repeats_total, repeats = 0, []
+    for lo in range(0, counts.size, CHUNK):
+        hit = np.flatnonzero(counts[lo:lo + CHUNK] > 1)
+        repeats_total += int(hit.size)
+        if len(repeats) < LIST_CAP:
+            repeats += (hit[:LIST_CAP - len(repeats)] + lo).tolist()
     distinct = int(np.count_nonzero(counts))
-    heads = exchange_ints(accelerator, [int(wrapped), steps, samples, len(repeats), distinct,
+    heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total, distinct,
                                         outside_total, len(sizes), len(made), _remainder(loader),
                                         int(ascending)])
     if any(h[0] for h in heads):
@@ -128,7 +135,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
                             f"epoch {epoch}: too many for the count path; use --gather epoch")
     # Per-rank detail in one ragged gather: sizes (RLE), workers, head, tail, repeats, outside,
     # the order hash.
-    mine = _pack(sizes, made, head, tail, repeats[:LIST_CAP], counts[repeats[:LIST_CAP]],
+    mine = _pack(sizes, made, head, tail, repeats, counts[repeats],
                  sorted(outside)[:LIST_CAP], order.digest())
     lengths = [row[0] for row in exchange_ints(accelerator, [int(mine.numel())])]
     parts = gather_ragged(accelerator, mine, lengths)
