@@ -33,14 +33,12 @@ import numpy as np
 import torch
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
+from sharddemo.report_counts import LIST_CAP
 
 # The auto strategy counts from this many samples on (the small path ships every id).
 COUNT_FROM = 1_000_000
 # First and last batches each rank keeps in full.
 KEEP_BATCHES = 3
-# Most ids any list in a counted record holds (missing, duplicated, out of range, a rank's
-# repeats); the totals are always exact.
-LIST_CAP = 1000
 # Counters are recoded and read this many samples at a time (no temporary of N elements).
 CHUNK = 1 << 22
 # A rank may receive one sample at most this many times in an epoch (the uint8 counter).
@@ -177,10 +175,7 @@ def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: 
     drop: dict[int, int] = {}
     for i in dropped:
         drop[i] = drop.get(i, 0) + 1
-    extra: dict[int, int] = {}
-    for r in ranks:
-        for i, c in r["repeats"]:
-            extra[i] = extra.get(i, 0) + c - 1
+    extra = _extra_copies(ranks)
     listed = all(r["repeats_total"] <= LIST_CAP for r in ranks)
     for i, d in drop.items():
         present, several = int(code[i] % shift), int(code[i] // shift)
@@ -289,6 +284,15 @@ def _unpack(flat: list[int], rank: int, head_row: list[int]) -> dict:
             "remainder": None if remainder == -2 else remainder}
 
 
+def _extra_copies(ranks: list[dict]) -> dict[int, int]:
+    """id -> copies beyond the first that ranks listed (each rank's own repeats)."""
+    extra: dict[int, int] = {}
+    for r in ranks:
+        for i, c in r["repeats"]:
+            extra[i] = extra.get(i, 0) + c - 1
+    return extra
+
+
 def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> dict[str, Any]:
     """The counted epoch on the main process, from the reduced code per sample (ranks holding
     it + shift x ranks holding it more than once) and every rank's listed repeats. Read a
@@ -315,10 +319,7 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             dup_present += present[keep].tolist()
         n_several += int(np.count_nonzero(several))
         n_present += int(np.count_nonzero(present))
-    extra: dict[int, int] = {}
-    for r in ranks:
-        for i, c in r["repeats"]:
-            extra[i] = extra.get(i, 0) + c - 1
+    extra = _extra_copies(ranks)
     # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
     # repeats more than LIST_CAP ids); else a lower bound, said so.
     exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)

@@ -1,6 +1,6 @@
 """The analysis of a counted epoch (counting.py): the same report fields as
 report.analyse_epoch, found in counts, order hashes and the first and last batches instead of
-every id. Lists (missing, duplicated, ragged steps) hold at most counting.LIST_CAP entries;
+every id. Lists (missing, duplicated, ragged steps) hold at most LIST_CAP entries;
 `missing_count`, `duplicate_count` and `ragged_step_count` are always exact.
 
 What the count path cannot say, and the small path can: which DataLoader worker delivered
@@ -13,6 +13,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sharddemo import report as R
+
+# Most ids any list in a counted record holds (missing, duplicated, out of range, ragged steps,
+# a rank's repeats); the totals are always exact. Here, not in counting.py, so that the report
+# (built in the parent) never imports torch.
+LIST_CAP = 1000
 
 
 def _known_units(rank: dict, order: str) -> tuple[int, dict[int, Any]]:
@@ -153,11 +158,9 @@ def _ragged(ranks: list[dict]) -> tuple[list[int], int]:
         sizes = {size for mine in runs for a, b, size in mine if a <= lo < b}
         if len(sizes) > 1:
             total += hi - lo
-            steps.extend(range(lo, min(hi, lo + R_CAP - len(steps))) if len(steps) < R_CAP else [])
+            steps.extend(range(lo, min(hi, lo + max(0, LIST_CAP - len(steps)))))
     return steps, total
 
-
-R_CAP = 1000
 
 
 def _for_metrics(record: dict) -> tuple[Optional[int], Optional[bool]]:
