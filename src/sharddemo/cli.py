@@ -273,11 +273,11 @@ def parse_size(text: str, option: str) -> int:
 
 def _check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
     """One Error line before any rank starts when the ids would not fit in `limit`."""
-    from sharddemo.counting import COUNT_FROM, counter_bytes
+    from sharddemo.options import counted, counter_bytes
 
     n = opts.dataset_size
-    counted = opts.gather == "count" or (opts.gather == "auto" and n >= COUNT_FROM)
-    if counted:
+    is_counted = counted(opts.gather, n)
+    if is_counted:
         need = counter_bytes(n) * (2 if (world or 0) > 15 else 1)
         what, where = f"the count path's counter of {n:,} samples", "per rank"
     else:
@@ -285,7 +285,7 @@ def _check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
         need = 40 * n * (world or 2)
         what, where = f"every id of an epoch of {n:,} samples (--gather {opts.gather})", "on rank 0"
     if need > limit:
-        hint = "" if counted else "; --gather count holds 1 byte per sample"
+        hint = "" if is_counted else "; --gather count holds 1 byte per sample"
         raise UsageError(f"--max-memory {limit / 2**20:,.0f} MB is less than {what} needs, about "
                          f"{need / 2**20:,.0f} MB {where}: raise --max-memory or lower "
                          f"--dataset-size{hint}")
@@ -377,10 +377,10 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     if max_memory is not None:
         _check_memory(opts, settings.num_processes, parse_size(max_memory, "--max-memory"))
     if plot:
-        from sharddemo.counting import COUNT_FROM
+        from sharddemo.options import counted
         from sharddemo.plot import COUNTED_NO_PLOT
 
-        if opts.gather == "count" or (opts.gather == "auto" and opts.dataset_size >= COUNT_FROM):
+        if counted(opts.gather, opts.dataset_size):
             raise UsageError(COUNTED_NO_PLOT)
     from sharddemo.compare import compare_run
 

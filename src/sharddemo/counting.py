@@ -1,6 +1,6 @@
 """The count path: walk an epoch of any size with about one byte per sample on each rank.
 
-Above `COUNT_FROM` samples no rank ships its ids anywhere. Each rank walks its loader as a
+From `options.COUNT_FROM` samples (auto), or with `--gather count`, no rank ships its ids anywhere. Each rank walks its loader as a
 training loop does and keeps, for its own batches:
 
 - a counter over the dataset, one uint8 per sample (numpy), raised for every id received;
@@ -35,8 +35,6 @@ import torch
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.report_counts import LIST_CAP
 
-# The auto strategy counts from this many samples on (the small path ships every id).
-COUNT_FROM = 1_000_000
 # First and last batches each rank keeps in full.
 KEEP_BATCHES = 3
 # Counters are recoded and read this many samples at a time (no temporary of N elements).
@@ -47,11 +45,6 @@ MAX_COPIES = 255
 
 class TooManyCopies(RuntimeError):
     pass
-
-
-def counter_bytes(n: int) -> int:
-    """What the count path holds per rank for an epoch of a dataset of n samples."""
-    return int(n)
 
 
 def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=None,

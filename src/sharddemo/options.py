@@ -52,6 +52,20 @@ DEFAULT_EPOCHS = 2
 DEFAULT_SEED = 42
 DEFAULT_TIMEOUT = 60.0
 GATHER_STRATEGIES = ("auto", "batch", "epoch", "count")
+# `auto` takes the count path (counting.py) from this many samples on. Here, torch-free, so the
+# command line can decide before any rank starts.
+COUNT_FROM = 1_000_000
+
+
+def counted(gather: str, n: Optional[int]) -> bool:
+    """Whether a walk of n samples takes the count path (walk.choose_gather decides the same on
+    the ranks)."""
+    return n is not None and (gather == "count" or (gather == "auto" and n >= COUNT_FROM))
+
+
+def counter_bytes(n: int) -> int:
+    """What the count path holds per rank for an epoch of a dataset of n samples."""
+    return int(n)
 
 # Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"

@@ -99,7 +99,7 @@ def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -
     exchanged). auto: every batch up to PER_BATCH_GATHER_LIMIT steps per rank; counted from
     COUNT_FROM samples on when the dataset's length is known; else once per epoch. `count`
     without a known length falls back to `epoch`."""
-    from sharddemo.counting import COUNT_FROM
+    from sharddemo.options import COUNT_FROM
 
     if strategy == "batch" or strategy == "epoch":
         return strategy
@@ -492,7 +492,7 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
     COUNT_FROM (above it the hash would be a second pass over the whole order; the count path
     then reports ranks that dealt from different orders as `ranks-disagree`). Every rank must
     agree."""
-    from sharddemo.counting import COUNT_FROM
+    from sharddemo.options import COUNT_FROM
 
     base = base_loader(loader)
     length = root_length(getattr(base, "dataset", None))
