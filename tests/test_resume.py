@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
 
 import pytest
 from conftest import ROOT, sharddemo

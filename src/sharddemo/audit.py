@@ -40,6 +40,12 @@ class AuditOptions:
     # Set use_stateful_dataloader before the factory runs (the resume audit's `stateful`
     # strategy, for its uninterrupted reference run).
     stateful: bool = False
+    # None: `target` is make_loader(accelerator); "trainer" / "lightning": it is make_trainer()
+    # / make_datamodule(), and the framework builds the loaders (sharddemo.adapters).
+    framework: Optional[str] = None
+    # Gradient accumulation: the optimizer steps' windows of K batches (a Trainer's own
+    # gradient_accumulation_steps when not given).
+    grad_accum: Optional[int] = None
 
     def validate(self) -> "AuditOptions":
         parse_target(self.target)
@@ -53,11 +59,25 @@ class AuditOptions:
             raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if not self.max_time > 0:
             raise UsageError(f"--max-time must be a positive number of seconds, got {self.max_time}")
+        if self.grad_accum is not None and self.grad_accum < 1:
+            raise UsageError(f"--grad-accum must be at least 1 batch per optimizer step, got "
+                             f"{self.grad_accum}")
+        if self.framework is not None:
+            who = "the Trainer" if self.framework == "trainer" else "Lightning"
+            if self.set_epoch:
+                raise UsageError(f"--set-epoch: with --{self.framework}, {who} sets the epoch "
+                                 "itself, as in training; leave --set-epoch out")
+            if self.expect != "sharded":
+                raise UsageError(f"--expect {self.expect}: with --{self.framework} the train "
+                                 "loader is meant to be sharded; leave --expect out")
         return self
 
     def to_run_args(self) -> list[str]:
-        args = [self.target, "--epochs", str(self.epochs), "--expect", self.expect,
+        where = [self.target] if self.framework is None else [f"--{self.framework}", self.target]
+        args = [*where, "--epochs", str(self.epochs), "--expect", self.expect,
                 "--timeout", f"{self.timeout:g}"]
+        if self.grad_accum is not None:
+            args += ["--grad-accum", str(self.grad_accum)]
         if self.id_field is not None:
             args += ["--id-field", self.id_field]
         if self.set_epoch:
@@ -240,91 +260,130 @@ def set_epoch(loader, epoch: int) -> None:
 
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,
                say: Optional[Callable[[str], None]] = None) -> Optional[dict]:
-    """The rank side: build the user's loader, walk it, gather what every rank saw."""
-    from sharddemo.collect import exchange_ints
-    from sharddemo.options import PROGRESS_ENV
+    """The rank side: build the user's loader(s), walk each, gather what every rank saw."""
     from sharddemo.trace import (check_world, make_accelerator, peak_rss_mb, placement,
                                  teardown, write_trace)
-    from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
-                                progress_reporter, walk_epoch)
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
     try:
         check_world(accelerator.num_processes)
         world = accelerator.num_processes
-        loader = build_loader(accelerator, factory, opts, stateful=opts.stateful)
-        if not hasattr(loader, "__iter__") or (opts.id_field is None
-                                               and not hasattr(base_loader(loader), "dataset")):
-            raise UsageError(f"the factory {opts.target} returned an object of type "
-                             f"{type(loader).__name__}, not a DataLoader; return the loader your "
-                             "training loop walks (or pass --id-field for another iterable of "
-                             "batches)")
-        description = describe_loader(loader)  # before the walk wraps anything
-        agreed = agree_on_fingerprint(accelerator, loader, description=description)
-        read_ids = id_reader(loader, opts.id_field)
-        prepared = is_prepared(loader)
-        records = []
-        start = time.perf_counter()
-        # N before the walk, where the loader says it (the count path needs it); else after.
-        known = _known_size(loader, opts)
-        for epoch in range(opts.epochs):
-            if opts.set_epoch:
-                set_epoch(loader, epoch)
-            try:
-                record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
-                                    strategy=opts.gather, n=known,
-                                    progress=progress_reporter(accelerator, f"audit:epoch{epoch}",
-                                                               PROGRESS_ENV))
-            except (UsageError, RunFailed):
-                raise
-            except Exception as exc:
-                raise RunFailed(f"epoch {epoch} of the loader raised {type(exc).__name__}: {exc}") from exc
-            records.append(record)
-        elapsed = time.perf_counter() - start
-        size = _dataset_size(loader, opts, records)
-        # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
-        sizes = exchange_ints(accelerator, [size])
-        size = max(row[0] for row in sizes)
-        base = base_loader(loader)
-        batch = getattr(base, "batch_size", None)
+        targets = audited_loaders(accelerator, factory, opts)
+        modes, sizes, elapsed = {}, [], {}
+        for target in targets:
+            start = time.perf_counter()
+            modes[target.mode], size = _walk_target(accelerator, target, opts)
+            elapsed[target.mode] = round(time.perf_counter() - start, 6)
+            sizes.append(size)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
         if not accelerator.is_main_process:
             return None
-        epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
-        if batch is None:
-            batch = max((len(b) for e in epochs for r in e["ranks"]
-                         for b in r.get("batches", r.get("head", []))), default=1)
-        split = bool(description.get("split_batches"))
-        per_rank = max(1, batch // world) if split else batch
         state = accelerator.state
+        first = modes[targets[0].mode]["sizes"]
         trace = {
             "schema": "sharddemo.trace/1",
             "world_size": world,
             "backend": getattr(state, "backend", None) or "none",
             "distributed_type": state.distributed_type.value,
             "device": accelerator.device.type,
-            "source": "user",
-            "dataset_size": size,
-            "batch_size": batch,
-            "global_batch": per_rank * world,
+            "source": "user" if opts.framework is None else opts.framework,
+            **first,
             "epochs": opts.epochs,
             "seed": 0,
-            "options": {"audit": asdict(opts), "drop_last": description["drop_last"]},
+            "options": {"audit": asdict(opts), "drop_last": modes[targets[0].mode]["loader"]["drop_last"]},
             "placement": where,
-            "fingerprint": agreed,
-            "modes": {AUDIT_MODE: {"description": f"your loader from {opts.target}",
-                                   "prepared": prepared, "loader": description,
-                                   "fingerprint": agreed, "epochs": epochs}},
-            "timings": {"mode_s": {AUDIT_MODE: round(elapsed, 6)},
-                        "peak_rss_mb": peak},
+            "fingerprint": modes[targets[0].mode]["fingerprint"],
+            "modes": modes,
+            "timings": {"mode_s": elapsed, "peak_rss_mb": peak},
         }
         if trace_out:
             write_trace(trace, trace_out)
         return trace
     finally:
         teardown(accelerator)
+
+
+def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
+    """What this rank audits: the user's own loader, or the loaders a framework builds."""
+    from sharddemo.adapters import Audited
+    from sharddemo.walk import base_loader
+
+    if opts.framework == "trainer":
+        from sharddemo.adapters.trainer import trainer_loaders
+
+        return trainer_loaders(accelerator, factory, opts)
+    if opts.framework == "lightning":
+        from sharddemo.adapters.lightning import lightning_loaders
+
+        return lightning_loaders(accelerator, factory, opts)
+    loader = build_loader(accelerator, factory, opts, stateful=opts.stateful)
+    if not hasattr(loader, "__iter__") or (opts.id_field is None
+                                           and not hasattr(base_loader(loader), "dataset")):
+        raise UsageError(f"the factory {opts.target} returned an object of type "
+                         f"{type(loader).__name__}, not a DataLoader; return the loader your "
+                         "training loop walks (or pass --id-field for another iterable of "
+                         "batches)")
+    return [Audited(AUDIT_MODE, loader, opts.epochs, f"your loader from {opts.target}",
+                    start_epoch=(lambda epoch: set_epoch(loader, epoch)) if opts.set_epoch
+                    else None, grad_accum=opts.grad_accum)]
+
+
+def _walk_target(accelerator, target, opts: AuditOptions) -> tuple[dict, int]:
+    """Walk one audited loader for its epochs: (its trace mode on the main rank, N)."""
+    from sharddemo.collect import exchange_ints
+    from sharddemo.options import PROGRESS_ENV
+    from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
+                                progress_reporter, walk_epoch)
+
+    loader = target.loader
+    description = describe_loader(loader)  # before the walk wraps anything
+    agreed = agree_on_fingerprint(accelerator, loader, description=description)
+    read_ids = id_reader(loader, opts.id_field)
+    prepared = is_prepared(loader)
+    records = []
+    # N before the walk, where the loader says it (the count path needs it); else after.
+    known = _known_size(loader, opts)
+    label = "audit" if target.mode == AUDIT_MODE else target.mode
+    for epoch in range(target.epochs):
+        if target.start_epoch is not None:
+            target.start_epoch(epoch)
+        try:
+            record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
+                                strategy=opts.gather, n=known,
+                                progress=progress_reporter(accelerator, f"{label}:epoch{epoch}",
+                                                           PROGRESS_ENV))
+        except (UsageError, RunFailed):
+            raise
+        except Exception as exc:
+            where = "" if target.mode == AUDIT_MODE else f"{target.mode}: "
+            raise RunFailed(f"{where}epoch {epoch} of the loader raised {type(exc).__name__}: "
+                            f"{exc}") from exc
+        records.append(record)
+    size = _dataset_size(loader, opts, records)
+    # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
+    sizes = exchange_ints(accelerator, [size])
+    size = max(row[0] for row in sizes)
+    batch = getattr(base_loader(loader), "batch_size", None)
+    if not accelerator.is_main_process:
+        return {}, size
+    world = accelerator.num_processes
+    epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
+    if batch is None:
+        batch = max((len(b) for e in epochs for r in e["ranks"]
+                     for b in r.get("batches", r.get("head", []))), default=1)
+    split = bool(description.get("split_batches"))
+    per_rank = max(1, batch // world) if split else batch
+    mode = {"description": target.description, "prepared": prepared, "loader": description,
+            "fingerprint": agreed, "epochs": epochs, "role": target.role,
+            "sizes": {"dataset_size": size, "batch_size": batch,
+                      "global_batch": per_rank * world}}
+    if target.settings:
+        mode["settings"] = target.settings
+    if target.grad_accum is not None:
+        mode["grad_accum"] = target.grad_accum
+    return mode, size
 
 
 def _known_size(loader, opts: AuditOptions):

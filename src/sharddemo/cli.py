@@ -396,8 +396,23 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
 def audit_options(func: Callable) -> Callable:
     """Options of `audit` that the ranks need too."""
     options = [
-        click.argument("factory"),
-        click.option("--epochs", type=int, default=2, show_default=True, help="Epochs to walk."),
+        click.argument("factory", required=False),
+        click.option("--trainer", metavar="FACTORY",
+                     help="Audit the loaders a transformers Trainer builds: FACTORY is "
+                          "file.py:make_trainer or module:make_trainer, make_trainer() -> "
+                          "Trainer. Its own get_train_dataloader() and get_eval_dataloader() "
+                          "run on every rank; nothing is trained. Needs the [hf] extra."),
+        click.option("--lightning", metavar="FACTORY",
+                     help="Audit a LightningDataModule's train and val loaders as Lightning's "
+                          "Trainer(strategy='ddp') gives them to each rank: make_datamodule() "
+                          "-> LightningDataModule (or (datamodule, trainer_kwargs)). Needs the "
+                          "[lightning] extra."),
+        click.option("--grad-accum", type=int, metavar="K",
+                     help="Show the gradient-accumulation windows: which ids each optimizer step "
+                          "(K batches per rank) consumed, per rank and in all [default with "
+                          "--trainer: its gradient_accumulation_steps]."),
+        click.option("--epochs", type=int, default=2, show_default=True,
+                     help="Epochs to walk (eval loaders: one)."),
         click.option("--id-field", help="The field (dict key, or tuple position) of each batch "
                      "that holds the sample ids, or '.' when each batch is itself the tensor of "
                      "ids. Default: the dataset indices each batch was made of, recorded as "
@@ -422,7 +437,21 @@ def audit_options(func: Callable) -> Callable:
 def _audit_options(kw: dict) -> "AuditOptions":
     from sharddemo.audit import AuditOptions
 
-    return AuditOptions(target=kw["factory"], epochs=kw["epochs"], id_field=kw["id_field"],
+    given = [(name, kw.get(key)) for name, key in (("FACTORY", "factory"),
+                                                    ("--trainer", "trainer"),
+                                                    ("--lightning", "lightning"))
+             if kw.get(key)]
+    if len(given) != 1:
+        what = " and ".join(name for name, _ in given) if given else "none"
+        raise UsageError(f"audit takes one of FACTORY (make_loader), --trainer or --lightning "
+                         f"(got {what}); e.g. sharddemo audit examples/good.py:make_loader")
+    framework = None if given[0][0] == "FACTORY" else given[0][0][2:]
+    if framework is not None:
+        from sharddemo.adapters import require_extra
+
+        require_extra(framework)
+    return AuditOptions(target=given[0][1], framework=framework, grad_accum=kw["grad_accum"],
+                        epochs=kw["epochs"], id_field=kw["id_field"],
                         expect=kw["expect"], set_epoch=kw["set_epoch"],
                         dataset_size=kw["dataset_size"], timeout=kw["timeout"],
                         gather=kw["gather"], max_time=kw.get("max_time") or 3600.0,
@@ -473,7 +502,10 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
 
     FACTORY is `package.module:make_loader` or `path/to/file.py:make_loader`, a function
     make_loader(accelerator) -> DataLoader. Every rank calls it with its Accelerator and walks
-    the loader as training would. Verdicts per epoch: no missing samples, no duplicates beyond
+    the loader as training would. Or, instead of FACTORY, --trainer make_trainer (the loaders
+    a transformers Trainer builds) or --lightning make_datamodule (a LightningDataModule's
+    loaders under Lightning's DDP sampler injection); their eval loaders get one more
+    verdict, eval-counts-each-sample-once. Verdicts per epoch: no missing samples, no duplicates beyond
     the loader's own padding, equal step counts, a new order each epoch, no silent
     replication; with --resume-at, also resume-exact (the run stopped, restarted in fresh
     processes and resumed sees exactly what an uninterrupted run sees). Exit 0 when all
@@ -484,10 +516,15 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
         sharddemo audit examples/good.py:make_loader --num-processes 3
 
         sharddemo audit examples/resume_exact.py:make_loader --resume-at 0:3
+
+        sharddemo audit --trainer examples/trainer_example.py:make_trainer
     """
     settings = _settings(kw)
     opts = _audit_options(kw)
     _check_files(output, plot)
+    if resume_at is not None and opts.framework is not None:
+        raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
+                         f"--{opts.framework}")
     if resume_at is None:
         if resume_num_processes is not None or keep_checkpoint is not None:
             raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "

@@ -184,14 +184,18 @@ def render_table(report: dict) -> str:
         if (data.get("fingerprint") or {}).get("disagreement"):
             out.append(f"  fingerprint: {data['fingerprint']['disagreement']} (an audit would "
                        "stop here)")
+        if data.get("settings"):
+            out.append("  " + settings_line(data))
+        view = {**report, **{k: data[k] for k in SIZES if k in data}}
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:
                 shown = (batches_text(r["batches"]) if "batches" in r else
                          counted_text(r["first_batches"], r["steps"], r["samples"]))
                 out.append(f"    rank {r['rank']}  {r['steps']} step(s): {shown}")
-            out += ["    " + line for line in grid_lines(report, e)]
+            out += ["    " + line for line in grid_lines(view, e)]
             out += ["    " + line for line in _epoch_summary(e)]
+            out += ["    " + line for line in window_lines(e.get("grad_accum"))]
         out.append(f"  => {data['conclusion']}")
         if data.get("resume"):
             out += ["", "  resume:"] + ["    " + line for line in resume_lines(data["resume"])]
@@ -200,6 +204,43 @@ def render_table(report: dict) -> str:
         for problem in data["broken_promises"]:
             out.append(f"  !! {problem}")
     return "\n".join(out) + "\n"
+
+
+# A mode's own sizes (a framework's eval loader differs from its train loader).
+SIZES = ("dataset_size", "batch_size", "global_batch")
+
+
+def settings_line(data: dict) -> str:
+    """The arguments that decide the split, as the framework holds them, and N and B."""
+    sizes = ", ".join(f"{k} {data[k]}" for k in SIZES if k in data)
+    shown = ", ".join(f"{k}={v}" for k, v in data["settings"].items())
+    return f"{sizes} | {shown}" if sizes else shown
+
+
+def window_lines(windows: dict | None, show: int = 4) -> list[str]:
+    """Gradient accumulation: the ids of the first optimizer steps and of the last."""
+    if not windows:
+        return []
+    k = windows["k"]
+    if windows.get("counted"):
+        return [f"grad accumulation {k}: windows need each batch's ids; this epoch was "
+                "counted (--gather ids or batch lists them)"]
+    lines = [f"grad accumulation {k} batches per optimizer step: {windows['optimizer_steps']} "
+             f"optimizer step(s) per epoch, steps per rank {windows['steps_per_rank']}"
+             + ("" if windows["partition"] else " (the windows do NOT cover each rank's epoch)")]
+    listed = windows["windows"]
+    picked = listed if len(listed) <= show else listed[:show - 1] + listed[-1:]
+    for w in picked:
+        if w is listed[-1] and len(listed) > show:
+            lines.append("  ...")
+        ranks = " | ".join(f"rank {r}: {_short(ids)}" for r, ids in enumerate(w["ranks"]))
+        lines.append(f"  optimizer step {w['window']}: {ranks} ({w['samples']} samples)")
+    if windows["uneven_last"]:
+        lines.append(f"  the last optimizer step is UNEVEN: {windows['last_batches']} batch(es) "
+                     f"per rank instead of {k}")
+    if windows["in_several_windows"]:
+        lines.append(f"  ids in more than one optimizer step: {_short(windows['in_several_windows'])}")
+    return lines
 
 
 def verdict_lines(verdicts: list) -> list[str]:
@@ -231,8 +272,11 @@ def render_markdown(report: dict) -> str:
             for r in e["ranks"]:
                 out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {batches_text(r['batches'])} |")
         out.append("")
+        if data.get("settings"):
+            out += [settings_line(data), ""]
         for e in data["epochs"]:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
+            out += [f"  - {line.strip()}" for line in window_lines(e.get("grad_accum"))]
         out += ["", f"**{data['conclusion']}**", ""]
         if "verdicts" in data:
             out += [f"- {line}" for line in verdict_lines(data["verdicts"])] + [""]

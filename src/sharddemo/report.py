@@ -79,8 +79,16 @@ REASON_SENTENCE = {
 }
 
 
+# Audit modes: "audit" (a make_loader factory) and the loaders a framework builds.
+FRAMEWORK_PREFIXES = ("trainer:", "lightning:")
+
+
+def is_audit_mode(mode: str) -> bool:
+    return mode == "audit" or mode.startswith(FRAMEWORK_PREFIXES)
+
+
 def mode_kind(mode: str, trace: dict) -> str:
-    if mode == "audit":
+    if is_audit_mode(mode):
         return REPLICATED if _expect(trace) == "replicated" else SHARDED
     return MODE_KIND.get(mode, SHARDED)
 
@@ -457,11 +465,44 @@ VERDICTS = {
     "order-changes-each-epoch": "a shuffled loader gives a new order each epoch (set_epoch)",
     "no-silent-replication": "ranks do not all receive the same, whole dataset",
     "every-rank-sees-everything": "each rank receives the whole dataset (--expect replicated)",
+    "eval-counts-each-sample-once": "an eval loader's metrics count each sample exactly once "
+                                    "(gather_for_metrics where accelerate prepared it)",
 }
 
 
-def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
-    """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]."""
+def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
+    """Do an eval loader's metrics count each of the N samples once? A prepared loader's
+    metrics go through gather_for_metrics, which drops accelerate's fill; any other loader's
+    metrics are averaged over exactly what the ranks received."""
+    extra = e["seen"] - e["unique"]
+    if prepared and e.get("gather_for_metrics_exact") is not None:
+        if e["gather_for_metrics_exact"]:
+            return True, ""
+        if e["missing"]:
+            why = " (drop_last)" if e["missing_reason"] == "drop-last" else ""
+            return False, (f"{e['missing_count']} of {n} eval samples are never evaluated{why}: "
+                           f"{_short(e['missing'], total=e['missing_count'])}")
+        return False, f"gather_for_metrics returns {e['gathered_for_metrics_count']} ids, not {n}"
+    if not e["missing"] and not extra:
+        return True, ""
+    parts = []
+    if e["missing"]:
+        why = " (drop_last)" if e["missing_reason"] == "drop-last" else ""
+        parts.append(f"{e['missing_count']} of {n} eval samples are never evaluated{why}")
+    if extra:
+        reason = e["duplicates"][0]["reason"] if e["duplicates"] else None
+        label = f" ({REASON_LABEL[reason]})" if reason in REASON_LABEL else ""
+        twice = [d["id"] for d in e["duplicates"]][:12]
+        parts.append(f"{extra} eval sample(s) are evaluated more than once{label}, ids {twice}: "
+                     "metrics averaged over the ranks count them again (validate on one "
+                     "device, make N divisible by the world size, or drop the copies)")
+    return False, "; ".join(parts)
+
+
+def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
+                   prepared: bool = False) -> list[dict]:
+    """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]. An eval loader
+    (role "eval") also gets eval-counts-each-sample-once."""
     w = trace["world_size"]
     expect = _expect(trace)
     out = []
@@ -495,6 +536,9 @@ def audit_verdicts(trace: dict, epochs: list[dict]) -> list[dict]:
             add("every-rank-sees-everything", k, ok, "" if ok else
                 "the ranks did not each receive the whole dataset (less what drop_last drops)"
                 + (f": ranks {', '.join(map(str, short))} received fewer" if short else ""))
+        if role == "eval":
+            ok, detail = eval_verdict(e, prepared, trace["dataset_size"])
+            add("eval-counts-each-sample-once", k, ok, detail)
         if previous is not None:
             shuffled = not all(r["ascending"] for r in e["ranks"])
             ok = bool(e["order_changed"]) or not shuffled
@@ -592,31 +636,48 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     modes: dict[str, Any] = {}
     problems: list[str] = []
     for mode, data in trace["modes"].items():
+        # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
+        view = {**trace, **data.get("sizes", {})}
         epochs: list[dict] = []
         previous = None
         for record in data["epochs"]:
-            epochs.append(analyse_epoch(mode, trace, record, previous,
+            epochs.append(analyse_epoch(mode, view, record, previous,
                                         loader=data.get("loader"), hint=data.get("hint")))
             previous = record
-        if mode == "audit":
-            verdicts = audit_verdicts(trace, epochs)
-            broken = [f"{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
+        if is_audit_mode(mode):
+            verdicts = audit_verdicts(view, epochs, role=data.get("role", "train"),
+                                      prepared=data.get("prepared", False))
+            where = "" if mode == "audit" else f"{mode} "
+            broken = [f"{where}{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
                       for v in verdicts if not v["ok"]]
         else:
             verdicts = None
-            broken = broken_promises(mode, trace, epochs)
+            broken = broken_promises(mode, view, epochs)
         problems += broken
         modes[mode] = {
             "description": data.get("description", ""),
-            "kind": mode_kind(mode, trace),
+            "kind": mode_kind(mode, view),
             "prepared": data.get("prepared", False),
             "loader": data.get("loader"),
             "epochs": epochs,
             "streams": data.get("streams"),
             "fingerprint": data.get("fingerprint"),
             "broken_promises": broken,
-            "conclusion": conclude(mode, trace, epochs),
+            "conclusion": conclude(mode, view, epochs),
         }
+        if "sizes" in data:
+            modes[mode].update(data["sizes"])
+        for key in ("role", "settings"):
+            if key in data:
+                modes[mode][key] = data[key]
+        if data.get("grad_accum"):
+            from sharddemo.windows import accumulation_windows
+
+            k = data["grad_accum"]
+            for e, record in zip(epochs, data["epochs"]):
+                e["grad_accum"] = (accumulation_windows([r["batches"] for r in record["ranks"]], k)
+                                   if record.get("gather") != "count" else
+                                   {"k": k, "counted": True})
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
     where = trace.get("placement") or [

@@ -1,0 +1,55 @@
+"""The loaders that frameworks build, got through the frameworks' own code.
+
+`sharddemo audit --trainer FILE:make_trainer` (transformers) and `--lightning
+FILE:make_datamodule` (Lightning) hand each rank a list of `Audited` loaders, exactly as the
+framework would iterate them; the audit then walks each one like any user loader. Nothing here
+re-implements how a framework samples: the Trainer's `get_train_dataloader()` and Lightning's
+sampler injection build the loaders, and the per-epoch step (`start_epoch`) is the framework's
+own call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from sharddemo.errors import UsageError
+
+# --trainer / --lightning: (the module that must import, the extra that installs it)
+EXTRAS = {"trainer": ("transformers", "hf"), "lightning": ("lightning", "lightning")}
+
+
+@dataclass
+class Audited:
+    """One loader a framework builds, as a rank iterates it."""
+
+    mode: str  # its key in the report: "trainer:train", "lightning:val", ...
+    loader: Any
+    epochs: int
+    description: str
+    role: str = "train"  # "train" (sharded, reshuffled) or "eval" (each sample counted once)
+    start_epoch: Optional[Callable[[int], None]] = None  # the framework's call before each epoch
+    settings: dict = field(default_factory=dict)  # the arguments that decide the split
+    grad_accum: Optional[int] = None
+
+
+def require_extra(kind: str) -> None:
+    """One Error line, before any rank starts, when the framework is not installed."""
+    module, extra = EXTRAS[kind]
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"--{kind} needs the {module} package, which is not installed; install "
+                         f"the extra: pip install 'sharddemo[{extra}]' (from a checkout: pip "
+                         f"install -e '.[{extra}]')")
+
+
+def call_factory(factory: Callable, target: str) -> Any:
+    """The user's make_trainer() / make_datamodule(); what it raises is a failed run."""
+    from sharddemo.errors import RunFailed
+
+    try:
+        return factory()
+    except (UsageError, RunFailed):
+        raise
+    except Exception as exc:
+        raise RunFailed(f"the factory {target} raised {type(exc).__name__}: {exc}") from exc

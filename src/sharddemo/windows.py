@@ -1,0 +1,53 @@
+"""Gradient-accumulation windows: which ids each optimizer step consumed.
+
+A training loop that accumulates K batches steps its optimizer once per K batches of each rank
+(transformers' Trainer: the last window of an epoch takes what is left, steps % K). Window j on
+rank r is that rank's batches j*K .. j*K+K-1; the optimizer step j sums the gradients of every
+rank's window j. Pure and torch-free: it reads the per-rank batches of an epoch record.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# Windows listed one by one in the report; the counts cover them all.
+WINDOW_CAP = 100
+
+
+def accumulation_windows(ranks: list[list[list[int]]], k: int) -> dict:
+    """ranks[r] = rank r's batches of one epoch, in order -> the windows of K batches.
+
+    >>> w = accumulation_windows([[[0, 1], [2, 3], [4]], [[5, 6], [7, 8], [9]]], 2)
+    >>> [x["samples"] for x in w["windows"]], w["last_batches"], w["uneven_last"]
+    ([8, 2], [1, 1], True)
+    """
+    steps = [len(batches) for batches in ranks]
+    count = max((-(-s // k) for s in steps), default=0)
+    windows = []
+    for j in range(count):
+        per_rank = [[i for batch in batches[j * k:(j + 1) * k] for i in batch] for batches in ranks]
+        sizes = [len(batches[j * k:(j + 1) * k]) for batches in ranks]
+        windows.append({"window": j, "batches": sizes, "ranks": per_rank,
+                        "samples": sum(len(ids) for ids in per_rank)})
+    # Each rank's windows, laid end to end, are its epoch: nothing skipped, nothing twice.
+    partition = all([i for w in windows for i in w["ranks"][r]] == [i for b in batches for i in b]
+                    for r, batches in enumerate(ranks))
+    seen: dict[int, int] = {}
+    across = set()
+    for w in windows:
+        for i in {i for ids in w["ranks"] for i in ids}:
+            if i in seen:
+                across.add(i)
+            seen[i] = w["window"]
+    last: Optional[dict] = windows[-1] if windows else None
+    return {
+        "k": k,
+        "optimizer_steps": count,
+        "steps_per_rank": steps,
+        "last_batches": last["batches"] if last else [],
+        "uneven_last": bool(last) and any(b != k for b in last["batches"]),
+        "partition": partition,
+        "in_several_windows": sorted(across),
+        "windows": windows[:WINDOW_CAP] + (windows[-1:] if count > WINDOW_CAP else []),
+        "windows_listed": min(count, WINDOW_CAP + 1),
+    }
