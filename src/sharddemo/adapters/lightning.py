@@ -45,7 +45,7 @@ def _modules(package: str) -> dict:
         return {key: importlib.import_module(name) for key, name in names.items()}
     except ImportError as exc:
         raise RunFailed(f"this Lightning has no {exc.name}: sharddemo uses Lightning 2.x's own "
-                        "data connector; install lightning>=2.2,<3") from exc
+                        "data connector; install lightning>=2.6,<3") from exc
 
 
 def lightning_loaders(accelerator, factory, opts) -> list[Audited]:

@@ -1,0 +1,225 @@
+"""Issue "Trainer and Lightning": `audit --trainer` and `audit --lightning` on 2 real gloo ranks.
+
+Every expected value comes from the frameworks' own objects built in this process for each rank:
+the Trainer's own get_train_dataloader()/get_eval_dataloader() dealt by accelerate's own
+prepare_data_loader for that rank, and torch's DistributedSampler with the arguments Lightning
+gives it (Lightning's docs: shuffle for train, not for val, seed PL_GLOBAL_SEED or 0). The audit
+records ids by the dataset indices it traces; the expected values read the `idx` field of the
+batches, a second, independent way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, launch_env, sharddemo
+
+EXAMPLES = ROOT / "examples"
+TRAINER = f"{EXAMPLES / 'trainer_example.py'}"
+LIGHTNING = f"{EXAMPLES / 'lightning_example.py'}"
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+W = 2
+
+
+def audit_json(*args):
+    import jsonschema
+
+    proc = sharddemo(["audit", *args, "--num-processes", str(W), "--format", "json"],
+                     check=False)
+    assert proc.returncode in (0, 1), proc.stderr
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, SCHEMA)
+    return proc, report
+
+
+def example(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """The Trainer built in-process makes an Accelerator; leave no state for other tests."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def trainer_batches_for_rank(make_trainer, rank, epochs, monkeypatch):
+    """What rank `rank` of W receives from the Trainer's own loaders: the Trainer built here,
+    its DataLoaders dealt by accelerate's own prepare_data_loader for that rank (every other
+    argument is the Trainer's Accelerator's own), each train epoch started as Trainer._run_epoch
+    starts it (transformers 5: set_epoch on the loader and on the batch sampler it wraps)."""
+    import accelerate.accelerator as acc_module
+    from accelerate.data_loader import prepare_data_loader as real
+
+    def for_rank(*args, **kwargs):
+        kwargs.update(num_processes=W, process_index=rank)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(acc_module, "prepare_data_loader", for_rank)
+    trainer = make_trainer()
+    train = trainer.get_train_dataloader()
+    out = []
+    for epoch in range(epochs):
+        train.set_epoch(epoch)
+        train.batch_sampler.batch_sampler.sampler.set_epoch(epoch) \
+            if hasattr(train.batch_sampler.batch_sampler.sampler, "set_epoch") else None
+        out.append([b["idx"].tolist() for b in train])
+    evaluation = [b["idx"].tolist() for b in trainer.get_eval_dataloader()]
+    return out, evaluation, trainer.args.gradient_accumulation_steps
+
+
+def test_trainer_loaders_are_what_the_trainer_gives_each_rank(monkeypatch, fresh_accelerate_state):
+    proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer")
+    assert proc.returncode == 0, report["broken_promises"]
+    train, evaluation = report["modes"]["trainer:train"], report["modes"]["trainer:eval"]
+    te = example("trainer_example")
+    expected = [trainer_batches_for_rank(te.make_trainer, r, 2, monkeypatch) for r in range(W)]
+    for epoch in range(2):
+        got = [r["batches"] for r in train["epochs"][epoch]["ranks"]]
+        assert got == [expected[r][0][epoch] for r in range(W)]
+    assert [r["batches"] for r in evaluation["epochs"][0]["ranks"]] == [e[1] for e in expected]
+    assert train["dataset_size"] == te.N_TRAIN and evaluation["dataset_size"] == te.N_EVAL
+    assert train["settings"]["per_device_train_batch_size"] == 2
+    # eval: N_EVAL = 7 on 2 ranks of batch 2 is 2 rounds of 4 = 8 ids: one is accelerate's fill,
+    # and gather_for_metrics gives back exactly the 7 (worked out by hand)
+    e0 = evaluation["epochs"][0]
+    assert e0["gathered_count"] == 8 and e0["gathered_for_metrics_count"] == te.N_EVAL
+    assert e0["gather_for_metrics_exact"] and list(e0["reasons"]) == ["even-batches-fill"]
+    ok = {v["verdict"]: v["ok"] for v in evaluation["verdicts"]}
+    assert ok["eval-counts-each-sample-once"]
+    # gradient accumulation, the Trainer's own gradient_accumulation_steps (2): N=10, B=2, W=2
+    # gives ceil(10/4) = 3 batches per rank, so optimizer steps of 2 batches and then 1
+    k = expected[0][2]
+    for epoch in range(2):
+        windows = train["epochs"][epoch]["grad_accum"]
+        assert windows["k"] == k == 2 and windows["optimizer_steps"] == 2
+        assert windows["uneven_last"] and windows["last_batches"] == [1, 1]
+        for j, w in enumerate(windows["windows"]):
+            for r in range(W):
+                mine = expected[r][0][epoch][j * k:(j + 1) * k]
+                assert w["ranks"][r] == [i for b in mine for i in b]
+        # the windows partition the epoch: together they are every id each rank received
+        assert sorted(i for w in windows["windows"] for ids in w["ranks"] for i in ids) == \
+            sorted(i for r in range(W) for b in expected[r][0][epoch] for i in b)
+
+
+def test_trainer_drop_last_hides_eval_samples(monkeypatch, fresh_accelerate_state):
+    proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_drop_last")
+    assert proc.returncode == 1
+    te = example("trainer_example")
+    expected = [trainer_batches_for_rank(te.make_trainer_drop_last, r, 1, monkeypatch)
+                for r in range(W)]
+    evaluation = report["modes"]["trainer:eval"]
+    got = [r["batches"] for r in evaluation["epochs"][0]["ranks"]]
+    assert got == [e[1] for e in expected]
+    seen = {i for e in expected for b in e[1] for i in b}
+    never = sorted(set(range(te.N_EVAL)) - seen)
+    assert never  # 7 on 2 ranks of batch 2 with drop_last: one round of 4, 3 never evaluated
+    failed = [v for v in evaluation["verdicts"] if not v["ok"]]
+    assert [v["verdict"] for v in failed] == ["eval-counts-each-sample-once"]
+    assert f"{len(never)} of {te.N_EVAL} eval samples are never evaluated (drop_last)" in \
+        failed[0]["detail"]
+    assert "eval-counts-each-sample-once (epoch 0)" in proc.stderr
+
+
+def lightning_batches(dataset_size, rank, shuffle, epoch, batch=2):
+    """torch's DistributedSampler as Lightning builds it for DDP (num_replicas, rank, shuffle
+    for train only, seed PL_GLOBAL_SEED = 0 here), batched as the user's DataLoader batches."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    sampler = DistributedSampler(range(dataset_size), num_replicas=W, rank=rank, shuffle=shuffle,
+                                 seed=0)
+    sampler.set_epoch(epoch)
+    return [list(b) for b in BatchSampler(sampler, batch, drop_last=False)]
+
+
+def test_lightning_loaders_are_lightnings_distributed_samplers():
+    proc, report = audit_json("--lightning", f"{LIGHTNING}:make_datamodule", "--grad-accum", "2")
+    assert proc.returncode == 0, report["broken_promises"]
+    le = example("lightning_example")
+    train, val = report["modes"]["lightning:train"], report["modes"]["lightning:val"]
+    for epoch in range(2):
+        assert [r["batches"] for r in train["epochs"][epoch]["ranks"]] == \
+            [lightning_batches(le.N_TRAIN, r, True, epoch) for r in range(W)]
+        windows = train["epochs"][epoch]["grad_accum"]
+        # N=10 on 2 ranks: 5 each, batches of 2, 2, 1: optimizer steps of 2 batches, then 1
+        assert windows["optimizer_steps"] == 2 and windows["last_batches"] == [1, 1]
+    assert [r["batches"] for r in val["epochs"][0]["ranks"]] == \
+        [lightning_batches(le.N_VAL, r, False, 0) for r in range(W)]
+    assert train["settings"]["sampler"] == "DistributedSampler"
+    assert all(v["ok"] for v in val["verdicts"])
+
+
+def test_lightning_stream_and_padded_val_are_caught():
+    proc, report = audit_json("--lightning", f"{LIGHTNING}:make_stream_datamodule",
+                              "--id-field", "idx", "--epochs", "1")
+    assert proc.returncode == 1
+    le = example("lightning_example")
+    train, val = report["modes"]["lightning:train"], report["modes"]["lightning:val"]
+    # an IterableDataset gets no sampler: each rank reads the whole stream, in batches of 2
+    whole = [[i, i + 1] for i in range(0, le.N_TRAIN, 2)]
+    assert [r["batches"] for r in train["epochs"][0]["ranks"]] == [whole] * W
+    assert not {v["verdict"]: v["ok"] for v in train["verdicts"]}["no-silent-replication"]
+    expected = [lightning_batches(le.N_VAL_UNEVEN, r, False, 0) for r in range(W)]
+    assert [r["batches"] for r in val["epochs"][0]["ranks"]] == expected
+    # DistributedSampler pads 7 to 8: the copy is the first id of the order (torch's padding)
+    padded = [i for b in expected[-1] for i in b][-1]
+    e0 = val["epochs"][0]
+    assert [d["id"] for d in e0["duplicates"]] == [padded]
+    failed = {v["verdict"]: v for v in val["verdicts"] if not v["ok"]}
+    assert "DistributedSampler padding" in failed["eval-counts-each-sample-once"]["detail"]
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "audit takes one of FACTORY (make_loader), --trainer or --lightning (got none)"),
+    (["examples/good.py:make_loader", "--trainer", "x.py:f"], "got FACTORY and --trainer"),
+    (["--trainer", f"{TRAINER}:make_trainer", "--set-epoch"], "the Trainer sets the epoch itself"),
+    (["--lightning", f"{LIGHTNING}:make_datamodule", "--expect", "replicated"],
+     "meant to be sharded"),
+    (["--trainer", f"{TRAINER}:make_trainer", "--resume-at", "0:1"], "does not go with --trainer"),
+    (["examples/good.py:make_loader", "--grad-accum", "0"], "--grad-accum must be at least 1"),
+])
+def test_bad_framework_input_is_one_error_line(args, message):
+    proc = sharddemo(["audit", *args], check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("flag,module,extra", [("--trainer", "transformers", "hf"),
+                                               ("--lightning", "lightning", "lightning")])
+def test_a_missing_extra_is_named_before_any_rank_starts(flag, module, extra):
+    # The package hidden as if not installed (importlib finds no spec for a None module).
+    code = (f"import sys; sys.modules[{module!r}] = None; from sharddemo.cli import main; "
+            f"sys.argv = ['sharddemo', 'audit', {flag!r}, 'examples/trainer_example.py:f']; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=launch_env(), timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"pip install 'sharddemo[{extra}]'" in lines[0] and module in lines[0]
+
+
+def test_a_factory_that_returns_something_else_is_a_usage_error():
+    from sharddemo.adapters.lightning import lightning_loaders
+    from sharddemo.adapters.trainer import trainer_loaders
+    from sharddemo.audit import AuditOptions
+    from sharddemo.errors import UsageError
+
+    opts = AuditOptions(target="f.py:make", framework="trainer")
+    with pytest.raises(UsageError, match="returned a DataLoader, not a transformers.Trainer"):
+        trainer_loaders(None, lambda: torch.utils.data.DataLoader(range(3)), opts)
+    with pytest.raises(UsageError, match="returned a int, not a LightningDataModule"):
+        lightning_loaders(None, lambda: 3, opts)
