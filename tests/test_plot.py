@@ -112,9 +112,14 @@ def test_progress_bar_follows_the_main_ranks_lines(tmp_path):
     bar.update()
     assert bar.label == "sampler:epoch0" and bar.bar.n == 40 and bar.bar.total == 100
     with open(log, "a") as handle:
-        handle.write("sharddemo-progress replicated:epoch0 5 ?\n")
+        handle.write("sharddemo-progress replicated:epoch0 5 ? 1280 all\n")
     bar.update()
     assert bar.label == "replicated:epoch0" and bar.bar.n == 5 and bar.bar.total is None
+    assert bar.bar.postfix.startswith("1,280 samples, ")
+    with open(log, "a") as handle:
+        handle.write("sharddemo-progress replicated:epoch0 6 ? 1536 rank0\n")
+    bar.update()
+    assert bar.bar.postfix.startswith("1,536 samples on rank 0, ")
     bar.close()
 
 
@@ -155,3 +160,5 @@ def test_one_progress_bar_on_a_terminal():
     assert frames, "no progress bar was drawn"
     assert {f.split(":")[0] + ":" + f.split(":")[1] for f in frames} == {"sampler:epoch0"}
     assert all("/31250" in f for f in frames)  # 4,000,000 / 2 ranks / 64: the main rank's steps
+    # 4,000,000 samples: the count path, which counts the main rank's samples (64 a step)
+    assert any("samples on rank 0" in f for f in frames)

@@ -98,7 +98,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         samples += size
         steps += 1
         if progress is not None:
-            progress(steps, total)
+            progress(steps, total, samples)
     state.add(pending)
     del pending
     order, ascending = state.order, state.ascending

@@ -278,6 +278,7 @@ class ProgressBar:
         self.offset = 0
         self.bar = None
         self.label = None
+        self.started = time.monotonic()
         self.show_after = time.monotonic() + delay
 
     def update(self) -> None:
@@ -295,7 +296,8 @@ class ProgressBar:
                  if line.startswith(PROGRESS_PREFIX)]
         if not lines:
             return
-        _, label, step, total = lines[-1].split(" ")
+        _, label, step, total, *rest = lines[-1].split(" ")
+        samples, scope = (int(rest[0]), rest[1]) if len(rest) == 2 else (None, None)
         if time.monotonic() < self.show_after:
             return
         import shutil
@@ -311,7 +313,13 @@ class ProgressBar:
             self.bar = tqdm(total=None if total == "?" else int(total), desc=label, unit="step",
                             leave=False, file=sys.stderr, ncols=size.columns or 100,
                             nrows=size.lines or 20)
+            self.started = time.monotonic()
         self.bar.n = int(step)
+        if samples is not None:
+            # Samples so far and their rate, beside tqdm's steps, rate and ETA.
+            rate = samples / max(time.monotonic() - self.started, 1e-9)
+            where = "" if scope == "all" else " on rank 0"
+            self.bar.set_postfix_str(f"{samples:,} samples{where}, {rate:,.0f}/s", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:

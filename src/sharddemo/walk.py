@@ -38,7 +38,7 @@ from sharddemo.collect import collective, exchange_ints, gather_ragged, narrowes
 # 0.3-1.5 ms on gloo here, more than a whole step of a toy loader (docs/benchmarks.md).
 PER_BATCH_GATHER_LIMIT = 100
 
-Progress = Callable[[int, Optional[int]], None]
+Progress = Callable[..., None]  # (step, total, samples, scope): see progress_reporter
 # read_ids(batch, tag) -> the batch's 0-based ids: `batch` is the loader's own batch, `tag` what
 # sharddemo attached to it (see tag_batches below; None when untagged).
 ReadIds = Callable[[Any, Optional[dict]], torch.Tensor]
@@ -146,7 +146,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
     workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
     iterator = iter(loader)
-    alive, step = True, 0
+    alive, step, received = True, 0, 0
     while True:
         if max_steps is not None and step >= max_steps:
             alive = False
@@ -158,6 +158,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
         has = [h[0] for h in heads]
         if not any(has):
             break
+        received += sum(h[1] for h in heads)
         sizes = [h[1] for h in heads]
         parts = gather_ragged(accelerator, ids, sizes)  # accelerator.gather, padded + trimmed
         if main:
@@ -176,7 +177,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
                 for_metrics = None
         step += 1
         if progress is not None and alive:
-            progress(step, total)
+            progress(step, total, received, "all")
     remainders = _remainders(accelerator, loader) if prepared else [None] * world
     if not main:
         return None
@@ -209,6 +210,7 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optio
     local: list[torch.Tensor] = []
     made_by: list[int] = []
     total = safe_len(loader)
+    received = 0
     iterator = iter(loader)
     while max_steps is None or len(local) < max_steps:  # never fetch past a stop
         batch = next(iterator, _END)
@@ -217,8 +219,9 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optio
         ids, worker = _read(read_ids, batch)
         local.append(ids)
         made_by.append(worker)
+        received += ids.numel()
         if progress is not None:
-            progress(len(local), total)
+            progress(len(local), total, received)
     prepared = is_prepared(loader)
     remainder = int(getattr(loader, "remainder", -1)) if prepared else -2
     ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
@@ -250,16 +253,19 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optio
 def progress_reporter(accelerator, label: str,
                       env_var: str = "SHARDDEMO_PROGRESS") -> Optional[Progress]:
     """On the main rank, when the launcher asked for it (`env_var` = 1): a line on stdout at
-    most twice a second, `sharddemo-progress LABEL STEP TOTAL`, turned into one bar there."""
+    most twice a second, `sharddemo-progress LABEL STEP TOTAL SAMPLES SCOPE`, turned into one
+    bar there. SAMPLES counts what every rank received so far (SCOPE `all`, known where the
+    walk exchanges each batch's size) or what the main rank received (`rank0`)."""
     if not accelerator.is_main_process or os.environ.get(env_var) != "1":
         return None
     last = [0.0]
 
-    def report(step: int, total: Optional[int]) -> None:
+    def report(step: int, total: Optional[int], samples: int = 0, scope: str = "rank0") -> None:
         now = time.monotonic()
         if now - last[0] >= 0.5:
             last[0] = now
-            sys.stdout.write(f"sharddemo-progress {label} {step} {total or '?'}\n")
+            sys.stdout.write(f"sharddemo-progress {label} {step} {total or '?'} {samples} "
+                             f"{scope}\n")
             sys.stdout.flush()
 
     return report
