@@ -75,17 +75,22 @@ def rank_bench(what: str, *args: int) -> dict:
 
 
 def section_startup(repeats: int) -> dict:
-    floor, compare = [], []
-    for _ in range(repeats):  # alternate, so drift hits both alike
+    floor, prepared, compare = [], [], []
+    for _ in range(repeats):  # alternate, so drift hits all alike
         floor.append(wall(launch([str(ROOT / "benchmarks" / "floor.py")])))
+        prepared.append(wall(launch([str(ROOT / "benchmarks" / "floor_prepared.py")])))
         compare.append(wall([sys.executable, "-m", "sharddemo", "compare", "--format", "json"]))
     helps = [wall([sys.executable, "-m", "sharddemo", "--help"]) for _ in range(repeats)]
-    f, c = statistics.median(floor), statistics.median(compare)
+    f, p, c = (statistics.median(x) for x in (floor, prepared, compare))
     # The spread: each compare against the floor run just before it.
     pairs = sorted(b / a for a, b in zip(floor, compare))
+    pairs_prepared = sorted(b / a for a, b in zip(prepared, compare))
     return {"floor_s": f, "compare_s": c, "ratio": c / f, "help_s": statistics.median(helps),
             "floor_runs_s": floor, "compare_runs_s": compare,
             "pair_ratio_min": pairs[0], "pair_ratio_max": pairs[-1],
+            "floor_prepared_s": p, "floor_prepared_runs_s": prepared,
+            "ratio_prepared": c / p, "pair_ratio_prepared_min": pairs_prepared[0],
+            "pair_ratio_prepared_max": pairs_prepared[-1],
             "target": "compare <= 1.15x floor (medians of alternated runs); --help well under 1 s",
             "met": c / f <= 1.15 and statistics.median(helps) < 0.5}
 
