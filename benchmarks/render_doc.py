@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def _met(data: dict) -> str:
     if data.get("met") is None:
@@ -11,6 +13,9 @@ def _met(data: dict) -> str:
 
 def _when(data: dict) -> str:
     return f"{data.get('date', '?')}, {data.get('repeats', '?')} repeats, {data.get('machine', '?')}"
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def render_doc(results: dict) -> str:
@@ -128,6 +133,11 @@ def render_doc(results: dict) -> str:
                          "loader is shown per sample in the row above; at small N it is "
                          "dominated by fixed costs (the report, the kept batches), not per-sample "
                          "ones.")
+        if (DOCS / "memory-n.png").exists():
+            notes.append("  The same figures plotted (`python benchmarks/plot_memory.py`): left, "
+                         "the busiest rank traced and the loader alone, and the parent; right, "
+                         "what tracing adds above the loader's own peak against one byte per "
+                         "sample.\n\n  ![memory against N](memory-n.png)")
     sh = results.get("sharding")
     if sh:
         out.append("| sharding pays: epoch time with a real per-sample cost, W = 2 | " + "; ".join(

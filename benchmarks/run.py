@@ -242,6 +242,13 @@ def main() -> None:
         data.update(machine=where, date=datetime.date.today().isoformat(), repeats=args.repeats)
         results[name] = data
         RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        if name == "counted":
+            from plot_memory import plot
+
+            try:
+                plot(results)
+            except ImportError:  # matplotlib (the [plot] extra) absent: the table still stands
+                print("[bench] no matplotlib: docs/memory-n.png not redrawn", file=sys.stderr)
         print(f"[bench] {name}: {json.dumps(data)}", file=sys.stderr, flush=True)
     from render_doc import render_doc
 
