@@ -182,3 +182,35 @@ def test_a_loader_of_length_zero_has_a_known_length():
     alone = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     assert choose_gather(alone, [], "auto") == "batch"
     assert choose_gather(alone, iter([]), "auto") == "epoch"  # no len(): unknown
+
+
+def test_counted_summary_above_15_ranks_worked_by_hand():
+    """Past 15 ranks the reduced code per sample is uint16: ranks holding it + 256 x ranks
+    holding it more than once. 17 ranks, N = 5: every rank got id 0 once (17); rank 0 got id 1
+    twice and nobody else did (1 + 256 = 257); ids 2-4 came nowhere (0)."""
+    import numpy as np
+
+    from sharddemo.counting import _summarise
+
+    code = np.array([17, 257, 0, 0, 0], dtype=np.uint16)
+    ranks = [{"rank": r, "samples": 3 if r == 0 else 1, "repeats": [[1, 2]] if r == 0 else [],
+              "repeats_total": 1 if r == 0 else 0, "out_of_range": []} for r in range(17)]
+    record = _summarise(0, code, 256, ranks)
+    cov = record["coverage"]
+    assert cov["missing"] == [2, 3, 4] and cov["missing_count"] == 3
+    assert cov["duplicates"] == [(0, 17), (1, 2)] and cov["duplicate_count"] == 2
+    assert cov["ranks_per_sample"] == [0, 1, 17] and cov["repeated_within_a_rank"] == 1
+    assert cov["seen"] == 3 + 16 and cov["unique"] == 2
+
+
+def test_count_codes_worked_by_hand():
+    import numpy as np
+
+    from sharddemo.counting import encode
+
+    # 0 copies -> 0, 1 -> 1, several -> 1 + shift
+    code, shift = encode(np.array([1, 2, 0, 255], dtype=np.uint8), 17)
+    assert shift == 256 and code.dtype == np.uint16 and code.tolist() == [1, 257, 0, 257]
+    counts = np.array([1, 2, 0, 255], dtype=np.uint8)
+    code, shift = encode(counts, 2)
+    assert shift == 16 and code.tolist() == [1, 17, 0, 17] and code is counts

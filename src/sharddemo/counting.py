@@ -133,11 +133,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     # One reduce (sum) of a code per sample: ranks that received it (low part) and ranks that
     # received it more than once (high part). uint8 up to 15 ranks, else uint16.
     world = accelerator.num_processes
-    shift, dtype = (16, np.uint8) if world <= 15 else (256, np.uint16)
-    code = counts if dtype is np.uint8 else np.empty(counts.shape, dtype)
-    for lo in range(0, counts.size, CHUNK):  # in place, a chunk at a time: no N-sized temporary
-        part = counts[lo:lo + CHUNK]
-        code[lo:lo + CHUNK] = np.minimum(part, 1) + (part > 1) * dtype(shift)
+    code, shift = encode(counts, world)
     reduced = torch.from_numpy(code)
     if world > 1:
         import torch.distributed as dist
@@ -149,6 +145,18 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     record = _summarise(epoch, code[:n], shift, ranks)
     record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"], n)
     return record
+
+
+def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
+    """A rank's per-sample code for the sum over ranks, and its shift: 0 -> 0, 1 -> 1, more
+    -> 1 + shift (16 in uint8 up to 15 ranks, else 256 in uint16), so the sum holds the ranks
+    that received a sample and, times shift, the ranks that received it more than once. One
+    table lookup; in place in `counts` for uint8 (no N-sized temporary)."""
+    shift, dtype = (16, np.uint8) if world <= 15 else (256, np.uint16)
+    table = np.array([0, 1] + [1 + shift] * (MAX_COPIES - 1), dtype=dtype)
+    code = counts if dtype is np.uint8 else np.empty(counts.shape, dtype)
+    np.take(table, counts, out=code)
+    return code, shift
 
 
 def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: int):
@@ -295,11 +303,12 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
     dup_present: list[int] = []
     n_missing = n_dup = n_several = n_present = 0
     levels: set[int] = set()
+    bits = shift.bit_length() - 1  # shift is 16 or 256: bit operations, which numpy does fast
     for lo in range(0, code.size, CHUNK):
         part = code[lo:lo + CHUNK]
-        present = part % shift
-        several = part // shift
-        levels.update(int(v) for v in np.unique(present))
+        present = part & (shift - 1)
+        several = part >> bits
+        levels.update(np.flatnonzero(np.bincount(present)).tolist())
         gone = np.flatnonzero(present == 0)
         n_missing += int(gone.size)
         if len(missing) < LIST_CAP:
@@ -311,7 +320,7 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             dup_ids += (keep + lo).tolist()
             dup_present += present[keep].tolist()
         n_several += int(np.count_nonzero(several))
-        n_present += int(np.count_nonzero(present))
+        n_present += int(part.size - gone.size)
     extra = _extra_copies(ranks)
     # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
     # repeats more than LIST_CAP ids); else a lower bound, said so.
