@@ -250,3 +250,22 @@ exec {sys.executable} "$@"
     monkeypatch.chdir(ROOT)
     report = compare_run(RunOptions(epochs=1, modes=("sampler",)).validate())
     assert marker.exists() and report["modes"]["sampler"]["epochs"][0]["seen"] == 8
+
+
+def test_a_native_abort_is_named_in_the_one_line():
+    """A rank killed by SIGABRT leaves no status file; the launch's stderr (torchrun's report
+    and the rank's own) is searched for what the native library said. Literal: gloo's message
+    for a collective of unequal sizes, as FACTS.md records it."""
+    from sharddemo.launch import explain_failure
+
+    stderr = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+              "  what():  [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] "
+              "op.preamble.length <= op.nbytes. 8 vs 4\n"
+              "Fatal Python error: Aborted\n"
+              "E1203 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+              "(exitcode: -6) local_rank: 1 (pid: 4242) of binary: python\n")
+    message, usage = explain_failure({}, {0, 1}, stderr, 1, debug=False)
+    assert not usage
+    assert message.startswith("rank 1 was killed by signal 6 (SIGABRT) and said nothing (a "
+                              "native library said: what():  [enforce fail at ")
+    assert "op.preamble.length <= op.nbytes. 8 vs 4)" in message

@@ -347,6 +347,21 @@ def _by_message(lines: list) -> list[str]:
     return [f"rank {', '.join(map(str, sorted(r)))}: {m}" for m, r in same.items()]
 
 
+# What a native library prints as it aborts: a C++ exception nobody caught (gloo's enforce
+# failures among them), glibc's heap checks.
+NATIVE = re.compile(r"(terminate called.*|what\(\):.*|.*\[enforce fail at.*|"
+                    r"(?:double free|free\(\)|malloc\(\)|corrupted).*)")
+
+
+def native_message(stderr: str, limit: int = 300) -> str:
+    """The most telling line a native abort left in the launch's stderr, or ''."""
+    found = [m.group(1).strip() for m in NATIVE.finditer(stderr)]
+    for line in found:  # the exception's own text beats "terminate called ..."
+        if line.startswith("what():") or "enforce fail" in line:
+            return line[:limit]
+    return found[0][:limit] if found else ""
+
+
 def read_status(folder: str) -> tuple[dict[int, dict], set[int]]:
     """What the ranks left in the status folder: {rank: {"kind", "message"}} for the ranks that
     failed and said so, and the set of ranks that started."""
@@ -410,7 +425,9 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
                 name = _signal.Signals(number).name
             except ValueError:
                 name = f"signal {number}"
-            causes.insert(0, f"rank {rank} was killed by signal {number} ({name}) and said nothing")
+            native = native_message(stderr)
+            causes.insert(0, f"rank {rank} was killed by signal {number} ({name}) and said nothing"
+                          + (f" (a native library said: {native})" if native else ""))
         elif not own and not lost:
             causes.append(f"rank {rank} ended without a word")
     if lost:

@@ -8,6 +8,9 @@
 `assert_shards` launches the factory on `num_processes` gloo ranks exactly as
 `sharddemo audit` does and raises AssertionError naming every failed verdict. A function
 object works too, when its module can be imported by path (a test file, a package).
+`framework="trainer"` / `"lightning"` audits a make_trainer / make_datamodule factory:
+
+    assert_shards("my_project.train:make_trainer", framework="trainer")
 """
 
 from __future__ import annotations
@@ -33,16 +36,25 @@ def _target(factory: Union[str, Callable]) -> str:
 def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int = 2,
           id_field: Optional[str] = None, expect: str = "sharded", set_epoch: bool = False,
           dataset_size: Optional[int] = None, timeout: float = 60.0,
-          max_time: float = 600.0) -> dict:
+          max_time: float = 600.0, framework: Optional[str] = None,
+          grad_accum: Optional[int] = None) -> dict:
     """Run the audit and return its report (the JSON `sharddemo audit --format json` prints).
-    Raises sharddemo.errors.ShardDemoError when the factory cannot be run."""
+    `framework="trainer"` or `"lightning"`: the factory is make_trainer() / make_datamodule(),
+    as `audit --trainer` / `--lightning`. Raises sharddemo.errors.ShardDemoError when the
+    factory cannot be run."""
     from sharddemo.compare import audit_run
     from sharddemo.config import CPU_CONFIG, shipped_config_path
     from sharddemo.launch import LaunchSettings
 
+    if framework is not None:
+        from sharddemo.adapters import EXTRAS, require_extra
+
+        if framework not in EXTRAS:
+            raise ValueError(f"framework must be one of {', '.join(EXTRAS)}, got {framework!r}")
+        require_extra(framework)
     opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
                         set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,
-                        max_time=max_time).validate()
+                        max_time=max_time, framework=framework, grad_accum=grad_accum).validate()
     # CPU ranks on gloo: a test suite's audit must not need GPUs.
     config = shipped_config_path(CPU_CONFIG)
     return audit_run(opts, LaunchSettings(config_file=config, num_processes=num_processes))

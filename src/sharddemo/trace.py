@@ -343,6 +343,13 @@ def _status_path(suffix: str) -> Optional[str]:
 
 
 def mark_started() -> None:
+    # A rank that dies of a fatal signal (an abort in gloo, a crash in a native library)
+    # leaves no status file; Python's fault handler at least writes which signal, and every
+    # thread's Python stack, to the rank's stderr (shown with SHARDDEMO_DEBUG=1).
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     path = _status_path("started")
     if path:
         with open(path, "w", encoding="utf-8") as handle:
