@@ -350,14 +350,15 @@ def _by_message(lines: list) -> list[str]:
 # What a native library prints as it aborts: a C++ exception nobody caught (gloo's enforce
 # failures among them), glibc's heap checks.
 NATIVE = re.compile(r"(terminate called.*|what\(\):.*|.*\[enforce fail at.*|"
-                    r"(?:double free|free\(\)|malloc\(\)|corrupted).*)")
+                    r"(?:double free|free\(\)|malloc\(\)|corrupted).*|"
+                    r"Fatal Python error: (?!Aborted$|Segmentation fault$).*)", re.MULTILINE)
 
 
 def native_message(stderr: str, limit: int = 300) -> str:
     """The most telling line a native abort left in the launch's stderr, or ''."""
     found = [m.group(1).strip() for m in NATIVE.finditer(stderr)]
     for line in found:  # the exception's own text beats "terminate called ..."
-        if line.startswith("what():") or "enforce fail" in line:
+        if line.startswith(("what():", "Fatal Python error")) or "enforce fail" in line:
             return line[:limit]
     return found[0][:limit] if found else ""
 
