@@ -223,3 +223,29 @@ def test_plot_of_a_counted_run_is_refused_before_it_starts(tmp_path):
     result = invoke(["compare", "--dataset-size", "2000000", "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 2
     assert "pass --gather epoch to draw it" in error_line(result)
+
+
+def test_a_rank_process_ends_without_the_interpreter_teardown(monkeypatch):
+    """Inside a launched rank (RANK and WORLD_SIZE set) the CLI ends the process with
+    os._exit and the command's exit code, after flushing (docs/reliability.md: a native thread
+    left behind by transformers or Lightning can abort the teardown); elsewhere sys.exit."""
+    import os
+
+    from sharddemo import cli
+
+    ended = []
+
+    def fake_exit(code):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        cli.cli.main(["configs"])
+    assert ended == [0]
+    monkeypatch.delenv("RANK")
+    with pytest.raises(SystemExit) as exc:
+        cli.cli.main(["configs"])
+    assert ended == [0] and exc.value.code == 0
