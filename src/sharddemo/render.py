@@ -42,6 +42,11 @@ def _short(ids, limit: int = 16) -> str:
     return shown + (f" ... ({len(ids)})" if len(ids) > limit else "")
 
 
+def _command(report: dict) -> str:
+    """`audit` for a report with verdicts (an audit of any kind), else `compare`."""
+    return "audit" if any("verdicts" in m for m in report["modes"].values()) else "compare"
+
+
 def header(report: dict) -> list[str]:
     return [
         f"world size {report['world_size']} ({report.get('distributed_type')}, backend "
@@ -156,7 +161,7 @@ def placement_line(report: dict) -> str:
 
 
 def render_table(report: dict) -> str:
-    out = ["sharddemo compare: " + header(report)[0]]
+    out = [f"sharddemo {_command(report)}: " + header(report)[0]]
     if len(report.get("nodes", {})) > 1:
         out.append("ranks by node: " + placement_line(report))
     if report.get("launch_command"):
@@ -262,7 +267,7 @@ def verdict_lines(verdicts: list) -> list[str]:
 
 
 def render_markdown(report: dict) -> str:
-    out = ["# sharddemo compare", "", header(report)[0], ""]
+    out = [f"# sharddemo {_command(report)}", "", header(report)[0], ""]
     if report.get("launch_command"):
         out += [f"Rerun by hand: `{report['launch_command']}`", ""]
     for mode, data in report["modes"].items():
