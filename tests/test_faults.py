@@ -255,7 +255,7 @@ exec {sys.executable} "$@"
 def test_a_native_abort_is_named_in_the_one_line():
     """A rank killed by SIGABRT leaves no status file; the launch's stderr (torchrun's report
     and the rank's own) is searched for what the native library said. Literal: gloo's message
-    for a collective of unequal sizes, as FACTS.md records it."""
+    for a collective of unequal sizes."""
     from sharddemo.launch import explain_failure
 
     stderr = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
@@ -269,3 +269,20 @@ def test_a_native_abort_is_named_in_the_one_line():
     assert message.startswith("rank 1 was killed by signal 6 (SIGABRT) and said nothing (a "
                               "native library said: what():  [enforce fail at ")
     assert "op.preamble.length <= op.nbytes. 8 vs 4)" in message
+
+
+def test_a_signal_is_read_from_torchruns_table_too():
+    """When the surviving rank exits first, torchrun's "failed" line names it (exit 1), and the
+    killed rank is only in the closing table (torchrun 2.13's format, copied from a run);
+    a process that torchrun closed itself (SIGTERM) is not a cause."""
+    from sharddemo.launch import killed_by_signal
+
+    stderr = ("E1203 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 3901) of binary: x\n"
+              "Failures:\n[1]:\n  time      : 2026-12-03_06:17:44\n  host      : localhost\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 3902)  (SIGKILL)\n"
+              "Root Cause (first observed failure):\n[0]:\n"
+              "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 3901) \n")
+    assert killed_by_signal(stderr) == {1: 9}
+    closed = ("W1203 api.py:1028] Sending process 3928 closing signal SIGTERM\n"
+              "  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 3928)  (SIGTERM)\n")
+    assert killed_by_signal(closed) == {}

@@ -333,6 +333,27 @@ PROGRESS_PREFIX = "sharddemo-progress"
 # torchrun's own report of a process that ended: a negative exit code is a signal. Only used to
 # name the signal of a rank that died without leaving its status file.
 TORCHRUN_EXIT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# torchrun's closing table: one entry per failed process; and the processes it closed itself
+# (whose signal is torchrun's, not the cause).
+TORCHRUN_ENTRY = re.compile(r"rank\s*:\s*\d+ \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+) "
+                            r"\(pid: (\d+)\)")
+TORCHRUN_CLOSED = re.compile(r"Sending process (\d+) closing signal")
+
+
+def killed_by_signal(stderr: str, first_rank: int = 0) -> dict[int, int]:
+    """{rank: signal number} for the ranks a signal ended, as torchrun reports them: its
+    "failed" line names the first process it saw end; its closing table names every failed
+    one. A rank that exits as soon as its peer dies can be the one torchrun sees first, so
+    the table is read too, less the processes torchrun closed itself."""
+    out = {first_rank + int(local): -int(code)
+           for code, local in TORCHRUN_EXIT.findall(stderr) if int(code) < 0}
+    closed = set(TORCHRUN_CLOSED.findall(stderr))
+    for local, code, pid in TORCHRUN_ENTRY.findall(stderr):
+        if int(code) < 0 and pid not in closed:
+            out.setdefault(first_rank + int(local), -int(code))
+    return out
+
+
 # The port was taken between free_port() and the launcher's bind.
 PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 
@@ -409,8 +430,7 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
     waited = sorted(r for r, f in failed.items() if f.get("kind") == "timeout")
     lost = sorted(r for r, f in failed.items() if f.get("kind") == "peer")
     silent = sorted(started - set(failed))
-    signals = {first_rank + int(local): -int(exit_code)
-               for exit_code, local in TORCHRUN_EXIT.findall(stderr) if int(exit_code) < 0}
+    signals = killed_by_signal(stderr, first_rank)
     causes = _by_message(own)
     if waited:
         stalled = [r for r in silent if r not in signals] or silent
