@@ -40,7 +40,7 @@ def verdicts(proc):
 
 @pytest.mark.parametrize("example,failing,nproc", [
     ("good", set(), 2),
-    ("double_split", {"no-missing-samples"}, 2),
+    # (On 2 real ranks the double split is a scenario of test_scenarios.py, against the libraries.)
     # On 3 ranks the double split deals each rank's third round-robin again: still holes.
     ("double_split", {"no-missing-samples"}, 3),
     ("no_set_epoch", {"order-changes-each-epoch"}, 3),
