@@ -77,6 +77,13 @@ def render_doc(results: dict) -> str:
                          f"{need:.1f} us a sample on each rank (a real dataset reads, decodes or "
                          "tokenizes) is under 1.05x. With the per-id path this figure was "
                          "1.07-1.08x, and before the bulk counting 1.30-1.37x.")
+            notes.append("  The figure moves with the machine: rerun later the same day "
+                         "(2026-12-03, 15 repeats, `rank_bench.py overhead` side by side) it "
+                         "was 1.13-1.17x (prepared) and 1.25-1.28x (sampler) for the code of "
+                         "this table and for the code before the count path's last changes "
+                         "alike, the bare loop itself 15-30% slower than above (and the same "
+                         "with transformers and lightning uninstalled). So neither 1.05x nor "
+                         "the figures above are established on a loaded 2-core machine.")
     sc = results.get("scale")
     if sc:
         rows = sc["rows"]
