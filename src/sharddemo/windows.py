@@ -32,13 +32,12 @@ def accumulation_windows(ranks: list[list[list[int]]], k: int) -> dict:
     # Each rank's windows, laid end to end, are its epoch: nothing skipped, nothing twice.
     partition = all([i for w in windows for i in w["ranks"][r]] == [i for b in batches for i in b]
                     for r, batches in enumerate(ranks))
-    seen: dict[int, int] = {}
-    across = set()
+    seen: set[int] = set()
+    across: set[int] = set()
     for w in windows:
-        for i in {i for ids in w["ranks"] for i in ids}:
-            if i in seen:
-                across.add(i)
-            seen[i] = w["window"]
+        mine = {i for ids in w["ranks"] for i in ids}
+        across |= mine & seen
+        seen |= mine
     last: Optional[dict] = windows[-1] if windows else None
     return {
         "k": k,

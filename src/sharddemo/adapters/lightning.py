@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from functools import partial
 
 from sharddemo.adapters import Audited, call_factory
 from sharddemo.errors import RunFailed, UsageError
@@ -117,7 +117,8 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
             mode = f"lightning:{role}" + (f":{i}" if len(loaders) > 1 else "")
             out.append(Audited(mode, loader, epochs, f"{hook}() of {opts.target} under Lightning's "
                                "Trainer(strategy='ddp')", role="train" if role == "train" else "eval",
-                               start_epoch=_epoch_setter(m["fabric_data"], loader),
+                               # the fit loop's call at the top of each epoch
+                               start_epoch=partial(m["fabric_data"]._set_sampler_epoch, loader),
                                settings={**shown, "sampler": type(getattr(loader, "sampler", None)).__name__},
                                grad_accum=opts.grad_accum if role == "train" else None))
     if not out:
@@ -125,11 +126,3 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
                          "nor val_dataloader: there is no loader to audit")
     return out
 
-
-def _epoch_setter(fabric_data, loader) -> Any:
-    """The fit loop's call at the top of each epoch: _set_sampler_epoch(loader, epoch)."""
-
-    def call(epoch: int) -> None:
-        fabric_data._set_sampler_epoch(loader, epoch)
-
-    return call
