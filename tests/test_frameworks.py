@@ -195,6 +195,10 @@ def test_lightning_stream_and_padded_val_are_caught():
      "meant to be sharded"),
     (["--trainer", f"{TRAINER}:make_trainer", "--resume-at", "0:1"], "does not go with --trainer"),
     (["examples/good.py:make_loader", "--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--trainer", "no/such/file.py:make_trainer"],
+     "factory file no/such/file.py does not exist; pass path/to/file.py:make_trainer"),
+    (["--lightning", "lightning_example"],
+     "is not of the form package.module:make_datamodule or path/to/file.py:make_datamodule"),
 ])
 def test_bad_framework_input_is_one_error_line(args, message):
     proc = sharddemo(["audit", *args], check=False)

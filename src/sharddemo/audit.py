@@ -48,7 +48,9 @@ class AuditOptions:
     grad_accum: Optional[int] = None
 
     def validate(self) -> "AuditOptions":
-        parse_target(self.target)
+        if self.framework not in FACTORY_CALLS:
+            raise UsageError(f"framework must be trainer or lightning, got {self.framework!r}")
+        parse_target(self.target, self.framework)
         if self.epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
         if self.expect not in EXPECTATIONS:
@@ -91,22 +93,34 @@ class AuditOptions:
         return args
 
 
-def parse_target(target: str) -> tuple[str, str]:
+# What each kind of factory is called as, for the messages: the plain audit's, --trainer's
+# and --lightning's.
+FACTORY_CALLS = {None: "make_loader(accelerator)", "trainer": "make_trainer()",
+                 "lightning": "make_datamodule()"}
+
+
+def _factory(framework: Optional[str]) -> str:
+    return FACTORY_CALLS[framework].split("(")[0]
+
+
+def parse_target(target: str, framework: Optional[str] = None) -> tuple[str, str]:
     """`module:name` or `file.py:name` -> (module or path, name)."""
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name or not name.replace(".", "_").isidentifier():
-        raise UsageError(f"factory {target!r} is not of the form package.module:make_loader or "
-                         "path/to/file.py:make_loader")
+        f = _factory(framework)
+        raise UsageError(f"factory {target!r} is not of the form package.module:{f} or "
+                         f"path/to/file.py:{f}")
     return where, name
 
 
-def precheck_target(target: str) -> None:
+def precheck_target(target: str, framework: Optional[str] = None) -> None:
     """Catch a missing file or module before any rank starts (the import itself runs on the
     ranks, where the factory is used)."""
-    where, _ = parse_target(target)
+    where, _ = parse_target(target, framework)
+    f = _factory(framework)
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
-            raise UsageError(f"factory file {where} does not exist; pass path/to/file.py:make_loader")
+            raise UsageError(f"factory file {where} does not exist; pass path/to/file.py:{f}")
         return
     try:
         spec = importlib.util.find_spec(where)
@@ -116,11 +130,11 @@ def precheck_target(target: str) -> None:
         why = ""
     if spec is None:
         raise UsageError(f"module {where} cannot be found{why}; check the name, or install or add "
-                         "its folder to PYTHONPATH, or pass path/to/file.py:make_loader")
+                         f"its folder to PYTHONPATH, or pass path/to/file.py:{f}")
 
 
-def load_factory(target: str) -> Callable:
-    where, name = parse_target(target)
+def load_factory(target: str, framework: Optional[str] = None) -> Callable:
+    where, name = parse_target(target, framework)
     try:
         if where.endswith(".py") or os.sep in where:
             path = os.path.abspath(where)
@@ -140,12 +154,13 @@ def load_factory(target: str) -> Callable:
     obj: Any = module
     for part in name.split("."):
         if not hasattr(obj, part):
+            what = {None: "loader", "trainer": "Trainer", "lightning": "LightningDataModule"}
             raise UsageError(f"{where} has no {name!r}; name the function that builds your "
-                             f"loader, e.g. {where}:make_loader")
+                             f"{what[framework]}, e.g. {where}:{_factory(framework)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{where}:{name} is not a function but a {type(obj).__name__}; it must "
-                         "be callable as make_loader(accelerator)")
+                         f"be callable as {FACTORY_CALLS[framework]}")
     return obj
 
 
@@ -264,7 +279,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     from sharddemo.trace import (check_world, make_accelerator, peak_rss_mb, placement,
                                  teardown, write_trace)
 
-    factory = load_factory(opts.target)
+    factory = load_factory(opts.target, opts.framework)
     accelerator = make_accelerator(device, opts.timeout)
     try:
         check_world(accelerator.num_processes)

@@ -107,7 +107,7 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
     from sharddemo.audit import precheck_target
 
-    precheck_target(opts.target)
+    precheck_target(opts.target, opts.framework)
     launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
                        debug=debug, timeout=opts.max_time, progress=progress)
@@ -128,7 +128,7 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
     from sharddemo.audit import precheck_target
     from sharddemo.resume import compare_resume, explain
 
-    precheck_target(opts.target)
+    precheck_target(opts.target, opts.framework)
     if keep_checkpoint:
         _check_checkpoint_dir(keep_checkpoint)
     checkpoint = keep_checkpoint or tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
