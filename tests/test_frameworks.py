@@ -231,3 +231,25 @@ def test_a_factory_that_returns_something_else_is_a_usage_error():
         trainer_loaders(None, lambda: torch.utils.data.DataLoader(range(3)), opts)
     with pytest.raises(UsageError, match="returned a int, not a LightningDataModule"):
         lightning_loaders(None, lambda: 3, opts)
+
+
+def test_a_pytorch_lightning_datamodule_gets_pytorch_lightnings_own_functions():
+    """Lightning ships twice (lightning.pytorch and pytorch_lightning); a Trainer accepts only
+    its own package's datamodules, so the adapter takes the functions of the package the
+    datamodule's class comes from."""
+    import lightning.pytorch
+    import pytorch_lightning
+
+    from sharddemo.adapters.lightning import _modules, _package
+
+    class Old(pytorch_lightning.LightningDataModule):
+        pass
+
+    class New(lightning.pytorch.LightningDataModule):
+        pass
+
+    assert _package(Old()) == "pytorch_lightning" and _package(New()) == "lightning.pytorch"
+    m = _modules("pytorch_lightning")
+    assert m["pl"] is pytorch_lightning
+    assert m["data"]._process_dataloader.__module__.startswith("pytorch_lightning.")
+    assert m["fabric_data"].__name__ == "lightning_fabric.utilities.data"
