@@ -93,14 +93,15 @@ class AuditOptions:
         return args
 
 
-# What each kind of factory is called as, for the messages: the plain audit's, --trainer's
-# and --lightning's.
-FACTORY_CALLS = {None: "make_loader(accelerator)", "trainer": "make_trainer()",
-                 "lightning": "make_datamodule()"}
+# Each kind of factory, for the messages: how it is called and what it builds (the plain
+# audit's, --trainer's and --lightning's).
+FACTORY_CALLS = {None: ("make_loader(accelerator)", "loader"),
+                 "trainer": ("make_trainer()", "Trainer"),
+                 "lightning": ("make_datamodule()", "LightningDataModule")}
 
 
 def _factory(framework: Optional[str]) -> str:
-    return FACTORY_CALLS[framework].split("(")[0]
+    return FACTORY_CALLS[framework][0].split("(")[0]
 
 
 def parse_target(target: str, framework: Optional[str] = None) -> tuple[str, str]:
@@ -154,13 +155,12 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
     obj: Any = module
     for part in name.split("."):
         if not hasattr(obj, part):
-            what = {None: "loader", "trainer": "Trainer", "lightning": "LightningDataModule"}
             raise UsageError(f"{where} has no {name!r}; name the function that builds your "
-                             f"{what[framework]}, e.g. {where}:{_factory(framework)}")
+                             f"{FACTORY_CALLS[framework][1]}, e.g. {where}:{_factory(framework)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{where}:{name} is not a function but a {type(obj).__name__}; it must "
-                         f"be callable as {FACTORY_CALLS[framework]}")
+                         f"be callable as {FACTORY_CALLS[framework][0]}")
     return obj
 
 
@@ -253,13 +253,10 @@ def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: b
     if stateful:
         # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
         accelerator.dataloader_config.use_stateful_dataloader = True
-    try:
-        with tagging_prepare(accelerator, record_indices=opts.id_field is None):
-            return factory(accelerator)
-    except (UsageError, RunFailed):
-        raise
-    except Exception as exc:
-        raise RunFailed(f"the factory {opts.target} raised {type(exc).__name__}: {exc}") from exc
+    from sharddemo.adapters import call_factory
+
+    with tagging_prepare(accelerator, record_indices=opts.id_field is None):
+        return call_factory(factory, opts.target, accelerator)
 
 
 def set_epoch(loader, epoch: int) -> None:
@@ -285,12 +282,11 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         check_world(accelerator.num_processes)
         world = accelerator.num_processes
         targets = audited_loaders(accelerator, factory, opts)
-        modes, sizes, elapsed = {}, [], {}
+        modes, elapsed = {}, {}
         for target in targets:
             start = time.perf_counter()
-            modes[target.mode], size = _walk_target(accelerator, target, opts)
+            modes[target.mode] = _walk_target(accelerator, target, opts)
             elapsed[target.mode] = round(time.perf_counter() - start, 6)
-            sizes.append(size)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
         if not accelerator.is_main_process:
@@ -307,7 +303,8 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             **first,
             "epochs": opts.epochs,
             "seed": 0,
-            "options": {"audit": asdict(opts), "drop_last": modes[targets[0].mode]["loader"]["drop_last"]},
+            "options": {"audit": asdict(opts),
+                        "drop_last": modes[targets[0].mode]["loader"]["drop_last"]},
             "placement": where,
             "fingerprint": modes[targets[0].mode]["fingerprint"],
             "modes": modes,
@@ -345,8 +342,8 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
                     else None, grad_accum=opts.grad_accum)]
 
 
-def _walk_target(accelerator, target, opts: AuditOptions) -> tuple[dict, int]:
-    """Walk one audited loader for its epochs: (its trace mode on the main rank, N)."""
+def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
+    """Walk one audited loader for its epochs: its trace mode on the main rank ({} elsewhere)."""
     from sharddemo.collect import exchange_ints
     from sharddemo.options import PROGRESS_ENV
     from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
@@ -382,7 +379,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> tuple[dict, int]:
     size = max(row[0] for row in sizes)
     batch = getattr(base_loader(loader), "batch_size", None)
     if not accelerator.is_main_process:
-        return {}, size
+        return {}
     world = accelerator.num_processes
     epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
     if batch is None:
@@ -398,7 +395,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> tuple[dict, int]:
         mode["settings"] = target.settings
     if target.grad_accum is not None:
         mode["grad_accum"] = target.grad_accum
-    return mode, size
+    return mode
 
 
 def _known_size(loader, opts: AuditOptions):

@@ -43,12 +43,13 @@ def require_extra(kind: str) -> None:
                          f"install -e '.[{extra}]')")
 
 
-def call_factory(factory: Callable, target: str) -> Any:
-    """The user's make_trainer() / make_datamodule(); what it raises is a failed run."""
+def call_factory(factory: Callable, target: str, *args: Any) -> Any:
+    """The user's factory, called with `args` (make_loader(accelerator), make_trainer(),
+    make_datamodule()); what it raises is a failed run, ours pass through."""
     from sharddemo.errors import RunFailed
 
     try:
-        return factory()
+        return factory(*args)
     except (UsageError, RunFailed):
         raise
     except Exception as exc:

@@ -97,10 +97,11 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
              "seed (PL_GLOBAL_SEED)": int(os.environ.get("PL_GLOBAL_SEED", 0))}
     fit = states.TrainerFn.FITTING
     out = []
-    hooks = (("train", "train_dataloader", trainer.fit_loop._data_source, states.RunningStage.TRAINING,
+    running = states.RunningStage
+    hooks = (("train", "train_dataloader", trainer.fit_loop._data_source, running.TRAINING,
               "max_size_cycle", opts.epochs),
              ("val", "val_dataloader", trainer.fit_loop.epoch_loop.val_loop._data_source,
-              states.RunningStage.VALIDATING, "sequential", 1))
+              running.VALIDATING, "sequential", 1))
     for role, hook, source, stage, combine, epochs in hooks:
         if not source.is_defined():
             continue
@@ -114,12 +115,13 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
             raise RunFailed(f"the datamodule's {hook}() through Lightning raised "
                             f"{type(exc).__name__}: {exc}") from exc
         for i, loader in enumerate(loaders):
+            sampler = type(getattr(loader, "sampler", None)).__name__
             mode = f"lightning:{role}" + (f":{i}" if len(loaders) > 1 else "")
             out.append(Audited(mode, loader, epochs, f"{hook}() of {opts.target} under Lightning's "
-                               "Trainer(strategy='ddp')", role="train" if role == "train" else "eval",
+                               "Trainer(strategy='ddp')", role="eval" if role == "val" else "train",
                                # the fit loop's call at the top of each epoch
                                start_epoch=partial(m["fabric_data"]._set_sampler_epoch, loader),
-                               settings={**shown, "sampler": type(getattr(loader, "sampler", None)).__name__},
+                               settings={**shown, "sampler": sampler},
                                grad_accum=opts.grad_accum if role == "train" else None))
     if not out:
         raise UsageError(f"the datamodule from {opts.target} defines neither train_dataloader "
