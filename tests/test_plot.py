@@ -115,12 +115,46 @@ def test_progress_bar_follows_the_main_ranks_lines(tmp_path):
         handle.write("sharddemo-progress replicated:epoch0 5 ? 1280 all\n")
     bar.update()
     assert bar.label == "replicated:epoch0" and bar.bar.n == 5 and bar.bar.total is None
-    assert bar.bar.postfix.startswith("1,280 samples, ")
+    assert bar.bar.postfix == "1,280 samples"  # the label's first line: no rate yet
     with open(log, "a") as handle:
         handle.write("sharddemo-progress replicated:epoch0 6 ? 1536 rank0\n")
     bar.update()
-    assert bar.bar.postfix.startswith("1,536 samples on rank 0, ")
+    assert bar.bar.postfix.startswith("1,536 samples on rank 0")
     bar.close()
+
+
+def test_a_100_column_bar_keeps_the_samples_and_their_rate(tmp_path, monkeypatch):
+    """tqdm cuts a line wider than the terminal: at 10^8 samples, B = 4096, on 100 columns the
+    line still ends with the samples' rate (tqdm's own step rate would have pushed it off)."""
+    import io
+    import time
+
+    from sharddemo.launch import ProgressBar
+
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("LINES", "20")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    log = tmp_path / "stdout.log"
+    # the main rank's first step, then 0.6 s later 50,000,000 samples: 12,000 of its 12,207
+    # steps x 4096 (10^8 / 2 ranks, rounded up)
+    log.write_text("sharddemo-progress prepared:epoch0 1 12207 4096 rank0\n")
+    bar = ProgressBar(str(log), delay=0)
+    bar.update()
+    assert bar.bar.postfix == "4,096 samples on rank 0"  # no rate yet: nothing to measure it on
+    time.sleep(0.6)
+    with open(log, "a") as handle:
+        handle.write("sharddemo-progress prepared:epoch0 12000 12207 50000000 rank0\n")
+    bar.update()
+    line = err.getvalue().split("\r")[-1].replace("\x1b[A", "")  # less tqdm's cursor-up
+    bar.close()
+    assert len(line.rstrip()) <= 100
+    assert "12000/12207" in line and "50,000,000 samples on rank 0, " in line
+    assert line.rstrip().endswith("/s]")
+    # the rate is over the time between the two lines (0.6 s and a little more), not since
+    # the bar appeared: at most (50,000,000 - 4,096) / 0.6 = 83,326,507 a second
+    rate = int(line.rsplit(", ", 1)[1].split("/s")[0].replace(",", ""))
+    assert (50_000_000 - 4_096) / 2.0 < rate <= 83_326_507
 
 
 def test_one_progress_bar_on_a_terminal():
@@ -156,7 +190,7 @@ def test_one_progress_bar_on_a_terminal():
     os.close(master)
     assert proc.returncode == 0
     frames = [f for f in data.decode("utf-8", "replace").replace("\r", "\n").splitlines()
-              if "step" in f and "/" in f]
+              if "%|" in f]
     assert frames, "no progress bar was drawn"
     assert {f.split(":")[0] + ":" + f.split(":")[1] for f in frames} == {"sampler:epoch0"}
     assert all("/31250" in f for f in frames)  # 4,000,000 / 2 ranks / 64: the main rank's steps

@@ -278,7 +278,7 @@ class ProgressBar:
         self.offset = 0
         self.bar = None
         self.label = None
-        self.started = time.monotonic()
+        self.seen, self.first = None, (0.0, 0)  # the label last read, its first (time, samples)
         self.show_after = time.monotonic() + delay
 
     def update(self) -> None:
@@ -298,28 +298,33 @@ class ProgressBar:
             return
         _, label, step, total, *rest = lines[-1].split(" ")
         samples, scope = (int(rest[0]), rest[1]) if len(rest) == 2 else (None, None)
-        if time.monotonic() < self.show_after:
+        now = time.monotonic()
+        if label != self.seen:
+            # The samples' rate is measured from the first line of this label on (the main
+            # rank writes one at its first step), not from when the bar appears.
+            self.seen, self.first = label, (now, samples or 0)
+        if now < self.show_after:
             return
-        import shutil
-
         from tqdm import tqdm
 
         if label != self.label:
             self.close()
             self.label = label
-            # A terminal that reports no size (a fresh pseudo-terminal says 0 x 0) would make
-            # tqdm hide the bar: fall back to 100 x 20.
-            size = shutil.get_terminal_size((100, 20))
-            self.bar = tqdm(total=None if total == "?" else int(total), desc=label, unit="step",
-                            leave=False, file=sys.stderr, ncols=size.columns or 100,
-                            nrows=size.lines or 20)
-            self.started = time.monotonic()
+            columns, lines = _terminal_size()
+            known = total != "?"
+            self.bar = tqdm(total=int(total) if known else None, desc=label, unit="step",
+                            leave=False, file=sys.stderr, ncols=columns, nrows=lines,
+                            bar_format=BAR_FORMAT if known else BAR_FORMAT_OPEN)
         self.bar.n = int(step)
         if samples is not None:
-            # Samples so far and their rate, beside tqdm's steps, rate and ETA.
-            rate = samples / max(time.monotonic() - self.started, 1e-9)
+            # Samples so far and their rate (once there is half a second to measure it),
+            # beside tqdm's steps and ETA.
             where = "" if scope == "all" else " on rank 0"
-            self.bar.set_postfix_str(f"{samples:,} samples{where}, {rate:,.0f}/s", refresh=False)
+            text = f"{samples:,} samples{where}"
+            since, before = self.first
+            if now - since >= 0.5 and samples > before:
+                text += f", {(samples - before) / (now - since):,.0f}/s"
+            self.bar.set_postfix_str(text, refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
@@ -328,7 +333,29 @@ class ProgressBar:
             self.bar = None
 
 
+def _terminal_size() -> tuple[int, int]:
+    """The size of the terminal the bar is drawn on (stderr; stdout may be a file): $COLUMNS
+    and $LINES first, as shutil reads them. A terminal that reports no size (a fresh
+    pseudo-terminal says 0 x 0) would make tqdm hide the bar: 100 x 20 then."""
+    import shutil
+
+    columns, lines = shutil.get_terminal_size((0, 0))
+    try:
+        own = os.get_terminal_size(sys.stderr.fileno())
+    except (AttributeError, ValueError, OSError):
+        own = os.terminal_size((0, 0))
+    if "COLUMNS" not in os.environ:
+        columns = own.columns
+    if "LINES" not in os.environ:
+        lines = own.lines
+    return columns or 100, lines or 20
+
+
 PROGRESS_PREFIX = "sharddemo-progress"
+# tqdm's bar without its step rate (the samples' rate follows), so that steps, ETA, samples
+# and their rate fit in 100 columns even at 10^8 samples (tqdm cuts a longer line).
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+BAR_FORMAT_OPEN = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
 
 # torchrun's own report of a process that ended: a negative exit code is a signal. Only used to
 # name the signal of a rank that died without leaving its status file.
