@@ -45,6 +45,27 @@ def sampled(world: int, count: int = 24) -> list:
     return out
 
 
+# Per-rank counters (how often each of 5 samples arrived) for the count path's reduce; rank r
+# uses row r. tests/test_truth_ranks.py holds the sums worked out by hand.
+COUNTS = [[0, 1, 2, 1, 0], [1, 1, 0, 3, 0], [0, 0, 1, 1, 0]]
+
+
+def reduced_codes(accelerator) -> dict:
+    """The count path's per-sample codes, laid out for 2, 16 and 256 ranks (uint8, uint16,
+    uint32), reduced onto the main process over these real ranks."""
+    import numpy as np
+
+    from sharddemo.counting import encode, reduce_to_main
+
+    out = {}
+    for layout in (2, 16, 256):
+        counts = np.array(COUNTS[accelerator.process_index], dtype=np.uint8)
+        code, _ = encode(counts, layout)
+        reduce_to_main(accelerator, code)
+        out[str(layout)] = [str(code.dtype), code.tolist()]
+    return out
+
+
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
     check_world(accelerator.num_processes)
@@ -60,10 +81,11 @@ def main(out_path: str) -> None:
             if accelerator.is_main_process:
                 results.append({"case": dataclasses.asdict(case), "gather": gather,
                                 "trace": trace})
+    codes = reduced_codes(accelerator)
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"world": world, "backend": accelerator.state.backend,
-                       "results": results}, handle)
+                       "results": results, "codes": codes}, handle)
     accelerator.end_training()
 
 

@@ -214,3 +214,21 @@ def test_count_codes_worked_by_hand():
     counts = np.array([1, 2, 0, 255], dtype=np.uint8)
     code, shift = encode(counts, 2)
     assert shift == 16 and code.tolist() == [1, 17, 0, 17] and code is counts
+    # past 255 ranks 257 x 256 would not fit uint16: uint32, shift 65536
+    code, shift = encode(np.array([1, 2, 0, 255], dtype=np.uint8), 256)
+    assert shift == 65536 and code.dtype == np.uint32 and code.tolist() == [1, 65537, 0, 65537]
+
+
+def test_counted_summary_above_255_ranks_worked_by_hand():
+    """300 ranks, N = 3: every rank got id 0 once (300); ranks 0 and 1 got id 1 twice each
+    (2 + 2 x 65536 = 131074); id 2 came nowhere (0)."""
+    import numpy as np
+
+    from sharddemo.counting import _summarise
+
+    code = np.array([300, 131074, 0], dtype=np.uint32)
+    ranks = [{"rank": r, "samples": 3 if r < 2 else 1, "repeats": [[1, 2]] if r < 2 else [],
+              "repeats_total": 1 if r < 2 else 0, "out_of_range": []} for r in range(300)]
+    cov = _summarise(0, code, 65536, ranks)["coverage"]
+    assert cov["missing"] == [2] and cov["ranks_per_sample"] == [0, 2, 300]
+    assert cov["duplicates"] == [(0, 300), (1, 4)] and cov["repeated_within_a_rank"] == 1

@@ -26,7 +26,7 @@ def truth(request, tmp_path_factory):
     data = json.loads(out.read_text())
     assert data["world"] == request.param and data["backend"] == "gloo"  # one real gloo group
     assert len(data["results"]) >= 50
-    return data["world"], data["results"]
+    return data
 
 
 def _report(result, world):
@@ -40,7 +40,7 @@ def _report(result, world):
 
 
 def test_every_case_ran_and_every_rank_received_what_the_libraries_give(truth):
-    world, results = truth
+    world, results = truth["world"], truth["results"]
     for result in results:
         case = Case(**result["case"])
         expected = all_ranks(case)
@@ -48,8 +48,23 @@ def test_every_case_ran_and_every_rank_received_what_the_libraries_give(truth):
         assert got == expected, f"{case} gather={result['gather']}"
 
 
+def test_the_count_paths_reduce_sums_every_code_width(truth):
+    """The per-sample codes of tests/rank_truth.py (COUNTS: rank 0 [0,1,2,1,0], rank 1
+    [1,1,0,3,0], rank 2 [0,0,1,1,0]) reduced on the real ranks. A code is 0, 1, or 1 + shift
+    for a sample received more than once; shift 16 (uint8), 256 (uint16) or 65536 (uint32),
+    which gloo cannot sum as such (the wider ones go as int32/int64)."""
+    world, codes = truth["world"], truth["codes"]
+    # W2: rank 0 codes [0,1,1+s,1,0] + rank 1 [1,1,0,1+s,0] = [1,2,1+s,2+s,0]; W3 adds
+    # rank 2's [0,0,1,1,0]: [1,2,2+s,3+s,0].
+    expected = {2: {"2": ["uint8", [1, 2, 17, 18, 0]], "16": ["uint16", [1, 2, 257, 258, 0]],
+                    "256": ["uint32", [1, 2, 65537, 65538, 0]]},
+                3: {"2": ["uint8", [1, 2, 18, 19, 0]], "16": ["uint16", [1, 2, 258, 259, 0]],
+                    "256": ["uint32", [1, 2, 65538, 65539, 0]]}}
+    assert codes == expected[world]
+
+
 def test_counts_follow_from_the_batches(truth):
-    world, results = truth
+    world, results = truth["world"], truth["results"]
     for result in results:
         case, report = _report(result, world)
         for e in report["epochs"]:
@@ -65,7 +80,7 @@ def test_counts_follow_from_the_batches(truth):
 def test_gather_for_metrics_per_epoch_equals_the_real_call(truth):
     """The per-batch walk calls accelerate's gather_for_metrics for real; the per-epoch walk
     reads accelerate's remainder instead. Both must give the same count and verdict."""
-    world, results = truth
+    world, results = truth["world"], truth["results"]
     by_case = {}
     for result in results:
         if result["case"]["mode"] in ("prepared", "double-split", "unseeded"):
@@ -80,7 +95,7 @@ def test_gather_for_metrics_per_epoch_equals_the_real_call(truth):
 
 
 def test_the_reproductions(truth):
-    world, results = truth
+    world, results = truth["world"], truth["results"]
     found = {}
     for result in results:
         case, report = _report(result, world)
@@ -130,7 +145,7 @@ def test_compare_reproductions_through_the_cli(args, promise):
 def test_reference_observations(truth):
     """The reference's finding, N=8, B=4: the sharded modes split each epoch (at W=2: 4 each,
     disjoint, all 8, a new order each epoch); replicated gives every rank all 8, W x 8 in all."""
-    world, results = truth
+    world, results = truth["world"], truth["results"]
     for result in results:
         case, report = _report(result, world)
         if (case.n, case.b) != (8, 4):
