@@ -40,7 +40,7 @@ def _report(result, world):
 
 
 def test_every_case_ran_and_every_rank_received_what_the_libraries_give(truth):
-    world, results = truth["world"], truth["results"]
+    results = truth["results"]
     for result in results:
         case = Case(**result["case"])
         expected = all_ranks(case)
