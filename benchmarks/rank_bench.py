@@ -40,6 +40,20 @@ def timed(accelerator, fn) -> float:
     return time.perf_counter() - start
 
 
+def timed_cpu(accelerator, fn) -> tuple[float, float]:
+    """(wall seconds on the main rank between barriers, CPU seconds of all ranks together).
+    CPU time leaves out the waits a busy 2-core machine adds to the wall time (the other
+    rank, other processes), so it is the steadier measure of what the work itself costs."""
+    accelerator.wait_for_everyone()
+    start, cpu = time.perf_counter(), time.process_time()
+    fn()
+    cpu = time.process_time() - cpu
+    accelerator.wait_for_everyone()
+    wall = time.perf_counter() - start
+    total = accelerator.gather(torch.tensor([cpu], dtype=torch.float64)).sum().item()
+    return wall, total
+
+
 def bare_epoch(accelerator, plan) -> None:
     """The loop a training script runs, with nothing recorded."""
     for batch in plan.loader:
@@ -52,17 +66,26 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
         plan = build_loader(mode, accelerator, ToyDataset(n), opts)
         bare, traced = [], []
-        run_bare = lambda: bare.append(timed(accelerator, lambda: bare_epoch(accelerator, plan)))
+        run_bare = lambda: bare.append(
+            timed_cpu(accelerator, lambda: bare_epoch(accelerator, plan)))
         run_traced = lambda: traced.append(
-            timed(accelerator, lambda: trace_epoch(accelerator, plan, 0, "auto", n)))
+            timed_cpu(accelerator, lambda: trace_epoch(accelerator, plan, 0, "auto", n)))
         run_bare()  # warm-up: first epochs pay for allocations both would pay
         run_traced()
         bare.clear(), traced.clear()
         for i in range(repeats):  # ABBA order, so drift and position hit both alike
             for fn in ((run_bare, run_traced) if i % 2 == 0 else (run_traced, run_bare)):
                 fn()
-        out[mode] = {"bare_s": statistics.median(bare), "traced_s": statistics.median(traced),
-                     "ratio": statistics.median(traced) / statistics.median(bare)}
+        wall_b, wall_t = [w for w, _ in bare], [w for w, _ in traced]
+        cpu_b, cpu_t = [c for _, c in bare], [c for _, c in traced]
+        pairs = sorted(t / b for t, b in zip(wall_t, wall_b))
+        out[mode] = {"bare_s": statistics.median(wall_b), "traced_s": statistics.median(wall_t),
+                     "ratio": statistics.median(wall_t) / statistics.median(wall_b),
+                     # the middle half of the pair-by-pair ratios: how far one pair strays
+                     "pairs_iqr": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]],
+                     "bare_cpu_s": statistics.median(cpu_b),
+                     "traced_cpu_s": statistics.median(cpu_t),
+                     "cpu_ratio": statistics.median(cpu_t) / statistics.median(cpu_b)}
     return out
 
 

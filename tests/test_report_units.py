@@ -232,3 +232,45 @@ def test_counted_summary_above_255_ranks_worked_by_hand():
     cov = _summarise(0, code, 65536, ranks)["coverage"]
     assert cov["missing"] == [2] and cov["ranks_per_sample"] == [0, 2, 300]
     assert cov["duplicates"] == [(0, 300), (1, 4)] and cov["repeated_within_a_rank"] == 1
+
+
+def _per_rank_counts():
+    from hypothesis import strategies as st
+
+    return st.integers(1, 20).flatmap(lambda world: st.integers(1, 40).flatmap(
+        lambda n: st.lists(st.lists(st.sampled_from([0, 0, 1, 1, 2, 3]), min_size=n,
+                                    max_size=n), min_size=world, max_size=world)))
+
+
+def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
+    """Property: for any per-rank counters (1-20 ranks, so every code width's layout up to
+    uint16), the codes summed as the reduce sums them and summarised give what counting the
+    copies directly gives (missing, duplicates with their copies, ranks per sample, samples
+    repeated within a rank)."""
+    import numpy as np
+    from hypothesis import given, settings
+
+    from sharddemo.counting import _summarise, encode
+
+    @settings(max_examples=300, deadline=None)
+    @given(_per_rank_counts())
+    def check(per_rank):
+        world, n = len(per_rank), len(per_rank[0])
+        codes = [encode(np.array(c, dtype=np.uint8), world) for c in per_rank]
+        shift = codes[0][1]
+        total = np.sum([c for c, _ in codes], axis=0, dtype=np.int64).astype(codes[0][0].dtype)
+        ranks = [{"rank": r, "samples": sum(c), "out_of_range": [],
+                  "repeats": [[i, k] for i, k in enumerate(c) if k > 1],
+                  "repeats_total": sum(k > 1 for k in c)} for r, c in enumerate(per_rank)]
+        cov = _summarise(0, total, shift, ranks)["coverage"]
+        copies = [sum(c[i] for c in per_rank) for i in range(n)]
+        holders = [sum(c[i] > 0 for c in per_rank) for i in range(n)]
+        assert cov["missing"] == [i for i in range(n) if copies[i] == 0]
+        assert cov["missing_count"] == len(cov["missing"])
+        assert cov["duplicates"] == [(i, copies[i]) for i in range(n) if copies[i] > 1]
+        assert cov["ranks_per_sample"] == sorted(set(holders))
+        assert cov["repeated_within_a_rank"] == sum(any(c[i] > 1 for c in per_rank)
+                                                    for i in range(n))
+        assert cov["unique"] == sum(k > 0 for k in copies)
+
+    check()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from typing import Any, Optional
 
 import numpy as np
@@ -63,15 +64,18 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     pending_ids = 0
     samples = 0
     steps = 0
+    # The current run of equal batch sizes and of batches from one worker, in locals (a
+    # batch's bookkeeping is a few additions; the runs are stored when they end).
+    size_now, size_run = -1, 0
+    worker_now, worker_batches, worker_samples = None, 0, 0
     total = safe_len(loader) if safe_len else None
     iterator = iter(loader)
+    if max_steps is not None:
+        iterator = itertools.islice(iterator, max_steps)  # takes no batch past max_steps
     # Per batch only bookkeeping; the ids are counted, hashed and checked FLUSH_IDS at a time
     # (one index_add_, one hash update, one comparison), which is what keeps the walk close
     # to the bare loop's speed.
-    while max_steps is None or steps < max_steps:
-        batch = next(iterator, _END)
-        if batch is _END:
-            break
+    for batch in iterator:
         ids, worker = read(batch)
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
@@ -79,16 +83,20 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         if ids.dtype is not torch.int64 or not ids.is_cpu:
             ids = ids.to("cpu", torch.int64)
         size = ids.shape[0]
-        if sizes and sizes[-1][0] == size:
-            sizes[-1][1] += 1
+        if size == size_now:
+            size_run += 1
         else:
-            sizes.append([size, 1])
-        entry = made.get(worker)
-        if entry is None:
-            entry = made[worker] = [0, 0]
-        entry[0] += 1
-        entry[1] += size
-        if len(head) < KEEP_BATCHES:
+            if size_run:
+                sizes.append([size_now, size_run])
+            size_now, size_run = size, 1
+        if worker == worker_now:
+            worker_batches += 1
+            worker_samples += size
+        else:
+            if worker_batches:
+                _add_made(made, worker_now, worker_batches, worker_samples)
+            worker_now, worker_batches, worker_samples = worker, 1, size
+        if steps < KEEP_BATCHES:
             head.append(ids)
         else:
             tail.append(ids)
@@ -101,6 +109,10 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         steps += 1
         if progress is not None:
             progress(steps, total, samples)
+    if size_run:
+        sizes.append([size_now, size_run])
+    if worker_batches:
+        _add_made(made, worker_now, worker_batches, worker_samples)
     state.add(pending)
     del pending
     order, ascending = state.order, state.ascending
@@ -187,6 +199,12 @@ def reduce_to_main(accelerator, code: np.ndarray) -> None:
             part.copy_(sent.to("cpu"))
 
 
+def _add_made(made: dict[int, list[int]], worker: int, batches: int, samples: int) -> None:
+    entry = made.setdefault(worker, [0, 0])
+    entry[0] += batches
+    entry[1] += samples
+
+
 def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
     """A rank's per-sample code for the sum over ranks, and its shift: 0 -> 0, 1 -> 1, more
     -> 1 + shift (see code_layout: 16 in uint8 up to 15 ranks, 256 in uint16 up to 255, else
@@ -228,8 +246,6 @@ def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: 
             return {"count": count, "exact": False}
     return {"count": count, "exact": True}
 
-
-_END = object()
 
 # Ids counted, hashed and checked at a time.
 FLUSH_IDS = 1 << 16
@@ -349,21 +365,32 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
     bits = shift.bit_length() - 1  # shift is a power of 2: bit operations, which numpy does fast
     for lo in range(0, code.size, CHUNK):
         part = code[lo:lo + CHUNK]
-        present = part & (shift - 1)
-        several = part >> bits
-        levels.update(np.flatnonzero(np.bincount(present)).tolist())
-        gone = np.flatnonzero(present == 0)
-        n_missing += int(gone.size)
-        if len(missing) < LIST_CAP:
-            missing += (gone[:LIST_CAP - len(missing)] + lo).tolist()
-        dup = np.flatnonzero((present > 1) | (several > 0))
+        top = int(part.max(initial=0))
+        if top < shift:  # nobody received any of these more than once (a sharded loader)
+            present, several = part, None
+        else:
+            present, several = part & (shift - 1), part >> bits
+        # which rank counts occur: a count per level up to 8 ranks (cheaper than a bincount)
+        if several is None and top <= 8:
+            levels.update(k for k in range(top + 1) if np.any(present == k))
+        else:
+            levels.update(np.flatnonzero(np.bincount(present)).tolist())
+        held = int(np.count_nonzero(present))
+        n_missing += int(part.size) - held
+        n_present += held
+        if held < part.size and len(missing) < LIST_CAP:
+            gone = np.flatnonzero(present == 0)[:LIST_CAP - len(missing)]
+            missing += (gone + lo).tolist()
+        if several is None and top <= 1:
+            continue  # no duplicates here
+        dup = np.flatnonzero(present > 1 if several is None else (present > 1) | (several > 0))
         n_dup += int(dup.size)
         if len(dup_ids) < LIST_CAP:
             keep = dup[:LIST_CAP - len(dup_ids)]
             dup_ids += (keep + lo).tolist()
             dup_present += present[keep].tolist()
-        n_several += int(np.count_nonzero(several))
-        n_present += int(part.size - gone.size)
+        if several is not None:
+            n_several += int(np.count_nonzero(several))
     extra = _extra_copies(ranks)
     # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
     # repeats more than LIST_CAP ids); else a lower bound, said so.
