@@ -101,6 +101,25 @@ def section_overhead(repeats: int) -> dict:
     return {**result, "target": "traced epoch <= 1.05x the bare loop", "met": worst <= 1.05}
 
 
+def section_trace_cost(repeats: int) -> dict:
+    """The walk's own cost on batches made in advance (benchmarks/trace_cost.py), set against
+    the loader's own time per batch from the overhead section (the sampler loop on 2 ranks),
+    measured in the same run just before."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        wall([sys.executable, str(ROOT / "benchmarks" / "trace_cost.py"), out,
+              "1000000", "512", str(max(31, 5 * repeats))])
+        result = json.loads(Path(out).read_text())
+    overhead = json.loads(RESULTS.read_text()).get("overhead") if RESULTS.exists() else None
+    if overhead:
+        per_rank_batches = -(-500_000 // 512)  # each of 2 ranks walks half of 10^6
+        loader = overhead["sampler"]["bare_s"] / per_rank_batches * 1e6
+        result["loader_per_batch_us"] = loader
+        result["implied"] = (loader + result["per_batch_us"]) / loader
+    return {**result, "target": "the trace's own cost <= 5% of the loader's time per batch",
+            "met": result.get("implied", 9) <= 1.05}
+
+
 def section_scale(repeats: int) -> dict:
     rows = {}
     for n in (100_000, 1_000_000, 10_000_000):
@@ -220,7 +239,8 @@ def section_gpu(repeats: int) -> dict:
             "target": "NCCL path exercised and timed on a GPU", "met": True}
 
 
-SECTIONS = {"startup": section_startup, "overhead": section_overhead, "scale": section_scale,
+SECTIONS = {"startup": section_startup, "overhead": section_overhead,
+            "trace_cost": section_trace_cost, "scale": section_scale,
             "counted": section_counted,
             "sharding": section_sharding, "gather": section_gather, "audit": section_audit,
             "gpu": section_gpu}
