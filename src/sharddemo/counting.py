@@ -14,9 +14,9 @@ training loop does and keeps, for its own batches:
   except where a loader really replicates; then capped).
 
 Then the counters become presence (received at least once: 0 or 1) and ONE reduce (sum,
-uint8, onto the main process) gives, per sample, how many ranks received it. Missing (0 ranks), coverage, overlap
-between ranks and the exact copy count of every sample (ranks holding it + the extra copies
-each rank listed) follow; the main process keeps a capped list of missing and duplicated ids
+uint8, onto the main process) gives, per sample, how many ranks received it. Missing (0
+ranks), coverage, overlap between ranks and the exact copy count of every sample (ranks
+holding it + the extra copies each rank listed) follow; the main process keeps a capped list of missing and duplicated ids
 and their totals. Memory: the counter (N bytes) on every rank, plus what the loader itself
 holds (a DistributedSampler keeps its whole index list).
 
