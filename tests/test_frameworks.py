@@ -168,11 +168,16 @@ def test_lightning_loaders_are_lightnings_distributed_samplers():
 
 
 def test_lightning_stream_and_padded_val_are_caught():
-    proc, report = audit_json("--lightning", f"{LIGHTNING}:make_stream_datamodule",
-                              "--id-field", "idx", "--epochs", "1")
-    assert proc.returncode == 1
     le = example("lightning_example")
+    # --dataset-size is the stream's N; the val set has a length of its own (7), which wins
+    proc, report = audit_json("--lightning", f"{LIGHTNING}:make_stream_datamodule",
+                              "--id-field", "idx", "--epochs", "1",
+                              "--dataset-size", str(le.N_TRAIN))
+    assert proc.returncode == 1
     train, val = report["modes"]["lightning:train"], report["modes"]["lightning:val"]
+    assert train["dataset_size"] == le.N_TRAIN
+    assert val["dataset_size"] == le.N_VAL_UNEVEN == 7
+    assert val["epochs"][0]["missing"] == []
     # an IterableDataset gets no sampler: each rank reads the whole stream, in batches of 2
     whole = [[i, i + 1] for i in range(0, le.N_TRAIN, 2)]
     assert [r["batches"] for r in train["epochs"][0]["ranks"]] == [whole] * W

@@ -399,17 +399,18 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
 
 
 def _known_size(loader, opts: AuditOptions):
-    """N where it is known before any walk: --dataset-size, else the length of the dataset
-    under any Subset; None for a stream."""
+    """N where it is known before any walk: the length of the dataset under any Subset, else
+    (a stream) --dataset-size; None for a stream without it. The dataset's own length wins: a
+    framework audit walks several loaders, and --dataset-size is meant for the stream among
+    them, not for the map-style eval set beside it."""
     from sharddemo.walk import base_loader, root_length
 
-    if opts.dataset_size is not None:
-        return opts.dataset_size
-    return root_length(getattr(base_loader(loader), "dataset", None))
+    length = root_length(getattr(base_loader(loader), "dataset", None))
+    return length if length is not None else opts.dataset_size
 
 
 def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
-    """N: --dataset-size, else the length of the dataset under any Subset, else one past the
+    """N: the length of the dataset under any Subset, else --dataset-size, else one past the
     largest id this rank saw (the ranks then agree on the largest)."""
     length = _known_size(loader, opts)
     if length is not None:

@@ -441,7 +441,8 @@ def audit_options(func: Callable) -> Callable:
                      help="Call set_epoch(epoch) on the loader's sampler each epoch, as your "
                           "training loop does (prepared loaders do it themselves)."),
         click.option("--dataset-size", type=int,
-                     help="N, for streams without a length [default: len(dataset)]."),
+                     help="N, for streams without a length; a loader whose dataset has a "
+                          "length uses that [default: len(dataset)]."),
         click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
                      help="Seconds a rank waits on a collective before the run fails."),
         click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
