@@ -1,7 +1,7 @@
 """The count path: walk an epoch of any size with about one byte per sample on each rank.
 
-From `options.COUNT_FROM` samples (auto), or with `--gather count`, no rank ships its ids anywhere. Each rank walks its loader as a
-training loop does and keeps, for its own batches:
+From `options.COUNT_FROM` samples (auto), or with `--gather count`, no rank ships its ids
+anywhere. Each rank walks its loader as a training loop does and keeps, for its own batches:
 
 - a counter over the dataset, one uint8 per sample (numpy), raised for every id received;
 - a running order hash (sha256 over the ids as int64, batch after batch, its first 16 bytes):
@@ -16,8 +16,8 @@ training loop does and keeps, for its own batches:
 Then the counters become presence (received at least once: 0 or 1) and ONE reduce (sum,
 uint8, onto the main process) gives, per sample, how many ranks received it. Missing (0
 ranks), coverage, overlap between ranks and the exact copy count of every sample (ranks
-holding it + the extra copies each rank listed) follow; the main process keeps a capped list of missing and duplicated ids
-and their totals. Memory: the counter (N bytes) on every rank, plus what the loader itself
+holding it + the extra copies each rank listed) follow; the main process keeps a capped list
+of missing and duplicated ids and their totals. Memory: the counter (N bytes) on every rank, plus what the loader itself
 holds (a DistributedSampler keeps its whole index list).
 
 Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch` is called.

@@ -354,7 +354,8 @@ def _terminal_size() -> tuple[int, int]:
 PROGRESS_PREFIX = "sharddemo-progress"
 # tqdm's bar without its step rate (the samples' rate follows), so that steps, ETA, samples
 # and their rate fit in 100 columns even at 10^8 samples (tqdm cuts a longer line).
-BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+BAR_FORMAT = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+              "[{elapsed}<{remaining}{postfix}]")
 BAR_FORMAT_OPEN = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
 
 # torchrun's own report of a process that ended: a negative exit code is a signal. Only used to
