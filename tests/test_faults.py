@@ -226,6 +226,16 @@ def test_failures_are_classified_by_what_the_ranks_say_not_by_words():
                        "process-group timeout (--timeout)")
     usage = {0: {"kind": "usage", "message": "bad"}, 1: {"kind": "usage", "message": "bad"}}
     assert explain_failure(usage, {0, 1}, "", 2, False) == ("rank 0, 1: bad", True)
+    # Every rank failed at once in a collective and none was lost: the collective's own error
+    # (gloo refusing a dtype, as the count path's 16-bit sums once did), not a lost peer.
+    said = "epoch 0: RuntimeError after 0.0 s in a collective: Invalid scalar type"
+    at_once = {r: {"kind": "peer", "message": said} for r in range(3)}
+    message, _ = explain_failure(at_once, {0, 1, 2}, "", 1, False)
+    assert message == ("every rank failed in the same collective, none before it: "
+                       f"rank 0, 1, 2: {said}")
+    # ...but with one rank silent, the others lost it
+    message, _ = explain_failure({0: at_once[0], 1: at_once[1]}, {0, 1, 2}, "", 1, False)
+    assert message == "rank 0, 1 lost the connection to a peer that failed without a message"
 
 
 def test_a_port_taken_before_the_launcher_binds_it_is_retried_once(tmp_path, monkeypatch):

@@ -479,6 +479,12 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
                           + (f" (a native library said: {native})" if native else ""))
         elif not own and not lost:
             causes.append(f"rank {rank} ended without a word")
+    if lost and not causes and started and started <= set(lost):
+        # Every rank failed in a collective and none had failed before it: no peer was lost,
+        # the collective itself failed (what it said is the cause).
+        lost_messages = [(r, failed[r]["message"]) for r in lost]
+        return ("every rank failed in the same collective, none before it: "
+                + "; ".join(_by_message(lost_messages))), False
     if lost:
         ranks = ", ".join(map(str, lost))
         causes.append(f"rank {ranks} then lost the connection to the failed rank"
