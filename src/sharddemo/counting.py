@@ -38,7 +38,8 @@ from sharddemo.report_counts import LIST_CAP
 
 # First and last batches each rank keeps in full.
 KEEP_BATCHES = 3
-# Counters are recoded and read this many samples at a time (no temporary of N elements).
+# Counters are recoded, reduced and read this many samples at a time (no temporary of N
+# elements, and a bounded copy where the code goes wider than it is or to a device).
 CHUNK = 1 << 22
 # A rank may receive one sample at most this many times in an epoch (the uint8 counter).
 MAX_COPIES = 255
@@ -161,10 +162,6 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     return record
 
 
-# Elements reduced at a time: bounds the wider copy sent where the code is wider than a byte.
-REDUCE_CHUNK = 1 << 24
-
-
 def code_layout(world: int) -> tuple[int, type]:
     """(shift, dtype) of the per-sample code for `world` ranks: the sum of `world` codes of
     0, 1 or 1 + shift must fit, with the ranks that received a sample below `shift`."""
@@ -191,8 +188,8 @@ def reduce_to_main(accelerator, code: np.ndarray) -> None:
     device = accelerator.device
     wire = _WIRE[code.dtype]
     main = accelerator.is_main_process
-    for lo in range(0, code.size, REDUCE_CHUNK):
-        part = torch.from_numpy(code[lo:lo + REDUCE_CHUNK])
+    for lo in range(0, code.size, CHUNK):
+        part = torch.from_numpy(code[lo:lo + CHUNK])
         sent = part if (wire == part.dtype and device.type == "cpu") else part.to(device, wire)
         collective(dist.reduce, sent, dst=0, op=dist.ReduceOp.SUM)
         if main and sent is not part:
