@@ -17,8 +17,8 @@ Then the counters become presence (received at least once: 0 or 1) and ONE reduc
 uint8, onto the main process) gives, per sample, how many ranks received it. Missing (0
 ranks), coverage, overlap between ranks and the exact copy count of every sample (ranks
 holding it + the extra copies each rank listed) follow; the main process keeps a capped list
-of missing and duplicated ids and their totals. Memory: the counter (N bytes) on every rank, plus what the loader itself
-holds (a DistributedSampler keeps its whole index list).
+of missing and duplicated ids and their totals. Memory: the counter (N bytes) on every rank,
+plus what the loader itself holds (a DistributedSampler keeps its whole index list).
 
 Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch` is called.
 """
