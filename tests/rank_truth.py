@@ -9,6 +9,7 @@ import dataclasses
 import json
 import random
 import sys
+from typing import Optional
 
 from oracle import Case
 
@@ -66,6 +67,24 @@ def reduced_codes(accelerator) -> dict:
     return out
 
 
+# A reader that mixes the toy sources' values (id + 1, shift 1) and HF-style id columns
+# (shift 0) batch by batch: the count path subtracts a shift a flush at a time and must flush
+# where it changes. Every rank walks these batches; tests/test_truth_ranks.py has the ids.
+MIXED = [[1, 2], {"id": [2, 3]}, [5, 1], {"id": [1]}, [3], [4]]
+
+
+def mixed_shift_walk(accelerator) -> Optional[dict]:
+    import torch
+
+    from sharddemo.sources import batch_values
+    from sharddemo.walk import walk_epoch
+
+    batches = [{"id": torch.tensor(b["id"])} if isinstance(b, dict) else torch.tensor(b)
+               for b in MIXED]
+    return walk_epoch(accelerator, batches, lambda batch, tag: batch_values(batch), epoch=0,
+                      strategy="count", n=6)
+
+
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
     check_world(accelerator.num_processes)
@@ -82,10 +101,11 @@ def main(out_path: str) -> None:
                 results.append({"case": dataclasses.asdict(case), "gather": gather,
                                 "trace": trace})
     codes = reduced_codes(accelerator)
+    mixed = mixed_shift_walk(accelerator)
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"world": world, "backend": accelerator.state.backend,
-                       "results": results, "codes": codes}, handle)
+                       "results": results, "codes": codes, "mixed": mixed}, handle)
     accelerator.end_training()
 
 

@@ -9,9 +9,11 @@ what the per-epoch path reads from accelerate's remainder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 from conftest import accelerate_launch
 from oracle import Case, all_ranks
@@ -61,6 +63,25 @@ def test_the_count_paths_reduce_sums_every_code_width(truth):
                 3: {"2": ["uint8", [1, 2, 18, 19, 0]], "16": ["uint16", [1, 2, 258, 259, 0]],
                     "256": ["uint32", [1, 2, 65538, 65539, 0]]}}
     assert codes == expected[world]
+
+
+def test_the_count_path_takes_each_readers_shift_off(truth):
+    """tests/rank_truth.py's MIXED batches on every rank, read as the built-in sources are:
+    tensors hold id + 1, {"id": ...} the ids. Worked by hand, each rank's ids are
+    [0,1] [2,3] [4,0] [1] [2] [3]: ids 0-3 twice, 4 once, 5 never."""
+    world, rec = truth["world"], truth["mixed"]
+    ids = [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    # the order hash is sha256 over the ids as int64 (not over the values), first 16 bytes
+    digest = hashlib.sha256(np.array(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+    for rank in rec["ranks"]:
+        assert rank["head"] == [[0, 1], [2, 3], [4, 0]] and rank["tail"] == [[1], [2], [3]]
+        assert rank["samples"] == 9 and rank["distinct"] == 5
+        assert rank["repeats"] == [[0, 2], [1, 2], [2, 2], [3, 2]]
+        assert rank["out_of_range_total"] == 0 and rank["order_hash"] == digest
+    cov = rec["coverage"]
+    assert cov["missing"] == [5] and cov["seen"] == 9 * world
+    assert cov["duplicates"] == [[0, 2 * world], [1, 2 * world], [2, 2 * world],
+                                 [3, 2 * world], [4, world]]
 
 
 def test_counts_follow_from_the_batches(truth):

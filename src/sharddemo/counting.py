@@ -52,7 +52,8 @@ class TooManyCopies(RuntimeError):
 def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=None,
                    max_steps: Optional[int] = None, safe_len=None) -> Optional[dict]:
     """Walk one epoch of `loader` on this rank and count it (see the module). `read(batch)`
-    -> (ids tensor, worker). Returns the counted record on the main process, None elsewhere."""
+    -> (values tensor, worker, shift): the batch's ids are values - shift, subtracted here a
+    flush at a time. Returns the counted record on the main process, None elsewhere."""
     counts = np.zeros(max(int(n), 1), dtype=np.uint8)
     counter = torch.from_numpy(counts)  # the same memory: torch's index_add_ counts fast
     ones = torch.ones(1, dtype=torch.uint8)
@@ -61,8 +62,8 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     made: dict[int, list[int]] = {}  # worker -> [batches, samples]
     head: list[torch.Tensor] = []
     tail: collections.deque = collections.deque(maxlen=KEEP_BATCHES)
-    pending: list[torch.Tensor] = []
-    pending_ids = 0
+    pending: list[torch.Tensor] = []  # values, all with the shift `shift_now`
+    pending_ids, shift_now = 0, 0
     samples = 0
     steps = 0
     # The current run of equal batch sizes and of batches from one worker, in locals (a
@@ -77,7 +78,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     # (one index_add_, one hash update, one comparison), which is what keeps the walk close
     # to the bare loop's speed.
     for batch in iterator:
-        ids, worker = read(batch)
+        ids, worker, shift = read(batch)
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
@@ -97,14 +98,17 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
             if worker_batches:
                 _add_made(made, worker_now, worker_batches, worker_samples)
             worker_now, worker_batches, worker_samples = worker, 1, size
+        if shift != shift_now:  # a reader that changes its shift: flush under the old one
+            state.add(pending, shift_now)
+            pending, pending_ids, shift_now = [], 0, shift
         if steps < KEEP_BATCHES:
-            head.append(ids)
+            head.append(ids - shift if shift else ids)
         else:
-            tail.append(ids)
+            tail.append((ids, shift))
         pending.append(ids)
         pending_ids += size
         if pending_ids >= FLUSH_IDS:
-            state.add(pending)
+            state.add(pending, shift_now)
             pending, pending_ids = [], 0
         samples += size
         steps += 1
@@ -114,12 +118,12 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         sizes.append([size_now, size_run])
     if worker_batches:
         _add_made(made, worker_now, worker_batches, worker_samples)
-    state.add(pending)
+    state.add(pending, shift_now)
     del pending
     order, ascending = state.order, state.ascending
     outside, outside_total = state.outside, state.outside_total
     head = [t.tolist() for t in head]
-    tail = [t.tolist() for t in tail]
+    tail = [(t - shift if shift else t).tolist() for t, shift in tail]
     inside_total = samples - outside_total
     distinct = int(np.count_nonzero(counts))
     # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
@@ -259,12 +263,15 @@ class _Running:
         self.outside: set[int] = set()
         self.outside_total = 0
 
-    def add(self, batches: list[torch.Tensor]) -> None:
+    def add(self, batches: list[torch.Tensor], shift: int = 0) -> None:
+        """Count `batches`, whose ids are their values - shift (one subtraction for all)."""
         if not batches:
             return
         ids = batches[0] if len(batches) == 1 else torch.cat(batches)
         if not ids.numel():
             return
+        if shift:  # a new tensor: the batches are the loader's
+            ids = ids - shift
         arr = ids.numpy()
         self.order.update(memoryview(arr))  # the same digest as hashing batch after batch
         if self.ascending:

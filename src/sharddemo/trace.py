@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
-from sharddemo.sources import batch_ids
+from sharddemo.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import (EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
                                RunOptions)
@@ -157,9 +157,10 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     return out
 
 
-def _source_ids(batch, tag) -> torch.Tensor:
-    """The built-in sources carry their ids in the batch itself."""
-    return batch_ids(batch)
+def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
+    """The built-in sources carry their ids in the batch itself: (values, shift), see
+    walk.ReadIds."""
+    return batch_values(batch)
 
 
 def peak_rss_mb(accelerator) -> list[float]:

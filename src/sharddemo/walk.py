@@ -40,18 +40,28 @@ PER_BATCH_GATHER_LIMIT = 100
 
 Progress = Callable[..., None]  # (step, total, samples, scope): see progress_reporter
 # read_ids(batch, tag) -> the batch's 0-based ids: `batch` is the loader's own batch, `tag` what
-# sharddemo attached to it (see tag_batches below; None when untagged).
-ReadIds = Callable[[Any, Optional[dict]], torch.Tensor]
+# sharddemo attached to it (see tag_batches below; None when untagged). It may instead return
+# (values, shift), the ids being values - shift (sources.batch_values: the toy sources hold
+# id + 1); the walk then subtracts where it is cheapest (the count path: once per flush).
+ReadIds = Callable[[Any, Optional[dict]], Any]
 UNKNOWN_WORKER = -2
 
 
 def _read(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int]:
+    """(the batch's 0-based ids, the worker that made it)."""
+    values, worker, shift = _read_values(read_ids, batch)
+    return (values - shift if shift else values), worker
+
+
+def _read_values(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int, int]:
+    """(values, the worker that made the batch, shift): its ids are values - shift."""
     inner, tag = unwrap(batch)
-    ids = read_ids(inner, tag)
+    got = read_ids(inner, tag)
+    values, shift = got if type(got) is tuple else (got, 0)
     worker = UNKNOWN_WORKER
     if tag is not None and len(tag["worker"]):
         worker = int(tag["worker"][0])
-    return ids, worker
+    return values, worker, shift
 
 
 @dataclass
@@ -125,7 +135,7 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     if how == "count":
         from sharddemo.counting import walk_and_count
 
-        return walk_and_count(accelerator, loader, lambda batch: _read(read_ids, batch),
+        return walk_and_count(accelerator, loader, lambda batch: _read_values(read_ids, batch),
                               epoch=epoch, n=int(n), progress=progress, max_steps=max_steps,
                               safe_len=safe_len)
     if how == "batch":
