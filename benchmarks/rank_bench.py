@@ -20,7 +20,7 @@ import torch
 from sharddemo.sources import ToyDataset
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
-from sharddemo.sources import batch_ids
+from sharddemo.sources import batch_values
 from sharddemo.trace import make_accelerator
 from sharddemo.walk import walk_epoch
 
@@ -28,7 +28,7 @@ from sharddemo.walk import walk_epoch
 def trace_epoch(accelerator, plan, epoch: int, strategy: str, n=None):
     """One traced epoch through sharddemo's public walk, as the tool runs it (`n`: the
     dataset's length, which the tool passes and the count path needs)."""
-    return walk_epoch(accelerator, plan.loader, lambda batch, tag: batch_ids(batch),
+    return walk_epoch(accelerator, plan.loader, lambda batch, tag: batch_values(batch),
                       epoch=epoch, strategy=strategy, n=n)
 
 

@@ -101,21 +101,41 @@ def section_overhead(repeats: int) -> dict:
     return {**result, "target": "traced epoch <= 1.05x the bare loop", "met": worst <= 1.05}
 
 
+def _trace_cost(tmp: str, source: str, repeats: int, copies: int = 1) -> list[dict]:
+    """benchmarks/trace_cost.py on SOURCE, `copies` processes started together."""
+    procs, outs = [], []
+    for k in range(copies):
+        outs.append(os.path.join(tmp, f"{source}{k}.json"))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "trace_cost.py"), outs[-1], source,
+             "1000000", "512", str(repeats)], stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT))
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmarks/trace_cost.py {source} failed:\n{err[-3000:]}")
+    return [json.loads(Path(out).read_text()) for out in outs]
+
+
 def section_trace_cost(repeats: int) -> dict:
-    """The walk's own cost on batches made in advance (benchmarks/trace_cost.py), set against
-    the loader's own time per batch from the overhead section (the sampler loop on 2 ranks),
-    measured in the same run just before."""
+    """The walk's own cost (benchmarks/trace_cost.py, one process): on batches made in
+    advance, set against the loader's own time per batch from the overhead section (the
+    sampler loop on 2 ranks, measured in the same run just before); and on rank 0's share of
+    the sampler loader, walked by one process alone and by two such processes at once (what
+    two ranks sharing two cores cost each other, with no collective in between)."""
+    reps = max(31, 5 * repeats)
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        wall([sys.executable, str(ROOT / "benchmarks" / "trace_cost.py"), out,
-              "1000000", "512", str(max(31, 5 * repeats))])
-        result = json.loads(Path(out).read_text())
+        result = _trace_cost(tmp, "batches", reps)[0]
+        alone = _trace_cost(tmp, "loader", reps)[0]
+        together = _trace_cost(tmp, "loader", reps, copies=2)
     overhead = json.loads(RESULTS.read_text()).get("overhead") if RESULTS.exists() else None
     if overhead:
         per_rank_batches = -(-500_000 // 512)  # each of 2 ranks walks half of 10^6
         loader = overhead["sampler"]["bare_s"] / per_rank_batches * 1e6
         result["loader_per_batch_us"] = loader
         result["implied"] = (loader + result["per_batch_us"]) / loader
+    result["loader_alone"] = alone
+    result["loader_two_at_once"] = together
     return {**result, "target": "the trace's own cost <= 5% of the loader's time per batch",
             "met": result.get("implied", 9) <= 1.05}
 
