@@ -211,6 +211,14 @@ def test_run_refuses_the_resume_mode():
     (["--dataset-size", "100000000", "--gather", "epoch", "--max-memory", "2GB"],
      "Error: --max-memory 2,048 MB is less than every id of an epoch of 100,000,000 samples "
      "(--gather epoch) needs, about 7,629 MB on rank 0"),
+    # From 16 ranks on the code reduced is uint16 (2 bytes) beside the 1-byte counter:
+    # 3 x 10^8 bytes = 286.1 MiB; above 255 ranks uint32: 5 x 10^8 bytes = 476.8 MiB.
+    (["--dataset-size", "100000000", "--num-processes", "16", "--max-memory", "200MB"],
+     "Error: --max-memory 200 MB is less than the count path's counter of 100,000,000 samples "
+     "needs, about 286 MB per rank"),
+    (["--dataset-size", "100000000", "--num-processes", "256", "--max-memory", "400MB"],
+     "Error: --max-memory 400 MB is less than the count path's counter of 100,000,000 samples "
+     "needs, about 477 MB per rank"),
     (["--max-memory", "lots"], "Error: --max-memory 'lots' is not a size"),
 ])
 def test_max_memory_refuses_before_any_rank_starts(args, message):

@@ -296,7 +296,7 @@ def _check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
     n = opts.dataset_size
     is_counted = counted(opts.gather, n)
     if is_counted:
-        need = counter_bytes(n) * (2 if (world or 0) > 15 else 1)
+        need = counter_bytes(n, world or 1)
         what, where = f"the count path's counter of {n:,} samples", "per rank"
     else:
         # Replicated modes send every rank's whole epoch: up to W x N ids.
@@ -374,7 +374,7 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @click.option("--max-memory", metavar="SIZE", default=None,
               help="Refuse to start when what sharddemo itself would hold on a rank for the ids "
                    "exceeds SIZE (e.g. 512MB, 2GB): the count path's counter, 1 byte per sample "
-                   "(2 above 15 ranks); every id as a Python int on rank 0 otherwise (about 40 "
+                   "(3 from 16 ranks on, 5 above 255: the code it reduces); every id as a Python int on rank 0 otherwise (about 40 "
                    "bytes per sample received, an estimate). The loader's own memory is not "
                    "counted.")
 def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], check: bool,

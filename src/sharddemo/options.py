@@ -63,9 +63,12 @@ def counted(gather: str, n: Optional[int]) -> bool:
     return n is not None and (gather == "count" or (gather == "auto" and n >= COUNT_FROM))
 
 
-def counter_bytes(n: int) -> int:
-    """What the count path holds per rank for an epoch of a dataset of n samples."""
-    return int(n)
+def counter_bytes(n: int, world: int = 1) -> int:
+    """What the count path holds per rank for an epoch of a dataset of n samples: its uint8
+    counter, and from 16 ranks on the per-sample code it reduces, uint16 up to 255 ranks and
+    uint32 beyond (counting.code_layout; up to 15 ranks the counter is its own code)."""
+    code = 0 if world <= 15 else 2 if world <= 255 else 4
+    return int(n) * (1 + code)
 
 # Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
