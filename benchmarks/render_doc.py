@@ -20,6 +20,28 @@ def _loader_cells(tc: dict) -> str:
             f"({extra} us a batch)")
 
 
+def _where_the_cost_goes(results: dict) -> str:
+    """The overhead note's reading of the trace_cost row, from its figures."""
+    tc = results.get("trace_cost") or {}
+    alone, together = tc.get("loader_alone"), tc.get("loader_two_at_once")
+    if not alone or not together:
+        return ""
+    two = " and ".join(f"{t['per_batch_us']:.1f}" for t in together)
+    return (f" Where the cost goes is in the next row: the walk costs {tc['per_batch_us']:.1f} "
+            f"us a batch on batches made in advance, {alone['per_batch_us']:.1f} us on rank 0's "
+            f"share of the real sampler loader walked by one process alone, and {two} us when "
+            "two such processes walk at once (no collective in either). So both add to the "
+            "walk's own cost: the real loader (most likely its own work between two batches "
+            "leaves the walk's code and data out of the cache; this machine has no hardware "
+            "counters to show it) and two processes sharing two cores. The sampler loop is the "
+            "cheapest loader here (under 0.6 us a sample), so its ratio is the highest; a "
+            "loader that does real work per sample (decoding, tokenising) makes the same cost "
+            "a smaller fraction. Per 65,536 ids a flush makes one concatenation, one "
+            "subtraction (the toy values' shift), one xxh3-128 update (9 us; sha256, used "
+            "before, took 300), a range check and one `index_add_` (about 150 us, the largest "
+            "part).")
+
+
 def _met(data: dict) -> str:
     if data.get("met") is None:
         return "not measured"
@@ -80,27 +102,14 @@ def render_doc(results: dict) -> str:
                      "ranks; wall time on the main rank between barriers, and the CPU time of "
                      "both ranks (which leaves out the waits other processes cause). Per batch "
                      "the count path does a few additions (its size, its worker, a reference "
-                     "kept); the ids are counted with one `index_add_`, hashed (sha256) and "
+                     "kept); the ids are counted with one `index_add_`, hashed (xxh3-128) and "
                      "checked 65,536 at a time; after the epoch one small exchange, one ragged "
                      "gather and one reduce of 1 byte per sample onto the main process finish "
                      "it.")
         if not o["met"]:
             notes.append("  Not met for every loader. Wall-time ratios move by 10-20% from pair "
                          "to pair on this machine (the middle half above), so the CPU time of "
-                         "both ranks is the steadier figure. Where the cost goes is in the next "
-                         "row: the walk costs about 7 us a batch on batches made in advance, "
-                         "and 16-21 us a batch on rank 0's share of the real sampler loader, "
-                         "whether one process walks it alone or two walk at once, so the gap is "
-                         "neither the collectives nor two ranks sharing two cores; it comes "
-                         "with the loader (most likely the loader's own work between two "
-                         "batches leaving the walk's code and data out of the cache). The "
-                         "sampler loop is the cheapest loader here (under 0.6 us a sample), so "
-                         "its ratio is the highest; a loader that does real work per sample "
-                         "(decoding, tokenising) makes the same cost a smaller fraction. Per "
-                         "65,536 ids a flush costs about 0.6 ms: sha256 about 300 us, "
-                         "`index_add_` 150 us, the concatenation, the shift and the range check "
-                         "the rest. A cheaper order hash (a multiply-sum over the ids in numpy "
-                         "takes 36 us) is the next candidate, not taken: it is a weaker hash.")
+                         "both ranks is the steadier figure." + _where_the_cost_goes(results))
     tc = results.get("trace_cost")
     if tc:
         out.append(f"| trace cost per batch of 512, 1 process, N = 10^6 | batches made in "
