@@ -84,7 +84,9 @@ def render_doc(results: dict) -> str:
                      "with `ast`), three modes x two epochs on the ranks, and the report. "
                      "Most of the difference is accelerate's own: `prepare_data_loader` imports "
                      "`datasets` (with pandas and pyarrow) on every rank when it is installed, "
-                     "about 0.95 s here (cProfile of a rank); `benchmarks/floor_prepared.py` "
+                     "about 0.65 s of each rank's CPU here (`python -X importtime`; more than "
+                     "1 s under cProfile), with more than one process only (the import sits "
+                     "in the branch that shards); `benchmarks/floor_prepared.py` "
                      "is the floor plus exactly that (prepare a shuffled loader of 8, walk two "
                      "epochs), the floor of any script that shows a prepared loader.")
     o = results.get("overhead")
