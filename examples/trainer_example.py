@@ -6,6 +6,7 @@ own get_train_dataloader() and get_eval_dataloader() on every rank; nothing is t
     sharddemo audit --trainer examples/trainer_example.py:make_trainer
     sharddemo audit --trainer examples/trainer_example.py:make_trainer_double_split   # the mistake
     sharddemo audit --trainer examples/trainer_example.py:make_trainer_drop_last      # eval loses samples
+    sharddemo audit --trainer examples/trainer_example.py:make_trainer_two_evals      # a dict of eval sets
 
 make_trainer: correct; train is sharded and reshuffled each epoch, eval is padded by
 accelerate and gather_for_metrics drops the padding (the eval metrics count each sample once).
@@ -17,6 +18,9 @@ deals its half round-robin once more and some samples are never trained on
 
 make_trainer_drop_last: dataloader_drop_last=True applies to eval too: the last incomplete
 round of the eval set is never evaluated.
+
+make_trainer_two_evals: eval_dataset is a dict of two eval sets (4 and 7 samples); the Trainer
+evaluates each with its own loader, and the report has a mode for each.
 """
 
 import tempfile
@@ -74,6 +78,13 @@ def make_trainer(**overrides):
 
 def make_trainer_drop_last():
     return make_trainer(dataloader_drop_last=True)
+
+
+def make_trainer_two_evals():
+    from transformers import Trainer
+
+    return Trainer(model=TinyModel(), args=_arguments(), train_dataset=Numbers(N_TRAIN),
+                   eval_dataset={"short": Numbers(4), "long": Numbers(N_EVAL)})
 
 
 def make_trainer_double_split():

@@ -139,6 +139,35 @@ def test_trainer_drop_last_hides_eval_samples(monkeypatch, fresh_accelerate_stat
         failed[0]["detail"]
 
 
+def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_state):
+    """eval_dataset={"short": 4 samples, "long": 7}: one mode per entry, each what the
+    Trainer's own get_eval_dataloader(name) gives each rank (dealt by accelerate's own
+    prepare_data_loader for that rank)."""
+    import accelerate.accelerator as acc_module
+    from accelerate.data_loader import prepare_data_loader as real
+
+    proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_two_evals", "--epochs", "1")
+    assert proc.returncode == 0, report["broken_promises"]
+    assert set(report["modes"]) == {"trainer:train", "trainer:eval:short", "trainer:eval:long"}
+    te = example("trainer_example")
+    for name, size in (("short", 4), ("long", te.N_EVAL)):
+        expected = []
+        for rank in range(W):
+            monkeypatch.setattr(acc_module, "prepare_data_loader", lambda *a, rank=rank, **k:
+                                real(*a, **{**k, "num_processes": W, "process_index": rank}))
+            loader = te.make_trainer_two_evals().get_eval_dataloader(name)
+            expected.append([b["idx"].tolist() for b in loader])
+        mode = report["modes"][f"trainer:eval:{name}"]
+        assert [r["batches"] for r in mode["epochs"][0]["ranks"]] == expected
+        assert mode["dataset_size"] == size
+        # 4 on 2 ranks of batch 2: one round, nothing filled; 7: two rounds of 4, one id is
+        # accelerate's even-batches fill, which gather_for_metrics drops (worked by hand)
+        e0 = mode["epochs"][0]
+        assert e0["gathered_count"] == (4 if size == 4 else 8)
+        assert e0["gathered_for_metrics_count"] == size and e0["gather_for_metrics_exact"]
+        assert {v["verdict"]: v["ok"] for v in mode["verdicts"]}["eval-counts-each-sample-once"]
+
+
 def lightning_batches(dataset_size, rank, shuffle, epoch, batch=2):
     """torch's DistributedSampler as Lightning builds it for DDP (num_replicas, rank, shuffle
     for train only, seed PL_GLOBAL_SEED = 0 here), batched as the user's DataLoader batches."""
