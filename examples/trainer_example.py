@@ -7,6 +7,7 @@ own get_train_dataloader() and get_eval_dataloader() on every rank; nothing is t
     sharddemo audit --trainer examples/trainer_example.py:make_trainer_double_split   # the mistake
     sharddemo audit --trainer examples/trainer_example.py:make_trainer_drop_last      # eval loses samples
     sharddemo audit --trainer examples/trainer_example.py:make_trainer_two_evals      # a dict of eval sets
+    sharddemo audit --trainer examples/trainer_example.py:make_trainer_batch_rebalance  # rank-aware sampler
 
 make_trainer: correct; train is sharded and reshuffled each epoch, eval is padded by
 accelerate and gather_for_metrics drops the padding (the eval metrics count each sample once).
@@ -21,6 +22,11 @@ round of the eval set is never evaluated.
 
 make_trainer_two_evals: eval_dataset is a dict of two eval sets (4 and 7 samples); the Trainer
 evaluates each with its own loader, and the report has a mode for each.
+
+make_trainer_batch_rebalance: train_sampling_strategy="batch_rebalance" (transformers 5): the
+Trainer's BatchRebalanceSampler deals each rank its own micro-batches, of sizes that vary with
+the samples' lengths (a `length` column), and the Trainer keeps accelerate from sharding them
+again.
 """
 
 import tempfile
@@ -78,6 +84,24 @@ def make_trainer(**overrides):
 
 def make_trainer_drop_last():
     return make_trainer(dataloader_drop_last=True)
+
+
+# Token lengths for make_trainer_batch_rebalance: what its sampler balances across the ranks.
+LENGTHS = [5, 40, 12, 33, 8, 21, 50, 3, 17, 26, 9, 44]
+
+
+def make_trainer_batch_rebalance():
+    from datasets import Dataset as HFDataset
+    from transformers import Trainer
+
+    n = len(LENGTHS)
+    train = HFDataset.from_dict({"x": [[float(i), float(i)] for i in range(n)],
+                                 "labels": [i % 2 for i in range(n)], "idx": list(range(n)),
+                                 "length": LENGTHS}).with_format("torch")
+    # remove_unused_columns=False keeps `length`, which the sampler reads (nothing is trained)
+    return Trainer(model=TinyModel(), args=_arguments(train_sampling_strategy="batch_rebalance",
+                                                       remove_unused_columns=False),
+                   train_dataset=train)
 
 
 def make_trainer_two_evals():

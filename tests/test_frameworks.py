@@ -168,6 +168,36 @@ def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_st
         assert {v["verdict"]: v["ok"] for v in mode["verdicts"]}["eval-counts-each-sample-once"]
 
 
+def test_trainer_batch_rebalance_is_dealt_as_its_own_sampler_deals_it():
+    """train_sampling_strategy="batch_rebalance" (transformers 5): the Trainer's
+    BatchRebalanceSampler is rank-aware and the Trainer turns accelerate's re-sharding off.
+    Expected: transformers' own BatchRebalanceSampler for each rank, built as
+    Trainer._get_train_sampler builds it, epoch by epoch as Trainer._run_epoch sets it."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_batch_rebalance",
+                              "--epochs", "2")
+    assert proc.returncode == 0, report["broken_promises"]
+    te = example("trainer_example")
+    train = report["modes"]["trainer:train"]
+    for epoch in range(2):
+        expected = []
+        for rank in range(W):
+            # effective batch: per-device batch 2 x gradient_accumulation_steps 2 x 2 ranks
+            sampler = BatchRebalanceSampler(lengths=te.LENGTHS, effective_batch_size=8,
+                                            dp_size=W, grad_accum=2, rank=rank,
+                                            drop_last=False)
+            sampler.set_epoch(epoch)
+            expected.append([[int(i) for i in b] for b in sampler])
+        e = train["epochs"][epoch]
+        assert [r["batches"] for r in e["ranks"]] == expected
+        # every sample once over the ranks, in micro-batches whose sizes differ between ranks
+        assert sorted(i for r in expected for b in r for i in b) == list(range(len(te.LENGTHS)))
+        assert e["missing_count"] == 0 and e["duplicate_count"] == 0
+        ragged = [k for k, (a, b) in enumerate(zip(*expected)) if len(a) != len(b)]
+        assert ragged and e["ragged_steps"] == ragged
+
+
 def lightning_batches(dataset_size, rank, shuffle, epoch, batch=2):
     """torch's DistributedSampler as Lightning builds it for DDP (num_replicas, rank, shuffle
     for train only, seed PL_GLOBAL_SEED = 0 here), batched as the user's DataLoader batches."""
