@@ -35,6 +35,7 @@ import torch
 import xxhash
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
+from sharddemo.options import code_width
 from sharddemo.report_counts import LIST_CAP
 
 # First and last batches each rank keeps in full.
@@ -168,13 +169,9 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
 
 
 def code_layout(world: int) -> tuple[int, type]:
-    """(shift, dtype) of the per-sample code for `world` ranks: the sum of `world` codes of
-    0, 1 or 1 + shift must fit, with the ranks that received a sample below `shift`."""
-    if world <= 15:
-        return 16, np.uint8
-    if world <= 255:
-        return 256, np.uint16
-    return 65536, np.uint32
+    """(shift, numpy dtype) of the per-sample code for `world` ranks (options.code_width)."""
+    shift, width = code_width(world)
+    return shift, {1: np.uint8, 2: np.uint16, 4: np.uint32}[width]
 
 
 # What the code is reduced as: gloo and NCCL sum uint8 but no 16- or 32-bit unsigned integers

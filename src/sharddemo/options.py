@@ -63,12 +63,24 @@ def counted(gather: str, n: Optional[int]) -> bool:
     return n is not None and (gather == "count" or (gather == "auto" and n >= COUNT_FROM))
 
 
+def code_width(world: int) -> tuple[int, int]:
+    """(shift, bytes) of the count path's per-sample code for `world` ranks: a code is 0, 1 or
+    1 + shift, and the sum of `world` codes must fit, with the ranks that received a sample
+    below `shift`: 16 in one byte up to 15 ranks, 256 in two up to 255, else 65536 in four.
+    (counting.code_layout gives the numpy dtype; here no numpy, for the CLI's own checks.)"""
+    if world <= 15:
+        return 16, 1
+    if world <= 255:
+        return 256, 2
+    return 65536, 4
+
+
 def counter_bytes(n: int, world: int = 1) -> int:
     """What the count path holds per rank for an epoch of a dataset of n samples: its uint8
-    counter, and from 16 ranks on the per-sample code it reduces, uint16 up to 255 ranks and
-    uint32 beyond (counting.code_layout; up to 15 ranks the counter is its own code)."""
-    code = 0 if world <= 15 else 2 if world <= 255 else 4
-    return int(n) * (1 + code)
+    counter and, where the code is wider than a byte, the code beside it (up to 15 ranks the
+    counter is its own code)."""
+    width = code_width(world)[1]
+    return int(n) * (1 + (width if width > 1 else 0))
 
 # Set by `sharddemo compare` for the ranks it launches: the world size it asked for.
 EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
