@@ -14,12 +14,14 @@ anywhere. Each rank walks its loader as a training loop does and keeps, for its 
 - the ids it received more than once, with counts, and ids outside the dataset (both few,
   except where a loader really replicates; then capped).
 
-Then the counters become presence (received at least once: 0 or 1) and ONE reduce (sum,
-uint8, onto the main process) gives, per sample, how many ranks received it. Missing (0
-ranks), coverage, overlap between ranks and the exact copy count of every sample (ranks
-holding it + the extra copies each rank listed) follow; the main process keeps a capped list
-of missing and duplicated ids and their totals. Memory: the counter (N bytes) on every rank,
-plus what the loader itself holds (a DistributedSampler keeps its whole index list).
+Then each counter becomes a code per sample (0, 1, or 1 + shift when received more than
+once; see encode) and ONE reduce (sum, onto the main process) gives, per sample, how many
+ranks received it and how many received it more than once. Missing (0 ranks), coverage,
+overlap between ranks and the exact copy count of every sample (ranks holding it + the extra
+copies each rank listed) follow; the main process keeps a capped list of missing and
+duplicated ids and their totals. Memory: the counter (N bytes) on every rank, and from 16
+ranks on the wider code beside it (options.counter_bytes), plus what the loader itself holds
+(a DistributedSampler keeps its whole index list).
 
 Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch` is called.
 """
