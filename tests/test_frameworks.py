@@ -56,11 +56,9 @@ def fresh_accelerate_state():
     PartialState._reset_state()
 
 
-def trainer_batches_for_rank(make_trainer, rank, epochs, monkeypatch):
-    """What rank `rank` of W receives from the Trainer's own loaders: the Trainer built here,
-    its DataLoaders dealt by accelerate's own prepare_data_loader for that rank (every other
-    argument is the Trainer's Accelerator's own), each train epoch started as Trainer._run_epoch
-    starts it (transformers 5: set_epoch on the loader and on the batch sampler it wraps)."""
+def trainer_for_rank(make_trainer, rank, monkeypatch):
+    """The Trainer built here, its DataLoaders dealt by accelerate's own prepare_data_loader
+    for rank `rank` of W (every other argument is the Trainer's Accelerator's own)."""
     import accelerate.accelerator as acc_module
     from accelerate.data_loader import prepare_data_loader as real
 
@@ -69,7 +67,14 @@ def trainer_batches_for_rank(make_trainer, rank, epochs, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(acc_module, "prepare_data_loader", for_rank)
-    trainer = make_trainer()
+    return make_trainer()
+
+
+def trainer_batches_for_rank(make_trainer, rank, epochs, monkeypatch):
+    """What rank `rank` of W receives from the Trainer's own loaders (trainer_for_rank), each
+    train epoch started as Trainer._run_epoch starts it (transformers 5: set_epoch on the
+    loader and on the batch sampler it wraps)."""
+    trainer = trainer_for_rank(make_trainer, rank, monkeypatch)
     train = trainer.get_train_dataloader()
     out = []
     for epoch in range(epochs):
@@ -143,9 +148,6 @@ def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_st
     """eval_dataset={"short": 4 samples, "long": 7}: one mode per entry, each what the
     Trainer's own get_eval_dataloader(name) gives each rank (dealt by accelerate's own
     prepare_data_loader for that rank)."""
-    import accelerate.accelerator as acc_module
-    from accelerate.data_loader import prepare_data_loader as real
-
     proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_two_evals", "--epochs", "1")
     assert proc.returncode == 0, report["broken_promises"]
     assert set(report["modes"]) == {"trainer:train", "trainer:eval:short", "trainer:eval:long"}
@@ -153,10 +155,8 @@ def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_st
     for name, size in (("short", 4), ("long", te.N_EVAL)):
         expected = []
         for rank in range(W):
-            monkeypatch.setattr(acc_module, "prepare_data_loader", lambda *a, rank=rank, **k:
-                                real(*a, **{**k, "num_processes": W, "process_index": rank}))
-            loader = te.make_trainer_two_evals().get_eval_dataloader(name)
-            expected.append([b["idx"].tolist() for b in loader])
+            trainer = trainer_for_rank(te.make_trainer_two_evals, rank, monkeypatch)
+            expected.append([b["idx"].tolist() for b in trainer.get_eval_dataloader(name)])
         mode = report["modes"][f"trainer:eval:{name}"]
         assert [r["batches"] for r in mode["epochs"][0]["ranks"]] == expected
         assert mode["dataset_size"] == size
