@@ -152,6 +152,16 @@ def unseeded_40(accelerator):
                                           shuffle=True))
 
 
+def split_batches_40(accelerator):
+    """Prepared with split_batches: each batch of 8 is sliced across the ranks."""
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(DataLoader(TensorDataset(torch.arange(40)), batch_size=8),
+                               num_processes=accelerator.num_processes,
+                               process_index=accelerator.process_index, split_batches=True,
+                               put_on_device=False)
+
+
 def plain_40(accelerator):
     """Not prepared, no state_dict: nothing the stateful strategy could restore."""
     return DataLoader(TensorDataset(torch.arange(40)), batch_size=4)

@@ -72,6 +72,15 @@ def test_recorded_indices_with_workers_are_the_samplers(tmp_path):
             ref.set_epoch(e["epoch"])
             ids = list(ref)
             assert r["batches"] == [ids[i:i + 4] for i in range(0, len(ids), 4)]
+    # An audit takes no seed of its own: the header shows the sampler's (torch's own object).
+    from sharddemo.render import render
+
+    seed = DistributedSampler(range(60), num_replicas=2, rank=0, seed=3).seed
+    assert report["fingerprint"]["seed"] == seed
+    head = render(report, "table").splitlines()[0]
+    assert head.endswith(f"| sampler seed {seed}")
+    # the loader's own batch size (DataLoader(batch_size=4)), not a largest batch seen
+    assert report["batch_size_seen"] is False and "| per-rank batch 4 |" in head
 
 
 @pytest.mark.parametrize("target,field", [("hf_with_id_field", "sample_id"), ("tuple_ids", "0")])
@@ -144,3 +153,29 @@ def test_testing_api_takes_a_function():
     verdicts = report["modes"]["audit"]["verdicts"]
     assert report["world_size"] == 2 and verdicts
     assert all(v["ok"] for v in verdicts if v["verdict"] == "every-rank-sees-everything")
+
+
+@pytest.mark.parametrize("how", ["audit", "compare"])
+def test_the_header_states_the_per_rank_and_global_batch_of_split_batches(how):
+    """With split_batches the batch as given (8 here) is sliced across the ranks: the header's
+    per-rank batch is what accelerate's own prepared loader yields to a rank, and the global
+    batch that times the ranks."""
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from sharddemo.render import render
+
+    ref = prepare_data_loader(DataLoader(list(range(40)), batch_size=8), num_processes=2,
+                              process_index=0, split_batches=True, put_on_device=False)
+    per_rank = len(next(iter(ref)))
+    if how == "audit":
+        proc = audit(f"{FACTORIES}:split_batches_40")
+        assert proc.returncode == 0, proc.stderr
+    else:
+        proc = sharddemo(["compare", "--modes", "prepared", "--split-batches", "--batch-size",
+                          "8", "--dataset-size", "40", "--num-processes", "2", "--format",
+                          "json"])
+    report = json.loads(proc.stdout)
+    assert report["global_batch"] == per_rank * 2
+    head = render(report, "table").splitlines()[0]
+    assert f"| per-rank batch {per_rank} | global batch {per_rank * 2} |" in head

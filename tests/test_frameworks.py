@@ -180,6 +180,7 @@ def test_trainer_batch_rebalance_is_dealt_as_its_own_sampler_deals_it():
     assert proc.returncode == 0, report["broken_promises"]
     te = example("trainer_example")
     train = report["modes"]["trainer:train"]
+    dealt = []
     for epoch in range(2):
         expected = []
         for rank in range(W):
@@ -196,6 +197,13 @@ def test_trainer_batch_rebalance_is_dealt_as_its_own_sampler_deals_it():
         assert e["missing_count"] == 0 and e["duplicate_count"] == 0
         ragged = [k for k, (a, b) in enumerate(zip(*expected)) if len(a) != len(b)]
         assert ragged and e["ragged_steps"] == ragged
+        dealt += [b for r in expected for b in r]
+    # The loader has no batch size of its own: the header's is the largest micro-batch dealt.
+    from sharddemo.render import render
+
+    largest = max(len(b) for b in dealt)
+    assert report["batch_size_seen"] is True and report["batch_size"] == largest
+    assert f"| per-rank batch up to {largest} |" in render(report, "table").splitlines()[0]
 
 
 def lightning_batches(dataset_size, rank, shuffle, epoch, batch=2):

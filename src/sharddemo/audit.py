@@ -377,20 +377,26 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
     sizes = exchange_ints(accelerator, [size])
     size = max(row[0] for row in sizes)
-    batch = getattr(base_loader(loader), "batch_size", None)
+    # The loader's batch size: its own, else its batch sampler's (accelerate's BatchSamplerShard
+    # keeps the batch it splits), as the fingerprint reads it.
+    base = base_loader(loader)
+    batch = (getattr(base, "batch_size", None)
+             or getattr(getattr(base, "batch_sampler", None), "batch_size", None))
     if not accelerator.is_main_process:
         return {}
     world = accelerator.num_processes
     epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
-    if batch is None:
-        batch = max((len(b) for e in epochs for r in e["ranks"]
-                     for b in r.get("batches", r.get("head", []))), default=1)
-    split = bool(description.get("split_batches"))
-    per_rank = max(1, batch // world) if split else batch
+    seen = batch is None  # no batch size to read (a batch sampler of its own): the largest
+    if seen:              # batch a rank received, which is per rank already
+        batch = per_rank = max((len(b) for e in epochs for r in e["ranks"]
+                                for b in r.get("batches", r.get("head", []))), default=1)
+    else:
+        split = bool(description.get("split_batches"))
+        per_rank = max(1, batch // world) if split else batch
     mode = {"description": target.description, "prepared": prepared, "loader": description,
             "fingerprint": agreed, "epochs": epochs, "role": target.role,
             "sizes": {"dataset_size": size, "batch_size": batch,
-                      "global_batch": per_rank * world}}
+                      "global_batch": per_rank * world, "batch_size_seen": seen}}
     if target.settings:
         mode["settings"] = target.settings
     if target.grad_accum is not None:

@@ -48,11 +48,19 @@ def _command(report: dict) -> str:
 
 
 def header(report: dict) -> list[str]:
+    # batch_size is the batch as given, which with split_batches accelerate slices over the ranks
+    per_rank = report["global_batch"] // max(report["world_size"], 1)
+    if _command(report) == "audit":
+        # an audit takes no seed: the loader's own, where its sampler has one to read
+        seed = (report.get("fingerprint") or {}).get("seed")
+        seeded = f"sampler seed {'unknown' if seed is None else seed}"
+    else:
+        seeded = f"seed {report['seed']}"
     return [
         f"world size {report['world_size']} ({report.get('distributed_type')}, backend "
         f"{report['backend']}) | dataset {report['dataset_size']} | per-rank batch "
-        f"{report['batch_size']} | global batch {report['global_batch']} | "
-        f"{report['epochs']} epoch(s) | seed {report['seed']}",
+        f"{'up to ' if report.get('batch_size_seen') else ''}{per_rank} | global batch {report['global_batch']} | "
+        f"{report['epochs']} epoch(s) | {seeded}",
     ]
 
 
