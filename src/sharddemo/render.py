@@ -50,6 +50,7 @@ def _command(report: dict) -> str:
 def header(report: dict) -> list[str]:
     # batch_size is the batch as given, which with split_batches accelerate slices over the ranks
     per_rank = report["global_batch"] // max(report["world_size"], 1)
+    up_to = "up to " if report.get("batch_size_seen") else ""  # the largest batch seen
     if _command(report) == "audit":
         # an audit takes no seed: the loader's own, where its sampler has one to read
         seed = (report.get("fingerprint") or {}).get("seed")
@@ -59,8 +60,8 @@ def header(report: dict) -> list[str]:
     return [
         f"world size {report['world_size']} ({report.get('distributed_type')}, backend "
         f"{report['backend']}) | dataset {report['dataset_size']} | per-rank batch "
-        f"{'up to ' if report.get('batch_size_seen') else ''}{per_rank} | global batch {report['global_batch']} | "
-        f"{report['epochs']} epoch(s) | {seeded}",
+        f"{up_to}{per_rank} | global batch {report['global_batch']} | {report['epochs']} "
+        f"epoch(s) | {seeded}",
     ]
 
 
@@ -88,8 +89,8 @@ def _epoch_summary(e: dict) -> list[str]:
         lines.append("why duplicated: " + "; ".join(e["reasons"][c] for c in codes)
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
     if e["gather"] == "count":
-        g = (f"counted on the ranks, per-sample counts summed on the main process: {e['gathered_count']} "
-             "received in all")
+        g = (f"counted on the ranks, per-sample counts summed on the main process: "
+             f"{e['gathered_count']} received in all")
     else:
         how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
         g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
