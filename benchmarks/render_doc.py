@@ -106,8 +106,8 @@ def render_doc(results: dict) -> str:
                      "the count path does a few additions (its size, its worker, a reference "
                      "kept); the ids are counted with one `index_add_`, hashed (xxh3-128) and "
                      "checked 65,536 at a time; after the epoch one small exchange, one ragged "
-                     "gather and one gather of 1 bit per sample onto the main process (a reduce "
-                     "of 1 byte per sample where some rank received a sample twice) finish it.")
+                     "gather and one reduce of 1 byte per sample onto the main process finish "
+                     "it.")
         if not o["met"]:
             notes.append("  Not met for every loader. Wall-time ratios move by 10-20% from pair "
                          "to pair on this machine (the middle half above), so the CPU time of "

@@ -67,29 +67,6 @@ def reduced_codes(accelerator) -> dict:
     return out
 
 
-# Per-rank 0/1 counters over 21 samples (the samples each rank received, rank r uses row r) for
-# the count path's gather of one bit per sample; tests/test_truth_ranks.py holds the sums.
-BITS = [{0, 3, 8, 15, 16, 20}, {0, 1, 9, 15, 17, 20}, {0, 2, 10, 16, 20}]
-
-
-def gathered_bits(accelerator) -> Optional[list]:
-    """BITS gathered onto the main process as the count path does for 0/1 counters, with its
-    chunk set to 16 samples (two bytes of bits), so that 21 samples take two gathers and the
-    last one ends inside a byte."""
-    import numpy as np
-
-    from sharddemo import counting
-
-    counts = np.zeros(21, dtype=np.uint8)
-    counts[sorted(BITS[accelerator.process_index])] = 1
-    saved, counting.CHUNK = counting.CHUNK, 16
-    try:
-        sums = counting.gather_bits_to_main(accelerator, counts)
-    finally:
-        counting.CHUNK = saved
-    return None if sums is None else sums.tolist()
-
-
 # A reader that mixes the toy sources' values (id + 1, shift 1) and HF-style id columns
 # (shift 0) batch by batch: the count path subtracts a shift a flush at a time and must flush
 # where it changes. Every rank walks these batches; tests/test_truth_ranks.py has the ids.
@@ -125,12 +102,10 @@ def main(out_path: str) -> None:
                                 "trace": trace})
     codes = reduced_codes(accelerator)
     mixed = mixed_shift_walk(accelerator)
-    bits = gathered_bits(accelerator)
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"world": world, "backend": accelerator.state.backend,
-                       "results": results, "codes": codes, "mixed": mixed,
-                       "bits": bits}, handle)
+                       "results": results, "codes": codes, "mixed": mixed}, handle)
     accelerator.end_training()
 
 

@@ -219,25 +219,6 @@ def test_count_codes_worked_by_hand():
     assert shift == 65536 and code.dtype == np.uint32 and code.tolist() == [1, 65537, 0, 65537]
 
 
-def test_bits_stand_in_for_the_reduce_only_where_they_carry_the_same_sums():
-    """One bit per sample holds a 0/1 counter, so only where every rank received no sample
-    twice; up to 8 ranks (8 x N/8 bytes = the reduce's N); only on the CPU (NCCL reduces on
-    the device)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from sharddemo.counting import bits_suffice
-
-    cpu = SimpleNamespace(device=torch.device("cpu"))
-    gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert bits_suffice(cpu, [True, True])
-    assert bits_suffice(cpu, [True] * 8)
-    assert not bits_suffice(cpu, [True] * 9)
-    assert not bits_suffice(cpu, [True, False, True])
-    assert not bits_suffice(gpu, [True, True])
-
-
 def test_counted_summary_above_255_ranks_worked_by_hand():
     """300 ranks, N = 3: every rank got id 0 once (300); ranks 0 and 1 got id 1 twice each
     (2 + 2 x 65536 = 131074); id 2 came nowhere (0)."""

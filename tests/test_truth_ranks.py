@@ -65,17 +65,6 @@ def test_the_count_paths_reduce_sums_every_code_width(truth):
     assert codes == expected[world]
 
 
-def test_the_count_paths_bits_add_up_across_chunks(truth):
-    """tests/rank_truth.py's BITS (rank 0 {0,3,8,15,16,20}, rank 1 {0,1,9,15,17,20}, rank 2
-    {0,2,10,16,20}) gathered one bit per sample in two chunks (samples 0-15, 16-20) and added
-    up on the main process: how many ranks received each sample."""
-    world, bits = truth["world"], truth["bits"]
-    # W2: 0 both; 1, 3, 8, 9, 16, 17 one; 15, 20 both. W3 adds 0, 2, 10, 16, 20.
-    w2 = [2, 1, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 2, 1, 1, 0, 0, 2]
-    w3 = [3, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 2, 2, 1, 0, 0, 3]
-    assert bits == {2: w2, 3: w3}[world]
-
-
 def test_the_count_path_takes_each_readers_shift_off(truth):
     """tests/rank_truth.py's MIXED batches on every rank, read as the built-in sources are:
     tensors hold id + 1, {"id": ...} the ids. Worked by hand, each rank's ids are

@@ -16,10 +16,7 @@ anywhere. Each rank walks its loader as a training loop does and keeps, for its 
 
 Then each counter becomes a code per sample (0, 1, or 1 + shift when received more than
 once; see encode) and ONE reduce (sum, onto the main process) gives, per sample, how many
-ranks received it and how many received it more than once. Where no rank received any sample
-twice (every sharded loader) the code is the counter's 0/1 itself, and instead of the reduce
-each rank sends one bit per sample, which the main process adds up (gather_bits_to_main: an
-eighth of the bytes; up to 8 ranks, on gloo). Missing (0 ranks), coverage,
+ranks received it and how many received it more than once. Missing (0 ranks), coverage,
 overlap between ranks and the exact copy count of every sample (ranks holding it + the extra
 copies each rank listed) follow; the main process keeps a capped list of missing and
 duplicated ids and their totals. Memory: the counter (N bytes) on every rank, and from 16
@@ -153,23 +150,18 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
                  sorted(outside)[:LIST_CAP], order.digest())
     heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total, distinct,
                                         outside_total, len(sizes), len(made), _remainder(loader),
-                                        int(ascending), int(once), int(mine.numel())])
+                                        int(ascending), int(mine.numel())])
     if any(h[0] for h in heads):
         bad = [r for r, h in enumerate(heads) if h[0]]
         raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} times in "
                             f"epoch {epoch}: too many for the count path; use --gather epoch")
     parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
-    # The per-sample sums onto the main process: ranks that received it (low part) and ranks
-    # that received it more than once (high part; see code_layout). One reduce (sum) of a code
-    # per sample, or, where no rank received any sample twice (a sharded loader), one bit per
-    # sample gathered (see gather_bits_to_main).
+    # One reduce (sum) of a code per sample onto the main process: ranks that received it
+    # (low part) and ranks that received it more than once (high part); see code_layout.
     world = accelerator.num_processes
-    if world > 1 and bits_suffice(accelerator, [bool(h[-2]) for h in heads]):
-        code, shift = gather_bits_to_main(accelerator, counts), code_layout(world)[0]
-    else:
-        code, shift = encode(counts, world)
-        if world > 1:
-            reduce_to_main(accelerator, code)
+    code, shift = encode(counts, world)
+    if world > 1:
+        reduce_to_main(accelerator, code)
     if not accelerator.is_main_process:
         return None
     ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
@@ -206,40 +198,6 @@ def reduce_to_main(accelerator, code: np.ndarray) -> None:
         collective(dist.reduce, sent, dst=0, op=dist.ReduceOp.SUM)
         if main and sent is not part:
             part.copy_(sent.to("cpu"))
-
-
-# Up to this many ranks the bits of every rank (world x N/8 bytes) are no more than the one
-# byte per sample a reduce sends.
-BITS_UP_TO = 8
-
-
-def bits_suffice(accelerator, once: list[bool]) -> bool:
-    """Whether gather_bits_to_main can stand in for the reduce (the same on every rank: `once`
-    is every rank's "no sample received twice", exchanged): every counter is 0/1, at most
-    BITS_UP_TO ranks, on the CPU (gloo; NCCL keeps its reduce, which runs on the device)."""
-    return all(once) and len(once) <= BITS_UP_TO and accelerator.device.type == "cpu"
-
-
-def gather_bits_to_main(accelerator, counts: np.ndarray) -> Optional[np.ndarray]:
-    """Where every rank's counter is 0/1: each rank packs it into one bit per sample and the
-    main process gathers the bits and adds them up, in its own `counts` (in place): per
-    sample, how many ranks received it, the code encode gives a 0/1 counter. An eighth of
-    the bytes of the reduce, and no reduction to compute on the way. A collective; returns
-    the sums on the main process, None elsewhere. CHUNK samples a gather, packed and unpacked
-    a chunk at a time (no N-sized copy)."""
-    import torch.distributed as dist
-
-    main, world = accelerator.is_main_process, accelerator.num_processes
-    for first in range(0, counts.size, CHUNK):
-        last = min(first + CHUNK, counts.size)
-        # 1 bit a sample, the first sample in the high bit; packed before main adds to it
-        part = torch.from_numpy(np.packbits(counts[first:last]))
-        got = [torch.empty_like(part) for _ in range(world)] if main else None
-        collective(dist.gather, part, got, dst=0)
-        if main:
-            for rank in range(1, world):  # rank 0's own bits are the counter itself
-                counts[first:last] += np.unpackbits(got[rank].numpy(), count=last - first)
-    return counts if main else None
 
 
 def _add_made(made: dict[int, list[int]], worker: int, batches: int, samples: int) -> None:
@@ -363,7 +321,7 @@ def _pack(sizes, made, head, tail, repeat_ids, repeat_counts, outside, digest: b
 
 def _unpack(flat: list[int], rank: int, head_row: list[int]) -> dict:
     (_, steps, samples, repeats_total, distinct, outside_total, n_sizes, n_workers, remainder,
-     ascending, _, _) = head_row
+     ascending, _) = head_row
     pos = 0
 
     def take(k: int) -> list[int]:

@@ -89,8 +89,8 @@ def _epoch_summary(e: dict) -> list[str]:
         lines.append("why duplicated: " + "; ".join(e["reasons"][c] for c in codes)
                      + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
     if e["gather"] == "count":
-        g = (f"counted on the ranks, per-sample counts summed on the main process: "
-             f"{e['gathered_count']} received in all")
+        g = (f"counted on the ranks, one reduce of per-sample counts: {e['gathered_count']} "
+             "received in all")
     else:
         how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
         g = f"accelerator.gather ({how}) returned {e['gathered_count']}"

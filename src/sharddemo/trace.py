@@ -291,7 +291,7 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
             talk(f"{rank_label(rank['rank'], world)} {rank['steps']} batches, "
                  f"{rank['samples']} samples")
         cov = record["coverage"]
-        talk(f"counted on the ranks and summed on the main process: {cov['seen']} received, "
+        talk(f"counted on the ranks and summed with one reduce: {cov['seen']} received, "
              f"{cov['unique']} distinct, {cov['missing_count']} never seen")
         talk(f"total {cov['seen']} = {cov['seen'] / max(n, 1):g}x the dataset of {n}")
         steps = [r["steps"] for r in record["ranks"]]
