@@ -138,6 +138,11 @@ class RunOptions:
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = DEFAULT_TIMEOUT
 
+    def per_rank_batch(self, world: int) -> int:
+        """The batch one rank receives: with split_batches, --batch-size is the global batch
+        that accelerate slices across the ranks."""
+        return self.batch_size // world if self.split_batches else self.batch_size
+
     def validate(self) -> "RunOptions":
         if self.dataset_size < 1:
             raise UsageError(

@@ -94,9 +94,8 @@ def check_world(num_processes: int, env: Optional[dict] = None) -> None:
 
 
 def arithmetic(world: int, opts: RunOptions) -> dict:
-    """The numbers to state before the loop, as nanoGPT does. With split_batches, --batch-size
-    is the global batch that accelerate slices across the ranks."""
-    per_rank = opts.batch_size // world if opts.split_batches else opts.batch_size
+    """The numbers to state before the loop, as nanoGPT does (RunOptions.per_rank_batch)."""
+    per_rank = opts.per_rank_batch(world)
     return {
         "world_size": world,
         "per_rank_batch": per_rank,
