@@ -27,17 +27,16 @@ def _where_the_cost_goes(results: dict) -> str:
     if not alone or not together:
         return ""
     two = " and ".join(f"{t['per_batch_us']:.1f}" for t in together)
-    # What this run's figures say, read from them: each step adds only where it measured more.
-    steps = []
-    if alone["per_batch_us"] > tc["per_batch_us"]:
-        steps.append("the real loader (most likely its own work between two batches leaves the "
-                     "walk's code and data out of the cache; this machine has no hardware "
-                     "counters to show it)")
-    if min(t["per_batch_us"] for t in together) > alone["per_batch_us"]:
-        steps.append("two processes sharing two cores")
-    reading = (" So " + " and ".join(steps) + (" add" if len(steps) > 1 else " adds")
-               + " to the walk's own cost." if steps else "")
-    if len(steps) == 1 and steps[0].startswith("the real"):
+    # What this run's figures say, read from them: a step adds only where it measured more.
+    loader = alone["per_batch_us"] > tc["per_batch_us"]
+    sharing = min(t["per_batch_us"] for t in together) > alone["per_batch_us"]
+    steps = (["the real loader (most likely its own work between two batches leaves the walk's "
+              "code and data out of the cache; this machine has no hardware counters to show "
+              "it)"] if loader else []) + (
+        ["the sharing of two cores by two processes"] if sharing else [])
+    reading = (f" So {' and '.join(steps)} add{'' if len(steps) > 1 else 's'} to the walk's "
+               "own cost." if steps else "")
+    if not sharing:
         reading += (" Two processes at once cost no more than one alone in this run: the "
                     "sharing of the two cores is within this machine's run-to-run noise here.")
     return (f" Where the cost goes is in the next row: the walk costs {tc['per_batch_us']:.1f} "

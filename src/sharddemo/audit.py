@@ -345,7 +345,7 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
 def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     """Walk one audited loader for its epochs: its trace mode on the main rank ({} elsewhere)."""
     from sharddemo.collect import exchange_ints
-    from sharddemo.options import PROGRESS_ENV
+    from sharddemo.options import PROGRESS_ENV, per_rank_batch
     from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
                                 progress_reporter, walk_epoch)
 
@@ -391,8 +391,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
         batch = per_rank = max((len(b) for e in epochs for r in e["ranks"]
                                 for b in r.get("batches", r.get("head", []))), default=1)
     else:
-        split = bool(description.get("split_batches"))
-        per_rank = max(1, batch // world) if split else batch
+        per_rank = per_rank_batch(batch, world, bool(description.get("split_batches")))
     mode = {"description": target.description, "prepared": prepared, "loader": description,
             "fingerprint": agreed, "epochs": epochs, "role": target.role,
             "sizes": {"dataset_size": size, "batch_size": batch,

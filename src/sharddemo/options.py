@@ -112,6 +112,12 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def per_rank_batch(batch: int, world: int, split: bool) -> int:
+    """The batch one rank receives of a loader with batch size `batch`: with split_batches
+    that is the global batch, which accelerate slices across the ranks."""
+    return max(1, batch // world) if split else batch
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Everything that decides which ids each rank receives."""
@@ -139,9 +145,7 @@ class RunOptions:
     timeout: float = DEFAULT_TIMEOUT
 
     def per_rank_batch(self, world: int) -> int:
-        """The batch one rank receives: with split_batches, --batch-size is the global batch
-        that accelerate slices across the ranks."""
-        return self.batch_size // world if self.split_batches else self.batch_size
+        return per_rank_batch(self.batch_size, world, self.split_batches)
 
     def validate(self) -> "RunOptions":
         if self.dataset_size < 1:
