@@ -68,10 +68,13 @@ def launch(script_args: list[str], nproc: int = 2) -> list[str]:
 
 
 def rank_bench(what: str, *args: int) -> dict:
+    """benchmarks/rank_bench.py WHAT on 2 ranks: its figures, and `command_s`, the wall time of
+    the whole launch (start-up, building the loader, the work, the exit)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        wall(launch([str(ROOT / "benchmarks" / "rank_bench.py"), what, out, *map(str, args)]))
-        return json.loads(Path(out).read_text())
+        elapsed = wall(launch([str(ROOT / "benchmarks" / "rank_bench.py"), what, out,
+                               *map(str, args)]))
+        return {**json.loads(Path(out).read_text()), "command_s": elapsed}
 
 
 def section_startup(repeats: int) -> dict:
@@ -198,7 +201,7 @@ def section_counted(repeats: int) -> dict:
                     raise SystemExit(f"benchmark command failed: {' '.join(cmd)}\n{err[-3000:]}")
                 report = json.loads(Path(out).read_text())
                 e = report["modes"][mode]["epochs"][0]
-                row[mode] = {"bare_epoch_s": base["epoch_s"],
+                row[mode] = {"bare_epoch_s": base["epoch_s"], "bare_command_s": base["command_s"],
                              "bare_peak_rank_mb": max(base["peak_rss_mb"]),
                              "wall_s": elapsed, "walk_s": report["timings"]["mode_s"][mode],
                              "peak_rank_mb": max(report["timings"]["peak_rss_mb"]),
