@@ -98,3 +98,45 @@ def test_a_replicated_million_keeps_its_lists_capped_and_its_totals_exact():
     assert e["duplicates"] == [{"id": i, "count": 2, "reason": "replication"}
                                for i in range(1000)]
     assert [r["samples"] for r in e["ranks"]] == [n, n]
+
+
+def test_the_conclusion_counts_every_extra_copy_past_the_listed_ones():
+    """The count path lists the first 1,000 duplicated ids; the conclusion's "extra (repeated)
+    samples" must be every copy past a sample's first, not the listed ones' (it said 1000).
+    `unseeded` on 2 ranks: each rank deals its half of its own permutation, so the halves
+    overlap in about N/4 ids, well past the list's cap at N = 6,000. Expected: the batches
+    torch and accelerate hand each rank (tests/oracle.py), counted here."""
+    from oracle import Case, all_ranks
+
+    n, b = 6000, 50
+    case = Case("unseeded", n, b, 2, seed=42, epochs=1)
+    every = Counter(i for rank in all_ranks(case)[0] for batch in rank for i in batch)
+    extra = sum(k - 1 for k in every.values())
+    duplicated = sum(k > 1 for k in every.values())
+    assert duplicated > 1000  # past the cap, or the test shows nothing
+    proc = sharddemo(["compare", "--modes", "unseeded", "--dataset-size", str(n), "--batch-size",
+                      str(b), "--epochs", "1", "--gather", "count", "--format", "json"])
+    data = json.loads(proc.stdout)["modes"]["unseeded"]
+    e = data["epochs"][0]
+    assert e["gather"] == "count" and len(e["duplicates"]) == 1000
+    assert e["duplicate_count"] == duplicated and e["seen"] - e["unique"] == extra
+    assert f", {extra} extra (repeated) sample(s) (" in data["conclusion"]
+
+
+def test_copies_read_from_a_capped_list_say_so():
+    """Worked by hand: `--source iterable-unsplit` is a stream that every DataLoader worker
+    yields whole, and `replicated` gives it to each of 2 ranks: with 2 workers each of the
+    1,500 ids arrives 2 x 2 = 4 times. The count path lists the first 1,000 duplicated ids, so
+    "up to 4 times" is read from those and the text says so."""
+    n = 1500
+    proc = sharddemo(["compare", "--source", "iterable-unsplit", "--num-workers", "2",
+                      "--modes", "replicated", "--dataset-size", str(n), "--batch-size", "50",
+                      "--epochs", "1", "--gather", "count", "--format", "json"])
+    report = json.loads(proc.stdout)  # exit 0: compare shows pitfalls; --check would fail it
+    data = report["modes"]["replicated"]
+    e = data["epochs"][0]
+    assert e["seen"] == 4 * n and e["unique"] == n and e["duplicate_count"] == n
+    assert len(e["duplicates"]) == 1000 and {d["count"] for d in e["duplicates"]} == {4}
+    listed = "samples arrived up to 4 times among the first 1,000 listed"
+    assert listed in data["conclusion"]
+    assert any(listed in line for line in report["broken_promises"])

@@ -450,9 +450,8 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             problems.append(f"{tag}: the ranks did not each see the whole dataset (less what "
                             "drop_last drops)")
         if any(d["reason"] == "worker-replication" for d in e["duplicates"]):
-            most = max(d["count"] for d in e["duplicates"])
             problems.append(f"{tag}: each rank's DataLoader workers all yielded the same stream "
-                            f"(worker replication): samples arrived up to {most} times")
+                            f"(worker replication): samples arrived {_most_copies(e)}")
         if e["out_of_range"]:
             problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
     return problems
@@ -548,6 +547,15 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
     return out
 
 
+def _most_copies(e: dict) -> str:
+    """"up to K times": K the most copies of one sample, read from the duplicates list; where
+    the list is capped (the count path lists the first LIST_CAP), of the ones listed."""
+    most = max((d["count"] for d in e["duplicates"]), default=1)
+    if len(e["duplicates"]) < e["duplicate_count"]:
+        return f"up to {most} times among the first {len(e['duplicates']):,} listed"
+    return f"up to {most} times"
+
+
 def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     """One sentence in plain words, with the arithmetic stated."""
     n, w = trace["dataset_size"], trace["world_size"]
@@ -558,7 +566,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     seen = first["seen"]
     times = f"{first['times_dataset']:g}x"
     kind = mode_kind(mode, trace)
-    dup = sum(d["count"] - 1 for d in first["duplicates"])
+    # every copy past a sample's first (its duplicates list may be capped; these totals not)
+    dup = seen - first["unique"]
     if seen == 0:
         why = (f"no batch of this dataset of {n} is complete (drop_last with per-rank batch "
                f"{b} and {w} ranks)" if first["missing_reason"] == "drop-last"
@@ -573,9 +582,9 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
                    if first["missing"] and first["missing_reason"] == "drop-last" else "")
         workers = ""
         if any(d["reason"] == "worker-replication" for d in first["duplicates"]):
-            most = max(d["count"] for d in first["duplicates"])
             workers = (f"; worse, each rank's DataLoader workers each yielded the whole stream, "
-                       f"so samples arrived up to {most} times ({REASON_LABEL['worker-replication']})")
+                       f"so samples arrived {_most_copies(first)} "
+                       f"({REASON_LABEL['worker-replication']})")
         return (f"Every rank walked the whole dataset {order}: {seen} samples per epoch for "
                 f"a dataset of {n} = {times} {sums}{dropped}{workers}; shard it with "
                 "accelerator.prepare or a DistributedSampler.")
@@ -585,10 +594,9 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
         text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
                 f"dataset of {n} = {times}: nothing was sharded {sums}")
     elif copies:
-        most = max((d["count"] for d in first["duplicates"]), default=1)
         why = " and ".join(REASON_LABEL[c] for c in sorted(copies))
         text = (f"The {w} ranks did NOT split the epoch: {seen} samples per epoch for a dataset "
-                f"of {n} = {times} {sums}, samples received up to {most} times ({why})")
+                f"of {n} = {times} {sums}, samples received {_most_copies(first)} ({why})")
     else:
         text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
                 f"dataset of {n} = {times} {sums}")
