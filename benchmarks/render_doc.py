@@ -228,8 +228,8 @@ def render_doc(results: dict) -> str:
                      "toy dataset is read one `__getitem__` at a time.")
         if big:
             walls = ", ".join(f"{m} {big[m]['wall_s']:.0f} s" for m in ("sampler", "prepared"))
-            notes.append(f"  At N = 10^8 the whole command takes {walls}.{_floor(big)} The 1 GB part of the "
-                         "target cannot be met by any tracer on this machine: the loader alone "
+            notes.append(f"  At N = 10^8 the whole command takes {walls}.{_floor(big)} "
+                         "The 1 GB part of the target cannot be met by any tracer on this machine: the loader alone "
                          "takes "
                          f"{big['sampler']['bare_epoch_s']:.0f} s and "
                          f"{big['sampler']['bare_peak_rank_mb']:,.0f} MB per rank (sampler), "
