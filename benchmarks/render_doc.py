@@ -86,6 +86,22 @@ def _growth(rows: dict) -> dict:
             * 2**20 / (int(hi) - int(lo)) for m in ("sampler", "prepared")}
 
 
+def _counts_check(rows: dict) -> str:
+    """Whether every run's counts are what the libraries deal (run.py's library_counts)."""
+    checked = [(n, m) for n, r in rows.items() for m in ("sampler", "prepared")
+               if "counts_as_the_libraries_deal" in r[m]]
+    if not checked:
+        return "Counts: not checked against the libraries in this run."
+    wrong = [f"{m} at N = {int(n):,}" for n, m in checked
+             if not rows[n][m]["counts_as_the_libraries_deal"]]
+    head = ("Counts: seen, unique, missing and duplicated are what the libraries deal "
+            "(DistributedSampler's samples per rank; BatchSamplerShard's batches per rank x B, "
+            "accelerate completing every batch; `run.py`'s `library_counts`)")
+    if wrong:
+        return f"{head} everywhere but {', '.join(wrong)}: **those differ**."
+    return f"{head} at every N, in both modes."
+
+
 def _floor(big: dict) -> str:
     """The 10^8 commands against the same loaders launched with nothing recorded."""
     modes = ("sampler", "prepared")
@@ -249,6 +265,7 @@ def render_doc(results: dict) -> str:
                          "command ran once; at 10^8 the same loader's epoch moves by several "
                          "seconds from run to run on this machine, so a difference of a few "
                          "seconds is within that noise.")
+        notes.append(f"  {_counts_check(rows)}")
         if (DOCS / "memory-n.png").exists():
             notes.append("  The same figures plotted (`python benchmarks/plot_memory.py`): left, "
                          "the busiest rank traced and the loader alone, and the parent; right, "
