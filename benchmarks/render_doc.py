@@ -63,12 +63,19 @@ def _when(data: dict) -> str:
     return f"{data.get('date', '?')}, {runs}, {data.get('machine', '?')}"
 
 
+def _runs(row: dict, key: str) -> str:
+    """A median in seconds, with the range of its runs where there were several."""
+    runs = row.get(key.replace("_s", "_runs_s"), [])
+    spread = f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else ""
+    return f"{row[key]:.1f} s{spread}"
+
+
 def _bare_time(row: dict) -> str:
     """The loader alone's epoch, and its whole launched command where measured."""
     epoch = f"epoch {row['bare_epoch_s']:.1f} s"
     if "bare_command_s" not in row:
         return epoch
-    return f"{epoch}, command {row['bare_command_s']:.1f} s"
+    return f"{epoch}, command {_runs(row, 'bare_command_s')}"
 
 
 # "About one byte per sample": the counter is exactly one; a fifth more leaves room for the
@@ -97,9 +104,25 @@ def _counts_check(rows: dict) -> str:
     head = ("Counts: seen, unique, missing and duplicated are what the libraries deal "
             "(DistributedSampler's samples per rank; BatchSamplerShard's batches per rank x B, "
             "accelerate completing every batch; `run.py`'s `library_counts`)")
-    if wrong:
-        return f"{head} everywhere but {', '.join(wrong)}: **those differ**."
-    return f"{head} at every N, in both modes."
+    text = (f"{head} everywhere but {', '.join(wrong)}: **those differ**." if wrong
+            else f"{head} at every N, in both modes.")
+    if all("broken_promises" in rows[n][m] for n, m in checked):
+        broken = [f"{m} at N = {int(n):,}: {'; '.join(rows[n][m]['broken_promises'])}"
+                  for n, m in checked if rows[n][m]["broken_promises"]]
+        text += (" Verdicts: " + " | ".join(broken) if broken else
+                 " Verdicts: no broken promise at any N, as with the 8 samples of the demo.")
+    return text
+
+
+def _pairs(cn: dict) -> str:
+    if cn.get("repeats", 1) == 1:
+        return ("Each command ran once; at 10^8 the same loader's epoch moves by several "
+                "seconds from run to run on this machine, so a difference of a few seconds is "
+                "within that noise.")
+    return (f"Times are medians of {cn['repeats']} runs (their range in brackets), the bare "
+            "launch and the command alternated; memory is the largest peak of the runs. At "
+            "10^8 one slow spell of this machine can double a single run, which is why one run "
+            "is not enough.")
 
 
 def _floor(big: dict) -> str:
@@ -215,7 +238,7 @@ def render_doc(results: dict) -> str:
         rows = cn["rows"]
         for mode in ("sampler", "prepared"):
             cells = "; ".join(
-                f"N = {int(n):,}: {r[mode]['wall_s']:.1f} s, ranks {r[mode]['peak_rank_mb']:,.0f} "
+                f"N = {int(n):,}: {_runs(r[mode], 'wall_s')}, ranks {r[mode]['peak_rank_mb']:,.0f} "
                 f"MB (loader alone {r[mode]['bare_peak_rank_mb']:,.0f} MB, "
                 f"{_bare_time(r[mode])}), parent {r[mode]['parent_peak_mb']:.0f} MB, "
                 f"JSON {r[mode]['report_bytes'] / 1024:,.0f} KB"
@@ -261,10 +284,8 @@ def render_doc(results: dict) -> str:
                          "shows none because its counter fills under a peak the loader reached "
                          "before: DistributedSampler holds the whole permutation and the rank's "
                          "slice of it at once, then frees the whole list's 8 bytes per sample of "
-                         "pointers, and only then does the walk touch the counter's pages. Each "
-                         "command ran once; at 10^8 the same loader's epoch moves by several "
-                         "seconds from run to run on this machine, so a difference of a few "
-                         "seconds is within that noise.")
+                         "pointers, and only then does the walk touch the counter's pages. "
+                         + _pairs(cn))
         notes.append(f"  {_counts_check(rows)}")
         if (DOCS / "memory-n.png").exists():
             notes.append("  The same figures plotted (`python benchmarks/plot_memory.py`): left, "
