@@ -219,6 +219,23 @@ def test_count_codes_worked_by_hand():
     assert shift == 65536 and code.dtype == np.uint32 and code.tolist() == [1, 65537, 0, 65537]
 
 
+@pytest.mark.parametrize("world,dtype,several", [(2, "uint8", 17), (17, "uint16", 257)])
+def test_count_codes_across_chunks_worked_by_hand(world, dtype, several):
+    """The code is made a chunk of the counter at a time: values on both sides of a chunk's
+    edge, and the last one, come out as 0 -> 0, 1 -> 1, more -> 1 + shift."""
+    import numpy as np
+
+    from sharddemo.counting import CHUNK, encode
+
+    counts = np.zeros(CHUNK + 3, dtype=np.uint8)
+    counts[[0, CHUNK - 1, CHUNK, CHUNK + 1, CHUNK + 2]] = [3, 2, 1, 255, 2]
+    code, _ = encode(counts, world)
+    assert code.dtype == np.dtype(dtype)
+    assert code[[0, 1, CHUNK - 1, CHUNK, CHUNK + 1, CHUNK + 2]].tolist() == \
+        [several, 0, several, 1, several, several]
+    assert int(np.count_nonzero(code)) == 5
+
+
 def test_counted_summary_above_255_ranks_worked_by_hand():
     """300 ranks, N = 3: every rank got id 0 once (300); ranks 0 and 1 got id 1 twice each
     (2 + 2 x 65536 = 131074); id 2 came nowhere (0)."""

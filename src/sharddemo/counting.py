@@ -210,14 +210,17 @@ def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
     """A rank's per-sample code for the sum over ranks, and its shift: 0 -> 0, 1 -> 1, more
     -> 1 + shift (see code_layout: 16 in uint8 up to 15 ranks, 256 in uint16 up to 255, else
     65536 in uint32), so the sum holds the ranks that received a sample and, times shift, the
-    ranks that received it more than once. One table lookup; in place in `counts` for uint8
-    (no N-sized temporary)."""
+    ranks that received it more than once. In place in `counts` for uint8, a chunk at a time
+    (no N-sized temporary). Not `np.take(table, counts, out=counts)`: numpy buffers an output
+    that overlaps its input, which took 10 s at N = 10^8 against 0.06 s for this."""
     shift, dtype = code_layout(world)
     if dtype is np.uint8 and int(counts.max(initial=0)) <= 1:
         return counts, shift  # 0 -> 0, 1 -> 1: the counter is its own code
-    table = np.array([0, 1] + [1 + shift] * (MAX_COPIES - 1), dtype=dtype)
     code = counts if dtype is np.uint8 else np.empty(counts.shape, dtype)
-    np.take(table, counts, out=code)
+    for lo in range(0, counts.size, CHUNK):
+        part = code[lo:lo + CHUNK]
+        np.minimum(counts[lo:lo + CHUNK], 2, out=part)  # 0, 1, or 2 for "more than once"
+        part[part == 2] = 1 + shift
     return code, shift
 
 
