@@ -201,6 +201,7 @@ def test_counted_summary_above_15_ranks_worked_by_hand():
     assert cov["duplicates"] == [(0, 17), (1, 2)] and cov["duplicate_count"] == 2
     assert cov["ranks_per_sample"] == [0, 1, 17] and cov["repeated_within_a_rank"] == 1
     assert cov["seen"] == 3 + 16 and cov["unique"] == 2
+    assert cov["most_copies"] == 17 and cov["most_copies_exact"] is True  # id 0, 17 ranks
 
 
 def test_count_codes_worked_by_hand():
@@ -249,6 +250,27 @@ def test_counted_summary_above_255_ranks_worked_by_hand():
     cov = _summarise(0, code, 65536, ranks)["coverage"]
     assert cov["missing"] == [2] and cov["ranks_per_sample"] == [0, 2, 300]
     assert cov["duplicates"] == [(0, 300), (1, 4)] and cov["repeated_within_a_rank"] == 1
+    assert cov["most_copies"] == 300
+
+
+def test_most_copies_counts_a_ranks_own_repeats_worked_by_hand():
+    """2 ranks (shift 16), N = 2: both ranks got id 0 and rank 0 got it 3 times: code
+    (1 + 16) + 1 = 18; 4 copies, more than the 2 ranks holding it. Id 1: rank 1 once (1)."""
+    import numpy as np
+
+    from sharddemo.counting import _summarise
+
+    code = np.array([18, 1], dtype=np.uint8)
+    ranks = [{"rank": 0, "samples": 3, "repeats": [[0, 3]], "repeats_total": 1,
+              "out_of_range": []},
+             {"rank": 1, "samples": 2, "repeats": [], "repeats_total": 0, "out_of_range": []}]
+    cov = _summarise(0, code, 16, ranks)["coverage"]
+    assert cov["duplicates"] == [(0, 4)]
+    assert cov["most_copies"] == 4 and cov["most_copies_exact"] is True
+    # A rank that repeated more ids than it lists (1,001 against 1,000): only a lower bound.
+    ranks[0]["repeats_total"] = 1001
+    cov = _summarise(0, code, 16, ranks)["coverage"]
+    assert cov["most_copies"] == 4 and cov["most_copies_exact"] is False
 
 
 def _per_rank_counts():
@@ -290,5 +312,6 @@ def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
         assert cov["repeated_within_a_rank"] == sum(any(c[i] > 1 for c in per_rank)
                                                     for i in range(n))
         assert cov["unique"] == sum(k > 0 for k in copies)
+        assert cov["most_copies"] == max(copies) and cov["most_copies_exact"]
 
     check()

@@ -256,7 +256,7 @@ COMPARED_EPOCH_FIELDS = ["seen", "unique", "missing", "missing_count", "missing_
                          "gathered_for_metrics_count", "gather_for_metrics_exact",
                          "gather_for_metrics_equals_gather", "workers", "idle_workers",
                          "order_changed", "ranks_same_order", "same_ids_on_every_rank",
-                         "reasons", "out_of_range"]
+                         "reasons", "out_of_range", "most_copies", "most_copies_exact"]
 
 
 def _with_counted(case):

@@ -83,6 +83,7 @@ def check_case(case: Case) -> None:
         assert rep["missing"] == sorted(set(range(case.n)) - set(counts)), where
         assert {d["id"]: d["count"] for d in rep["duplicates"]} == \
             {i: c for i, c in counts.items() if c > 1}, where
+        assert rep["most_copies"] == max(counts.values(), default=0), where
         steps = [len(b) for b in ranks]
         assert rep["steps_equal"] == (len(set(steps)) == 1), where
         assert rep["hang_at_step"] == (min(steps) if len(set(steps)) > 1 else None), where

@@ -404,6 +404,12 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
     # repeats more than LIST_CAP ids); else a lower bound, said so.
     exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)
     duplicates = [(i, p + extra.get(i, 0)) for i, p in zip(dup_ids, dup_present)]
+    # The most copies of one sample: the most ranks holding one, or, for a sample some rank
+    # received more than once (listed with its count), the ranks holding it plus those extra
+    # copies. Exact under the same condition as the copy counts, else a lower bound.
+    most = max(levels, default=0)
+    for i, more in extra.items():
+        most = max(most, int(code[i]) % shift + more)
     outside = sorted({i for r in ranks for i in r["out_of_range"]})
     return {
         "epoch": epoch, "gather": "count", "ranks": ranks,
@@ -413,6 +419,7 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             "missing": missing, "missing_count": n_missing,
             "duplicates": duplicates, "duplicate_count": n_dup,
             "duplicate_counts_exact": exact,
+            "most_copies": most, "most_copies_exact": exact,
             "ranks_per_sample": sorted(levels),
             "repeated_within_a_rank": n_several,
             "out_of_range": outside[:LIST_CAP],

@@ -281,6 +281,7 @@ def coverage(flat: list[list[int]], n: int) -> dict:
         "missing": np.flatnonzero(counts == 0).tolist(),
         "out_of_range": outside.tolist(),
         "duplicates": list(zip(dup.tolist(), counts[dup].tolist())),
+        "most_copies": int(counts.max(initial=0)),
     }
 
 
@@ -383,6 +384,8 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
                         **({"causes": per_id[i]} if i in per_id else {})}
                        for i, c in cov["duplicates"]],
         "duplicate_count": len(cov["duplicates"]),
+        "most_copies": cov["most_copies"],
+        "most_copies_exact": True,
         "duplicates_explained": explained,
         "reasons": reasons,
     }
@@ -548,12 +551,9 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
 
 
 def _most_copies(e: dict) -> str:
-    """"up to K times": K the most copies of one sample, read from the duplicates list; where
-    the list is capped (the count path lists the first LIST_CAP), of the ones listed."""
-    most = max((d["count"] for d in e["duplicates"]), default=1)
-    if len(e["duplicates"]) < e["duplicate_count"]:
-        return f"up to {most} times among the first {len(e['duplicates']):,} listed"
-    return f"up to {most} times"
+    """"up to K times", K the most copies of one sample in the epoch; "at least" where the
+    count path could only bound it (a rank repeated more ids than it lists)."""
+    return f"up to {'' if e['most_copies_exact'] else 'at least '}{e['most_copies']} times"
 
 
 def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:

@@ -242,6 +242,8 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
         "out_of_range": cov["out_of_range"],
         "duplicates": [{"id": i, "count": c, "reason": dup_code} for i, c in cov["duplicates"]],
         "duplicate_count": cov["duplicate_count"],
+        "most_copies": cov["most_copies"],
+        "most_copies_exact": cov["most_copies_exact"],
         "duplicates_explained": explained,
         "reasons": reasons,
     }
