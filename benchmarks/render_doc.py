@@ -125,13 +125,21 @@ def _pairs(cn: dict) -> str:
             "is not enough.")
 
 
+def _within_spread(row: dict) -> bool:
+    """The command's median lies within the range of the bare launch's runs."""
+    runs = row.get("bare_command_runs_s", [])
+    return len(runs) > 1 and min(runs) <= row["wall_s"] <= max(runs)
+
+
 def _floor(big: dict) -> str:
     """The 10^8 commands against the same loaders launched with nothing recorded."""
     modes = ("sampler", "prepared")
     if not all("bare_command_s" in big[m] for m in modes):
         return ""
     floors = ", ".join(f"{m} {big[m]['bare_command_s']:.0f} s" for m in modes)
-    added = ", ".join(f"{m} {big[m]['wall_s'] - big[m]['bare_command_s']:+.0f} s" for m in modes)
+    added = ", ".join(f"{m} {big[m]['wall_s'] - big[m]['bare_command_s']:+.0f} s"
+                      + (" (within the runs' spread)" if _within_spread(big[m]) else "")
+                      for m in modes)
     text = (f" The same loaders launched with nothing recorded (start-up, building the loader, "
             f"one bare epoch; `rank_bench.py bare`) take {floors}: the trace adds {added}.")
     over = [m for m in modes if big[m]["bare_command_s"] > 60]
