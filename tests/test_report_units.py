@@ -315,3 +315,13 @@ def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
         assert cov["most_copies"] == max(copies) and cov["most_copies_exact"]
 
     check()
+
+
+def test_an_id_outside_the_dataset_twice_is_named_not_counted_as_a_repeat():
+    # N = 4, 2 ranks: each gets two of the four ids, then id 9 (outside the dataset). Seen 6,
+    # unique 5 (0-3 and 9); no sample of the dataset repeats, so no "extra (repeated)" line.
+    e = report_of(trace("sampler", 4, 2, 2, [[[[0, 1], [9]], [[2, 3], [9]]]], SAMPLER))
+    assert e["epochs"][0]["seen"] == 6 and e["epochs"][0]["unique"] == 5
+    assert e["epochs"][0]["most_copies"] == 1
+    assert "extra (repeated)" not in e["conclusion"]
+    assert "sampler epoch 0: ids outside the dataset: [9]" in e["broken_promises"]

@@ -606,7 +606,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     elif missing:
         why = f" ({REASON_LABEL[why_missing]})" if why_missing else " (no known reason)"
         text += f", but {missing} sample(s) were never seen{why}"
-    if dup and not copies:
+    if dup and not copies and first["duplicates"]:
         text += f", {dup} extra (repeated) sample(s) ({REASON_LABEL[first['duplicates'][0]['reason']]})"
     if first.get("gather_for_metrics_exact") is not None:
         if first["gather_for_metrics_exact"]:
