@@ -401,7 +401,7 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             n_several += int(np.count_nonzero(several))
     extra = _extra_copies(ranks)
     # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
-    # repeats more than LIST_CAP ids); else a lower bound, said so.
+    # repeats more than LIST_CAP ids); else a lower bound, said so (most_copies_exact).
     exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)
     duplicates = [(i, p + extra.get(i, 0)) for i, p in zip(dup_ids, dup_present)]
     # The most copies of one sample: the most ranks holding one, or, for a sample some rank
@@ -418,7 +418,6 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             "unique": n_present + len(outside),
             "missing": missing, "missing_count": n_missing,
             "duplicates": duplicates, "duplicate_count": n_dup,
-            "duplicate_counts_exact": exact,
             "most_copies": most, "most_copies_exact": exact,
             "ranks_per_sample": sorted(levels),
             "repeated_within_a_rank": n_several,
