@@ -82,7 +82,10 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
                      "pairs_iqr": [pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]],
                      "bare_cpu_s": statistics.median(cpu_b),
                      "traced_cpu_s": statistics.median(cpu_t),
-                     "cpu_ratio": statistics.median(cpu_t) / statistics.median(cpu_b)}
+                     "cpu_ratio": statistics.median(cpu_t) / statistics.median(cpu_b),
+                     # every timing, so that run.py can pool several launches
+                     "bare_walls": wall_b, "traced_walls": wall_t,
+                     "bare_cpus": cpu_b, "traced_cpus": cpu_t}
     return out
 
 

@@ -191,14 +191,21 @@ def render_doc(results: dict) -> str:
         out.append("| tracing overhead, one epoch N = 10^6, B = 512 | " + "; ".join(
             f"{m}: {o[m]['traced_s'] * 1000:.0f} ms vs {o[m]['bare_s'] * 1000:.0f} ms = "
             f"**{o[m]['ratio']:.3f}x**" + (
-                f" (pair by pair, middle half {o[m]['pairs_iqr'][0]:.2f}-"
+                f" ({len(o[m]['launch_ratios'])} launches: "
+                f"{min(o[m]['launch_ratios']):.3f}-{max(o[m]['launch_ratios']):.3f}x;"
+                if "launch_ratios" in o[m] else " (") + (
+                f" pair by pair, middle half {o[m]['pairs_iqr'][0]:.2f}-"
                 f"{o[m]['pairs_iqr'][1]:.2f}x; CPU time of both ranks "
                 f"{o[m]['cpu_ratio']:.3f}x)" if "cpu_ratio" in o[m] else "")
             for m in ("prepared", "sampler")) + f" | {o['target']} | {_met(o)} |")
         notes.append(f"- tracing overhead ({_when(o)}): the same loader walked bare (`for batch "
                      "in loader: batch.to(device)`) and by sharddemo's walk as `compare` runs it "
                      "(`auto`, which at N = 10^6 is the count path), alternated ABBA on the same "
-                     "ranks; wall time on the main rank between barriers, and the CPU time of "
+                     "ranks" + (f", in {o['launches']} separate launches of {o['repeats']} "
+                                "pairs each (the figure: the median over all their pairs; "
+                                "beside it the range of the launches' own ratios)"
+                                if "launches" in o else "") +
+                     "; wall time on the main rank between barriers, and the CPU time of "
                      "both ranks (which leaves out the waits other processes cause). Per batch "
                      "the count path does a few additions (its size, its worker, a reference "
                      "kept); the ids are counted with one `index_add_`, hashed (xxh3-128) and "
