@@ -76,6 +76,17 @@ class IdStream(IterableDataset):
         return iter(range(start, self.n, step))
 
 
+class WholeStream(IterableDataset):
+    """ids 0..n-1 in every DataLoader worker: a stream that ignores its workers (the
+    iterable-unsplit source's mistake, as its help describes it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
 def _plain(dataset, case: Case, shuffle: bool) -> DataLoader:
     return DataLoader(dataset, batch_size=case.b, shuffle=shuffle, drop_last=case.drop_last,
                       num_workers=case.num_workers,
@@ -120,6 +131,8 @@ def _dataset(case: Case):
         return Dataset.from_dict({"id": list(range(case.n))}).with_format("torch")
     if case.source == "iterable":
         return IdStream(case.n)
+    if case.source == "iterable-unsplit":
+        return WholeStream(case.n)
     if case.source == "hf-stream":
         return _json_stream(case.n, case.shards)
     return Ids(case.n)
@@ -151,7 +164,7 @@ def rank_epochs(case: Case, rank: int) -> list[list[list[int]]]:
     torch.manual_seed(case.seed)  # what set_seed does for the process
     dataset = _dataset(case)
     sampler = None
-    is_stream = case.source in ("iterable", "hf-stream")
+    is_stream = case.source in ("iterable", "iterable-unsplit", "hf-stream")
     if case.mode == "sampler":
         loader, sampler = _distributed(dataset, case, rank)
         if not case.set_epoch:

@@ -41,6 +41,9 @@ SCENARIOS = {
     "iterable/prepared-shard": ("prepared", dict(dataset_size=10, batch_size=3, source="iterable",
                                                  dispatch_batches=False)),
     "iterable/replicated": ("replicated", dict(dataset_size=10, batch_size=3, source="iterable")),
+    # IterableDatasetShard in each of 2 DataLoader workers: one fill per worker.
+    "iterable/shard-workers2": ("prepared", dict(dataset_size=10, batch_size=3, source="iterable",
+                                                 dispatch_batches=False, num_workers=2)),
     "hf-stream/split": ("split", dict(dataset_size=12, batch_size=2, source="hf-stream", shards=4)),
     "hf-stream/prepared": ("prepared", dict(dataset_size=12, batch_size=2, source="hf-stream")),
     "hf-stream/replicated": ("replicated", dict(dataset_size=12, batch_size=2, source="hf-stream")),
@@ -56,6 +59,12 @@ SCENARIOS = {
                                                    source="iterable-unsplit", num_workers=2)),
     "long/iterable-shard": ("prepared", dict(dataset_size=203, batch_size=4, source="iterable",
                                              dispatch_batches=False)),
+    "long/iterable-shard-workers2": ("prepared", dict(dataset_size=203, batch_size=4,
+                                                      source="iterable", dispatch_batches=False,
+                                                      num_workers=2)),
+    "long/unsplit-shard-workers2": ("prepared", dict(dataset_size=203, batch_size=4,
+                                                     source="iterable-unsplit",
+                                                     dispatch_batches=False, num_workers=2)),
 }
 # Every scenario is walked twice: as the demos walk it (`auto`: every batch gathered) and by
 # the count path (counts, order hashes, first and last batches), so tests can check that both

@@ -325,3 +325,52 @@ def test_an_id_outside_the_dataset_twice_is_named_not_counted_as_a_repeat():
     assert e["epochs"][0]["most_copies"] == 1
     assert "extra (repeated)" not in e["conclusion"]
     assert "sampler epoch 0: ids outside the dataset: [9]" in e["broken_promises"]
+
+
+# IterableDatasetShard in each of 2 DataLoader workers, world 2, B = 2 (a global batch of 4),
+# worked by hand. Worker 0 streams 0 2 .. 24 (13 ids): [0 2 4 6] [8 10 12 14] [16 18 20 22]
+# [24 | 0 2 4], a fill of 3 from its own start; worker 1 streams 1 3 .. 23 (12 ids): three
+# whole global batches, no fill. Each global batch gives rank 0 its first half, rank 1 the
+# second, and a rank's batches alternate between the workers.
+SHARD_RANK0 = [[0, 2], [1, 3], [8, 10], [9, 11], [16, 18], [17, 19], [24, 0]]
+SHARD_RANK1 = [[4, 6], [5, 7], [12, 14], [13, 15], [20, 22], [21, 23], [2, 4]]
+SHARD_MADE_BY = [0, 1, 0, 1, 0, 1, 0]
+
+
+def test_fill_per_worker_from_whole_batches_worked_by_hand():
+    from sharddemo.report import fill_per_worker, worker_orders
+
+    ranks = [SHARD_RANK0, SHARD_RANK1]
+    orders = worker_orders(ranks, [SHARD_MADE_BY, SHARD_MADE_BY])
+    assert orders[0] == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 0, 2, 4]
+    assert fill_per_worker(orders, 4) == 3
+    assert fill_per_worker(orders, 3) is None  # a fill is less than one global batch
+
+
+def _shard_record(rank1_last=None):
+    """The counted record of the epoch above: 3 batches kept at each end of 7."""
+    ranks = []
+    for r, batches in enumerate([SHARD_RANK0, SHARD_RANK1]):
+        batches = list(batches)
+        if r == 1 and rank1_last is not None:
+            batches[-1] = rank1_last
+        ranks.append({"rank": r, "steps": 7, "samples": 14, "head": batches[:3],
+                      "head_workers": SHARD_MADE_BY[:3], "tail": batches[4:],
+                      "tail_workers": SHARD_MADE_BY[4:],
+                      "workers": {"0": [4, 8], "1": [3, 6]}})
+    return {"ranks": ranks}
+
+
+def test_fill_per_worker_from_the_kept_ends_worked_by_hand():
+    from sharddemo.report_counts import fill_per_worker
+
+    # worker 0: first global batch [0 2 4 6], last [24 0 2 4]: its last 3 repeat its start.
+    # worker 1: first [1 3 5 7], last [17 19 21 23]: no fill.
+    assert fill_per_worker(_shard_record(), 4) == 3
+    # A last batch that does not end with the start of the first: not this loader's fill.
+    assert fill_per_worker(_shard_record(rank1_last=[2, 5]), 4) is None
+    # Without the workers of the kept batches (an older record) nothing is claimed.
+    record = _shard_record()
+    for r in record["ranks"]:
+        del r["head_workers"]
+    assert fill_per_worker(record, 4) is None

@@ -5,6 +5,7 @@ own objects for that rank, and the report's verdict is checked too."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,54 @@ def test_iterable_shard_loops_around_and_duplicates_survive_gather_for_metrics(s
     assert report["gather_for_metrics_exact"] is False  # a stream has no length to cut to
 
 
+SHARD_WORKERS = ["iterable/shard-workers2", "long/iterable-shard-workers2"]
+
+
+@pytest.mark.parametrize("name", SHARD_WORKERS)
+def test_iterable_shard_in_each_worker_fills_once_per_worker(scenarios, name):
+    """accelerate wraps a stream in IterableDatasetShard; with 2 DataLoader workers each worker
+    runs its own copy over its half of the stream and fills its own last global batch: the
+    loader's own padding, twice. Expected batches from prepare_data_loader (tests/oracle.py),
+    duplicates counted here from them; both paths must say the fill explains them."""
+    world, cases = scenarios
+    case = cases[name]
+    expected = simulated(case, world)
+    assert got(case) == expected
+    if name == "iterable/shard-workers2" and world == 2:
+        # By hand: worker 0 streams 0 2 4 6 8, worker 1 streams 1 3 5 7 9; a global batch is
+        # 2 x 3 = 6, so each worker fills one id from its own start: 0 and 1.
+        assert expected[0] == [[[0, 2, 4], [1, 3, 5]], [[6, 8, 0], [7, 9, 1]]]
+    for report in (report_of(case, world, validate=True),
+                   report_of(_with_counted(case), world, validate=True)):
+        assert report["broken_promises"] == []
+        for e, ranks in zip(report["epochs"], expected, strict=True):
+            counts = Counter(i for batches in ranks for batch in batches for i in batch)
+            assert e["duplicate_count"] == sum(1 for c in counts.values() if c > 1) > 0
+            assert {d["id"]: d["count"] for d in e["duplicates"]} == \
+                {i: c for i, c in counts.items() if c > 1}
+            assert {d["reason"] for d in e["duplicates"]} == {"shard-fill"}
+            assert e["duplicates_explained"] is True and list(e["reasons"]) == ["shard-fill"]
+
+
+def test_a_stream_every_worker_reads_whole_is_not_taken_for_the_shard_fill(scenarios):
+    """The same shard over a stream that ignores its workers: each worker yields all 203 ids,
+    so every rank receives its share twice. The shard's fill is there too, but it does not
+    explain the copies: worker replication, a broken promise, on both paths."""
+    world, cases = scenarios
+    case = cases["long/unsplit-shard-workers2"]
+    expected = simulated(case, world)
+    assert got(case) == expected
+    for report in (report_of(case, world, validate=True),
+                   report_of(_with_counted(case), world, validate=True)):
+        e = report["epochs"][0]
+        counts = Counter(i for batches in expected[0] for batch in batches for i in batch)
+        assert e["seen"] - e["unique"] == sum(counts.values()) - len(counts) > 203
+        assert e["duplicates_explained"] is False
+        assert "worker-replication" in e["reasons"]
+        assert {d["reason"] for d in e["duplicates"]} == {"worker-replication"}
+        assert any("duplicates the loader's own padding" in p for p in report["broken_promises"])
+
+
 def test_iterable_dispatch_covers_the_stream(scenarios):
     world, cases = scenarios
     for name in ("iterable/prepared", "hf-stream/prepared"):
@@ -270,7 +319,7 @@ def _with_counted(case):
     "iterable/prepared", "iterable/prepared-shard", "hf-stream/split", "hf-stream/replicated",
     "long/prepared", "long/sampler", "long/no-even-batches", "long/drop-last",
     "long/split-batches", "long/replicated", "long/double-split", "long/worker-replication",
-    "long/iterable-shard"])
+    "long/iterable-shard", *SHARD_WORKERS, "long/unsplit-shard-workers2"])
 def test_the_count_path_gives_the_same_report(scenarios, name):
     world, cases = scenarios
     case = cases[name]

@@ -9,8 +9,8 @@ anywhere. Each rank walks its loader as a training loop does and keeps, for its 
   ranks and across epochs;
 - its batch sizes run-length encoded ([size, how many], usually one or two runs), which
   DataLoader worker made how many batches and samples, and the first and last `KEEP_BATCHES`
-  batches themselves (what the report prints, and where padding and loop-around leave their
-  repeats);
+  batches themselves (or one per worker, where there are more workers), with the worker that
+  made each (what the report prints, and where padding and loop-around leave their repeats);
 - the ids it received more than once, with counts, and ids outside the dataset (both few,
   except where a loader really replicates; then capped).
 
@@ -40,7 +40,8 @@ from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
 from sharddemo.report_counts import LIST_CAP
 
-# First and last batches each rank keeps in full.
+# First and last batches each rank keeps in full (at least; one per DataLoader worker where
+# there are more workers, so that every worker's first and last batch is kept).
 KEEP_BATCHES = 3
 # Counters are recoded, reduced and read this many samples at a time (no temporary of N
 # elements, and a bounded copy where the code goes wider than it is or to a device).
@@ -64,8 +65,9 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     state = _Running(counter, ones, n)
     sizes: list[list[int]] = []  # run-length: [size, times]
     made: dict[int, list[int]] = {}  # worker -> [batches, samples]
-    head: list[torch.Tensor] = []
-    tail: collections.deque = collections.deque(maxlen=KEEP_BATCHES)
+    keep = max(KEEP_BATCHES, int(getattr(loader, "num_workers", 0) or 0))
+    head: list[tuple[torch.Tensor, int]] = []  # (ids, the worker that made the batch)
+    tail: collections.deque = collections.deque(maxlen=keep)
     pending: list[torch.Tensor] = []  # values, all with the shift `shift_now`
     pending_ids, shift_now = 0, 0
     samples = 0
@@ -105,10 +107,10 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         if shift != shift_now:  # a reader that changes its shift: flush under the old one
             state.add(pending, shift_now)
             pending, pending_ids, shift_now = [], 0, shift
-        if steps < KEEP_BATCHES:
-            head.append(ids - shift if shift else ids)
+        if steps < keep:
+            head.append((ids - shift if shift else ids, worker))
         else:
-            tail.append((ids, shift))
+            tail.append((ids, shift, worker))
         pending.append(ids)
         pending_ids += size
         if pending_ids >= FLUSH_IDS:
@@ -126,8 +128,8 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     del pending
     order, ascending = state.order, state.ascending
     outside, outside_total = state.outside, state.outside_total
-    head = [t.tolist() for t in head]
-    tail = [(t - shift if shift else t).tolist() for t, shift in tail]
+    head = [(t.tolist(), worker) for t, worker in head]
+    tail = [((t - shift if shift else t).tolist(), worker) for t, shift, worker in tail]
     inside_total = samples - outside_total
     distinct = int(np.count_nonzero(counts))
     # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
@@ -310,8 +312,8 @@ def _pack(sizes, made, head, tail, repeat_ids, repeat_counts, outside, digest: b
         flat += [worker, made[worker][0], made[worker][1]]
     for group in (head, tail):
         flat.append(len(group))
-        for batch in group:
-            flat.append(len(batch))
+        for batch, worker in group:
+            flat += [worker, len(batch)]
             flat += batch
     flat.append(len(repeat_ids))
     flat += np.asarray(repeat_ids, dtype=np.int64).tolist()
@@ -335,16 +337,22 @@ def _unpack(flat: list[int], rank: int, head_row: list[int]) -> dict:
 
     sizes = [take(2) for _ in range(n_sizes)]
     workers = {w: [b, s] for w, b, s in (take(3) for _ in range(n_workers))}
-    groups = []
+    groups, made_by = [], []
     for _ in range(2):
-        count = take(1)[0]
-        groups.append([take(take(1)[0]) for _ in range(count)])
+        batches, makers = [], []
+        for _ in range(take(1)[0]):
+            worker, size = take(2)
+            makers.append(worker)
+            batches.append(take(size))
+        groups.append(batches)
+        made_by.append(makers)
     k = take(1)[0]
     repeat_ids, repeat_counts = take(k), take(k)
     outside = take(take(1)[0])
     digest = bytes(take(16)).hex()
     return {"rank": rank, "steps": steps, "samples": samples, "sizes": sizes,
             "workers": workers, "head": groups[0], "tail": groups[1],
+            "head_workers": made_by[0], "tail_workers": made_by[1],
             "repeats": [[i, c] for i, c in zip(repeat_ids, repeat_counts)],
             "repeats_total": repeats_total, "distinct": distinct,
             "out_of_range": outside, "out_of_range_total": outside_total,

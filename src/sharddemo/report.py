@@ -59,7 +59,8 @@ REASON_SENTENCE = {
                          "filled from the start of the epoch so every rank gets as many batches; "
                          "gather_for_metrics drops them",
     "shard-fill": "IterableDatasetShard: the last global batch is filled from the start of the "
-                  "stream",
+                  "stream (with DataLoader workers, each worker's own copy fills its own last "
+                  "global batch from the start of its share of the stream: one fill per worker)",
     "replication": "replication: the loader is not sharded, so every rank walks the same samples",
     "worker-replication": "worker replication: the IterableDataset ignores "
                           "torch.utils.data.get_worker_info(), so each of a rank's DataLoader "
@@ -140,6 +141,35 @@ def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
     if loader.get("distributed_sampler"):
         return "sampler-padding", "sample"
     return None, ""
+
+
+def worker_orders(ranks: list[list[list[int]]], workers: list[list[int]]) -> list[list[int]]:
+    """For each DataLoader worker, the order its batches were dealt in: step by step, rank
+    0's batch from that worker, then rank 1's ... (`workers[r][k]`: who made rank r's k-th
+    batch). What IterableDatasetShard in each worker dealt, one global batch at a time."""
+    made = sorted({k for made_by in workers for k in made_by})
+    return [interleave_steps([[b for b, k in zip(batches, made_by) if k == worker]
+                              for batches, made_by in zip(ranks, workers)])
+            for worker in made]
+
+
+def fill_per_worker(orders: list[list[int]], limit: int) -> Optional[int]:
+    """IterableDatasetShard inside DataLoader workers: each worker iterates its own copy over
+    its share of the stream and fills its own last global batch from the start of that share.
+    The ids dealt again in all, where every worker's order (worker_orders) is distinct ids
+    and then fewer than `limit` (one global batch) dealt again from its start; else None."""
+    total = 0
+    for order in orders:
+        again = tail_repeats_head(order)
+        if again is None or again >= max(limit, 1):
+            return None
+        total += again
+    return total
+
+
+def several_workers(workers: list[list[int]]) -> bool:
+    """Batches made by more than one DataLoader worker (ids -1: not known)."""
+    return len({k for made_by in workers for k in made_by if k >= 0}) > 1
 
 
 def is_double_split(loader: dict) -> bool:
@@ -330,8 +360,15 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     known = all(len(wk) == len(b) for wk, b in zip(workers, ranks)) and any(
         x >= -1 for wk in workers for x in wk)
     per_id: dict[int, str] = {}
-    if extra and loader.get("iterable_dataset") and known and not (
-            loader.get("iterable_shard") or loader.get("dispatcher")
+    # IterableDatasetShard with several DataLoader workers: one fill per worker.
+    shard_workers = bool(loader.get("iterable_shard") and known and several_workers(workers)
+                         and not (is_double_split(loader) or hint))
+    if extra and shard_workers and fill_per_worker(worker_orders(ranks, workers),
+                                                   w * per_rank_batch) == extra:
+        dup_code, explained = "shard-fill", True
+        reasons[dup_code] = REASON_SENTENCE[dup_code]
+    elif extra and loader.get("iterable_dataset") and known and not (
+            (loader.get("iterable_shard") and not shard_workers) or loader.get("dispatcher")
             or is_double_split(loader) or hint) and not _stream_padded(ranks, loader, w,
                                                                         per_rank_batch):
         per_id = stream_duplicate_reasons(ranks, workers, [i for i, _ in cov["duplicates"]])

@@ -105,6 +105,53 @@ def tail_repeats_head(record: dict, order: str) -> Optional[int]:
     return extra if first == last else None
 
 
+def _several_workers(ranks: list[dict]) -> bool:
+    return len({int(k) for r in ranks for k in r["workers"] if int(k) >= 0}) > 1
+
+
+def fill_per_worker(record: dict, limit: int) -> Optional[int]:
+    """report.fill_per_worker, from the counts: IterableDatasetShard in each DataLoader worker
+    fills that worker's last global batch from the start of its share of the stream. The
+    whole orders where every batch was kept. Else, per worker, its first global batch (each
+    rank's first batch from that worker, rank after rank) and its last: the fill is the end of
+    the last that repeats the start of the first. Each id so placed is an extra copy of an id
+    dealt earlier, so where they add up to every extra copy (the caller's test), the fills
+    are the only repeats. None where a worker's first or last batch was not kept, its ranks
+    hold unequal numbers of its batches, or its last batch does not end that way."""
+    ranks = record["ranks"]
+    if any("head_workers" not in r for r in ranks):
+        return None
+    whole = _complete(ranks)
+    if whole is not None:
+        return R.fill_per_worker(R.worker_orders(
+            whole, [r["head_workers"] + r["tail_workers"] for r in ranks]), limit)
+    total = 0
+    for worker in sorted({int(k) for r in ranks for k in r["workers"]}):
+        counts = {r["workers"].get(worker, r["workers"].get(str(worker), [0]))[0] for r in ranks}
+        if len(counts) != 1:
+            return None
+        first: list[int] = []
+        last: list[int] = []
+        for r in ranks:
+            mine = [b for b, k in zip(r["head"], r["head_workers"]) if k == worker]
+            ends = [b for b, k in zip(r["tail"], r["tail_workers"]) if k == worker]
+            if not mine or not ends:
+                return None
+            first += mine[0]
+            last += ends[-1]
+        if counts == {1}:  # one global batch: it is the whole order, filled from itself
+            again = R.tail_repeats_head(first)
+        else:
+            at = last.index(first[0]) if first and first[0] in last else len(last)
+            again = len(last) - at
+            if last[at:] != first[:again]:
+                return None
+        if again is None or again >= max(limit, 1):
+            return None
+        total += again
+    return total
+
+
 def _replicated(record: dict, world: int) -> bool:
     ranks, cov = record["ranks"], record["coverage"]
     return (world >= 2 and ranks[0]["samples"] > 0
@@ -187,8 +234,14 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
         r["workers"] for r in ranks)
     stream_padded = (loader.get("iterable_shard") and 0 < (tail_repeats_head(record, "batch") or 0)
                      < w * per_rank_batch)
-    if extra and loader.get("iterable_dataset") and known and not (
-            loader.get("iterable_shard") or loader.get("dispatcher")
+    # IterableDatasetShard with several DataLoader workers: one fill per worker.
+    shard_workers = bool(loader.get("iterable_shard") and known and _several_workers(ranks)
+                         and not (R.is_double_split(loader) or hint))
+    if extra and shard_workers and fill_per_worker(record, w * per_rank_batch) == extra:
+        dup_code, explained = "shard-fill", True
+        reasons[dup_code] = R.REASON_SENTENCE[dup_code]
+    elif extra and loader.get("iterable_dataset") and known and not (
+            (loader.get("iterable_shard") and not shard_workers) or loader.get("dispatcher")
             or R.is_double_split(loader) or hint) and not stream_padded:
         codes = set()
         if any(r["repeats_total"] and sum(int(k) >= 0 for k in r["workers"]) > 1 for r in ranks):
