@@ -180,3 +180,76 @@ def test_double_split_literal():
     assert got == all_ranks(case) == [[[[0, 2], [8, 0]], [[5, 7], [3, 5]]]]
     assert report["missing"] == [1, 4, 6, 9]
     assert report["missing_reason"] == "double-split"
+
+
+class _TaggedStream:
+    """ids 0..n-1 as (id, worker) pairs, split by DataLoader worker (every K-th id) or, with
+    `whole`, every worker yielding them all; the worker id is torch's get_worker_info()."""
+
+    def __init__(self, n: int, whole: bool) -> None:
+        self.n, self.whole = n, whole
+
+    def __iter__(self):
+        import torch
+
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if self.whole or info is None else (info.id, info.num_workers)
+        return iter([(i, info.id if info else -1) for i in range(start, self.n, step)])
+
+
+@settings(max_examples=20, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), b=st.integers(1, 4), world=st.sampled_from([2, 3]),
+       workers=st.sampled_from([2, 3]), whole=st.booleans())
+@example(n=10, b=3, world=2, workers=2, whole=False)
+@example(n=3, b=4, world=3, workers=2, whole=False)  # each worker's share tiles its batch
+@example(n=1, b=1, world=2, workers=2, whole=True)
+def test_iterable_shard_in_workers_explained_as_the_library_deals(n, b, world, workers, whole):
+    """prepare_data_loader (no dispatch) over a stream in a DataLoader with workers: accelerate
+    wraps it in IterableDatasetShard, and each worker runs its own copy. The batches and the
+    worker that made each come from those library objects; the report must count what they
+    dealt (Counter here) and call a split stream's repeats the shard's own fill, and a stream
+    every worker reads whole not."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from oracle import ensure_accelerator_state
+
+    from sharddemo.report import build_report
+    from sharddemo.walk import describe_loader
+
+    class Stream(_TaggedStream, torch.utils.data.IterableDataset):
+        pass
+
+    ensure_accelerator_state()
+    ranks, made_by, loader = [], [], None
+    for r in range(world):
+        loader = prepare_data_loader(
+            torch.utils.data.DataLoader(Stream(n, whole), batch_size=b, num_workers=workers),
+            num_processes=world, process_index=r, put_on_device=False, dispatch_batches=False)
+        got = list(loader)
+        ranks.append([batch[0].tolist() for batch in got])
+        made_by.append([int(batch[1][0]) for batch in got])
+    trace = {"world_size": world, "backend": "none", "dataset_size": n, "batch_size": b,
+             "global_batch": b * world, "epochs": 1, "seed": 0, "source": "iterable",
+             "options": {"num_workers": workers},
+             "modes": {"prepared": {"prepared": True, "hint": None,
+                                    "loader": describe_loader(loader),
+                                    "epochs": [{"epoch": 0, "gather": "epoch",
+                                                "remainder": [None] * world,
+                                                "ranks": [{"rank": r, "batches": bs,
+                                                           "workers": wk}
+                                                          for r, (bs, wk) in
+                                                          enumerate(zip(ranks, made_by))]}]}}}
+    report = build_report(trace)["modes"]["prepared"]
+    e = report["epochs"][0]
+    counts = Counter(i for batches in ranks for batch in batches for i in batch)
+    assert e["seen"] == sum(counts.values()) and e["unique"] == len(counts)
+    assert {d["id"]: d["count"] for d in e["duplicates"]} == \
+        {i: c for i, c in counts.items() if c > 1}
+    if whole:
+        assert e["duplicates_explained"] is False and "worker-replication" in e["reasons"]
+    else:
+        assert e["missing_count"] == 0
+        assert e["duplicates_explained"] is True
+        assert set(e["reasons"]) <= {"shard-fill"}
+        assert not any("padding does not explain" in p for p in report["broken_promises"])
