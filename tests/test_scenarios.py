@@ -281,6 +281,30 @@ def test_a_stream_every_worker_reads_whole_is_not_taken_for_the_shard_fill(scena
         assert any("duplicates the loader's own padding" in p for p in report["broken_promises"])
 
 
+def test_dispatched_copies_from_two_workers_are_worker_replication(scenarios):
+    """dispatch_batches: rank 0's loader makes every batch. Its 2 workers each yield the whole
+    stream (0..10, in batches of 2), and accelerate's dispatcher concatenates one batch per rank
+    and slices it. By hand, on 2 ranks: w0 [0 1] + w1 [0 1] -> rank 0 [0 1], rank 1 [0 1], and
+    so on to w0 [10] + w1 [10]: every rank receives 0..10 once, each from its own worker. That
+    is the workers' doing (worker replication), not an unsharded loader, on both paths."""
+    world, cases = scenarios
+    case = cases["dispatch/unsplit-workers2"]
+    for report in (report_of(case, world, validate=True),
+                   report_of(_with_counted(case), world, validate=True)):
+        assert report["broken_promises"]
+        if world != 2:
+            continue  # 3 ranks share the 2 workers' batches: no rank has a worker to itself
+        e = report["epochs"][0]
+        assert e["seen"] == 22 and e["unique"] == 11
+        assert {d["id"]: d["count"] for d in e["duplicates"]} == {i: 2 for i in range(11)}
+        assert {d["reason"] for d in e["duplicates"]} == {"worker-replication"}
+        assert list(e["reasons"]) == ["worker-replication"]
+        assert e["duplicates_explained"] is False
+    if world == 2:
+        batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10]]
+        assert got(case)[0] == [batches, batches]
+
+
 def test_iterable_dispatch_covers_the_stream(scenarios):
     world, cases = scenarios
     for name in ("iterable/prepared", "hf-stream/prepared"):
@@ -319,7 +343,8 @@ def _with_counted(case):
     "iterable/prepared", "iterable/prepared-shard", "hf-stream/split", "hf-stream/replicated",
     "long/prepared", "long/sampler", "long/no-even-batches", "long/drop-last",
     "long/split-batches", "long/replicated", "long/double-split", "long/worker-replication",
-    "long/iterable-shard", *SHARD_WORKERS, "long/unsplit-shard-workers2"])
+    "long/iterable-shard", *SHARD_WORKERS, "long/unsplit-shard-workers2",
+    "dispatch/unsplit-workers2"])
 def test_the_count_path_gives_the_same_report(scenarios, name):
     world, cases = scenarios
     case = cases[name]

@@ -187,8 +187,18 @@ def _replicated(flat: list[list[int]]) -> bool:
             and all(sorted(ids) == first for ids in flat[1:]))
 
 
+def dispatched_from_other_workers(loader: dict, worker_sets: list[set]) -> bool:
+    """With dispatch_batches rank 0's loader makes every batch and each rank gets a slice. Where
+    each rank's slices came from its own DataLoader workers (none shared between ranks), an id
+    that reached several ranks was yielded by several workers: worker replication."""
+    if not loader.get("dispatcher") or any(not ws or min(ws) < 0 for ws in worker_sets):
+        return False
+    return len(worker_sets) > 1 and sum(map(len, worker_sets)) == len(set().union(*worker_sets))
+
+
 def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optional[str],
-                       kind: str, world: int, batch: int, n: int) -> tuple[str, bool]:
+                       kind: str, world: int, batch: int, n: int,
+                       worker_sets: Optional[list[set]] = None) -> tuple[str, bool]:
     """Why samples appear more than once in this epoch, found in the records: which ids
     repeat and where. Returns a reason code and whether it accounts for every repeat
     (False: a broken promise)."""
@@ -206,6 +216,8 @@ def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optiona
         if again is not None and 0 < again < max(limit, 1):
             return code, True
     if _replicated(flat):
+        if dispatched_from_other_workers(loader, worker_sets or []):
+            return "worker-replication", False
         return "replication", kind == REPLICATED
     if _ranks_disagree(flat, n) and (code is not None or loader.get("seedable_sampler")):
         # A loader that shards, each rank's slice clean, yet slices overlap: the ranks dealt
@@ -378,7 +390,8 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         for code in sorted(codes):
             reasons[code] = REASON_SENTENCE[code]
     elif extra:
-        dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch, n)
+        dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch, n,
+                                                 [set(wk) for wk in workers] if known else None)
         reasons[dup_code] = REASON_SENTENCE[dup_code]
     miss_code, miss_explained = None, True
     if cov["missing"]:

@@ -181,6 +181,9 @@ def explain_duplicates(record: dict, loader: dict, hint: Optional[str], kind: st
         if again is not None and 0 < again < max(limit, 1):
             return code, True
     if _replicated(record, world):
+        if R.dispatched_from_other_workers(loader, [{int(k) for k in r["workers"]}
+                                                    for r in record["ranks"]]):
+            return "worker-replication", False
         return "replication", kind == R.REPLICATED
     if _ranks_disagree(record, n) and (code is not None or loader.get("seedable_sampler")):
         return "ranks-disagree", False
