@@ -58,7 +58,9 @@ def bare_epoch(accelerator, plan) -> None:
 
 
 def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
-    out = {}
+    from sharddemo.counting import FLUSH_IDS
+
+    out: dict = {"flush_ids": FLUSH_IDS}
     for mode in ("prepared", "sampler"):
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
         plan = build_loader(mode, accelerator, ToyDataset(n), opts)

@@ -123,6 +123,7 @@ def section_overhead(repeats: int) -> dict:
                      / statistics.median(pooled["bare_cpus"])}
     worst = max(out[m]["ratio"] for m in ("prepared", "sampler"))
     return {**out, "launches": OVERHEAD_LAUNCHES, "repeats": pairs,
+            "flush_ids": launches[0]["flush_ids"],
             "target": "traced epoch <= 1.05x the bare loop", "met": worst <= 1.05}
 
 

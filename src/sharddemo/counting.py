@@ -253,13 +253,18 @@ def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: 
     return {"count": count, "exact": True}
 
 
-# Ids counted, hashed and checked at a time.
-FLUSH_IDS = 1 << 16
+# Ids counted, hashed and checked at a time. Each flush touches most of the counter's cache
+# lines, which the loader's work between two flushes has pushed out of the cache, so fewer,
+# larger flushes cost less; but the batches waiting for a flush are the loader's own memory,
+# kept from reuse. 2^18 (2 MB of ids) measured best of 2^13..2^20 (benchmarks/run.py
+# overhead; docs/benchmarks.md).
+FLUSH_IDS = 1 << 18
 
 
 class _Running:
-    """What the walk accumulates over the ids, fed a list of batches at a time: the counter,
-    the order hash, whether the ids never decrease, and the ids outside [0, n)."""
+    """What the walk accumulates over the ids, fed a list of batches (about FLUSH_IDS ids) at a
+    time: the counter, the order hash, whether the ids never decrease, and the ids outside
+    [0, n)."""
 
     def __init__(self, counter: torch.Tensor, ones: torch.Tensor, n: int) -> None:
         self.counter, self.ones, self.n = counter, ones, n
