@@ -105,10 +105,6 @@ def tail_repeats_head(record: dict, order: str) -> Optional[int]:
     return extra if first == last else None
 
 
-def _several_workers(ranks: list[dict]) -> bool:
-    return len({int(k) for r in ranks for k in r["workers"] if int(k) >= 0}) > 1
-
-
 def fill_per_worker(record: dict, limit: int) -> Optional[int]:
     """report.fill_per_worker, from the counts: IterableDatasetShard in each DataLoader worker
     fills that worker's last global batch from the start of its share of the stream. The
@@ -238,7 +234,8 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
     stream_padded = (loader.get("iterable_shard") and 0 < (tail_repeats_head(record, "batch") or 0)
                      < w * per_rank_batch)
     # IterableDatasetShard with several DataLoader workers: one fill per worker.
-    shard_workers = bool(loader.get("iterable_shard") and known and _several_workers(ranks)
+    shard_workers = bool(loader.get("iterable_shard") and known
+                         and R.several_workers([[int(k) for k in r["workers"]] for r in ranks])
                          and not (R.is_double_split(loader) or hint))
     if extra and shard_workers and fill_per_worker(record, w * per_rank_batch) == extra:
         dup_code, explained = "shard-fill", True
