@@ -305,6 +305,25 @@ def test_dispatched_copies_from_two_workers_are_worker_replication(scenarios):
         assert got(case)[0] == [batches, batches]
 
 
+def test_stream_files_of_unequal_size_give_unequal_steps(scenarios):
+    """13 ids in 4 files of 4, 4, 4 and 1 (docs/scenarios.md). split_dataset_by_node deals the
+    files; the ranks' step counts and the hang come from what datasets gives each rank
+    (tests/oracle.py). By hand on 2 ranks: 2 whole files each, 8 and 5 ids, 4 and 3 steps."""
+    world, cases = scenarios
+    case = cases["hf-stream/unequal-files"]
+    expected = simulated(case, world)
+    assert got(case) == expected
+    steps = [len(b) for b in expected[0]]
+    if world == 2:
+        assert steps == [4, 3]
+    report = report_of(case, world)
+    e = report["epochs"][0]
+    assert [r["steps"] for r in e["ranks"]] == steps
+    assert e["hang_at_step"] == (min(steps) if len(set(steps)) > 1 else None)
+    assert any("unequal step counts" in p for p in report["broken_promises"]) == \
+        (len(set(steps)) > 1)
+
+
 def test_iterable_dispatch_covers_the_stream(scenarios):
     world, cases = scenarios
     for name in ("iterable/prepared", "hf-stream/prepared"):
