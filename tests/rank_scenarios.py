@@ -48,6 +48,9 @@ SCENARIOS = {
     "hf-stream/prepared": ("prepared", dict(dataset_size=12, batch_size=2, source="hf-stream")),
     "hf-stream/unequal-files": ("split", dict(dataset_size=13, batch_size=2, source="hf-stream",
                                               shards=4)),
+    "hf-stream/unequal-files-prepared": ("prepared", dict(dataset_size=13, batch_size=2,
+                                                          source="hf-stream", shards=4,
+                                                          dispatch_batches=False)),
     "hf-stream/replicated": ("replicated", dict(dataset_size=12, batch_size=2, source="hf-stream")),
     # Longer epochs (more batches than the count path keeps whole), for the count comparison.
     "long/prepared": ("prepared", dict(dataset_size=203, batch_size=4)),

@@ -305,12 +305,14 @@ def test_dispatched_copies_from_two_workers_are_worker_replication(scenarios):
         assert got(case)[0] == [batches, batches]
 
 
-def test_stream_files_of_unequal_size_give_unequal_steps(scenarios):
-    """13 ids in 4 files of 4, 4, 4 and 1 (docs/scenarios.md). split_dataset_by_node deals the
-    files; the ranks' step counts and the hang come from what datasets gives each rank
-    (tests/oracle.py). By hand on 2 ranks: 2 whole files each, 8 and 5 ids, 4 and 3 steps."""
+@pytest.mark.parametrize("name", ["hf-stream/unequal-files", "hf-stream/unequal-files-prepared"])
+def test_stream_files_of_unequal_size_give_unequal_steps(scenarios, name):
+    """13 ids in 4 files of 4, 4, 4 and 1 (docs/scenarios.md), split by the user
+    (split_dataset_by_node) or by accelerate's prepare without dispatch. The ranks' step counts
+    and the hang come from what datasets and accelerate give each rank (tests/oracle.py). By
+    hand on 2 ranks: 2 whole files each, 8 and 5 ids, 4 and 3 steps."""
     world, cases = scenarios
-    case = cases["hf-stream/unequal-files"]
+    case = cases[name]
     expected = simulated(case, world)
     assert got(case) == expected
     steps = [len(b) for b in expected[0]]
