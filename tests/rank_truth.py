@@ -62,7 +62,7 @@ def reduced_codes(accelerator) -> dict:
     for layout in (2, 16, 256):
         counts = np.array(COUNTS[accelerator.process_index], dtype=np.uint8)
         code, _ = encode(counts, layout)
-        reduce_to_main(accelerator, code)
+        reduce_to_main(accelerator, code)()  # started, then waited for
         out[str(layout)] = [str(code.dtype), code.tolist()]
     return out
 
