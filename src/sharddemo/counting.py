@@ -412,12 +412,16 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
             present, several = part, None
         else:
             present, several = part & (shift - 1), part >> bits
-        # which rank counts occur: a count per level up to 8 ranks (cheaper than a bincount)
+        held = int(np.count_nonzero(present))
+        # which rank counts occur: up to 8 ranks, 0 where a sample is missing, the largest
+        # (`top`), and a test per level between (cheaper than a bincount; for a sharded
+        # loader, whose levels are 0 and 1 or 2, no pass at all, or one)
         if several is None and top <= 8:
-            levels.update(k for k in range(top + 1) if np.any(present == k))
+            levels.update(k for k in range(1, top) if np.any(present == k))
+            levels.update([0] if held < part.size else [])
+            levels.update([top] if top else [])
         else:
             levels.update(np.flatnonzero(np.bincount(present)).tolist())
-        held = int(np.count_nonzero(present))
         n_missing += int(part.size) - held
         n_present += held
         if held < part.size and len(missing) < LIST_CAP:
