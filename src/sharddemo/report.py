@@ -503,7 +503,8 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             problems.append(f"{tag}: the ranks did not each see the whole dataset (less what "
                             "drop_last drops)")
         if any(d["reason"] == "worker-replication" for d in e["duplicates"]):
-            problems.append(f"{tag}: each rank's DataLoader workers all yielded the same stream "
+            # (with dispatch_batches the workers are rank 0's, whose loader feeds every rank)
+            problems.append(f"{tag}: the DataLoader workers each yielded the whole stream "
                             f"(worker replication): samples arrived {_most_copies(e)}")
         if e["out_of_range"]:
             problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
