@@ -39,6 +39,7 @@ import xxhash
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
 from sharddemo.report_counts import LIST_CAP
+from sharddemo.walk import is_prepared, unshift
 
 # First and last batches each rank keeps in full (at least; one per DataLoader worker where
 # there are more workers, so that every worker's first and last batch is kept).
@@ -108,7 +109,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
             state.add(pending, shift_now)
             pending, pending_ids, shift_now = [], 0, shift
         if steps < keep:
-            head.append((ids - shift if shift else ids, worker))
+            head.append((unshift(ids, shift), worker))
         else:
             tail.append((ids, shift, worker))
         pending.append(ids)
@@ -129,7 +130,7 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     order, ascending = state.order, state.ascending
     outside, outside_total = state.outside, state.outside_total
     head = [(t.tolist(), worker) for t, worker in head]
-    tail = [((t - shift if shift else t).tolist(), worker) for t, shift, worker in tail]
+    tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in tail]
     inside_total = samples - outside_total
     distinct = int(np.count_nonzero(counts))
     # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
@@ -302,8 +303,7 @@ class _Running:
         ids = batches[0] if len(batches) == 1 else torch.cat(batches)
         if not ids.numel():
             return
-        if shift:  # a new tensor: the batches are the loader's
-            ids = ids - shift
+        ids = unshift(ids, shift)  # a new tensor where shifted: never the loader's batch
         arr = ids.numpy()
         self.order.update(memoryview(arr))  # the same digest as hashing batch after batch
         if self.ascending:
@@ -322,8 +322,6 @@ class _Running:
 
 
 def _remainder(loader) -> int:
-    from sharddemo.walk import is_prepared
-
     if not is_prepared(loader):
         return -2
     value = getattr(loader, "remainder", -1)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from sharddemo.walk import unshift
+
 
 class ToyDataset(Dataset):
     """N samples whose values are 1..N (as in the reference). The sample id is value - 1.
@@ -166,4 +168,4 @@ def batch_ids(batch: Any) -> torch.Tensor:
     """A batch from any built-in source -> the 0-based dataset ids it holds, a 1-D int64
     tensor on the CPU."""
     values, shift = batch_values(batch)
-    return values - shift if shift else values
+    return unshift(values, shift)

@@ -47,10 +47,16 @@ ReadIds = Callable[[Any, Optional[dict]], Any]
 UNKNOWN_WORKER = -2
 
 
+def unshift(values: torch.Tensor, shift: int) -> torch.Tensor:
+    """The ids held as `values` = ids + shift (ReadIds): values - shift, or `values` itself
+    (no copy) where the shift is 0."""
+    return values - shift if shift else values
+
+
 def _read(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int]:
     """(the batch's 0-based ids, the worker that made it)."""
     values, worker, shift = _read_values(read_ids, batch)
-    return (values - shift if shift else values), worker
+    return unshift(values, shift), worker
 
 
 def _read_values(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int, int]:
