@@ -192,6 +192,8 @@ def render_doc(results: dict) -> str:
         out.append("| tracing overhead, one epoch N = 10^6, B = 512 | " + "; ".join(
             f"{m}: {o[m]['traced_s'] * 1000:.0f} ms vs {o[m]['bare_s'] * 1000:.0f} ms = "
             f"**{o[m]['ratio']:.3f}x**" + (
+                f" (95% interval {o[m]['ratio_ci95'][0]:.3f}-{o[m]['ratio_ci95'][1]:.3f}x;"
+                f" {len(o[m]['launch_ratios'])} launches: " if "ratio_ci95" in o[m] else
                 f" ({len(o[m]['launch_ratios'])} launches: "
                 f"{min(o[m]['launch_ratios']):.3f}-{max(o[m]['launch_ratios']):.3f}x;"
                 if "launch_ratios" in o[m] else " (") + (
@@ -204,7 +206,9 @@ def render_doc(results: dict) -> str:
                      "(`auto`, which at N = 10^6 is the count path), alternated ABBA on the same "
                      "ranks" + (f", in {o['launches']} separate launches of {o['repeats']} "
                                 "pairs each (the figure: the median over all their pairs; "
-                                "beside it the range of the launches' own ratios)"
+                                "beside it its 95% interval, the pairs resampled whole (a "
+                                "percentile bootstrap), and the range of the launches' own "
+                                "ratios)"
                                 if "launches" in o else "") +
                      "; wall time on the main rank between barriers, and the CPU time of "
                      "both ranks (which leaves out the waits other processes cause). Per batch "
@@ -213,8 +217,9 @@ def render_doc(results: dict) -> str:
                      f"checked {o.get('flush_ids', 1 << 16):,} at a time (each flush reloads "
                      "most of the counter into the cache, so fewer, larger flushes cost less, "
                      "up to where the batches waiting for one keep the loader's memory from "
-                     "being reused); after the epoch one small exchange, one ragged gather and "
-                     "one reduce of 1 byte per sample onto the main process finish it.")
+                     "being reused); after the epoch one small exchange and one ragged gather "
+                     "finish it, under one reduce of 1 byte per sample onto the main process, "
+                     "started before them and run by gloo's own thread meanwhile.")
         if not o["met"]:
             notes.append("  Not met for every loader. Wall-time ratios move by 10-20% from pair "
                          "to pair on this machine (the middle half above), so the CPU time of "

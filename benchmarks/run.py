@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,21 @@ def section_startup(repeats: int) -> dict:
             "met": c / f <= 1.15 and statistics.median(helps) < 0.5}
 
 
-OVERHEAD_LAUNCHES = 3
+OVERHEAD_LAUNCHES = 6
+
+
+def ratio_interval(traced: list, bare: list, rounds: int = 2000) -> list:
+    """The 95% interval of median(traced) / median(bare), the pairs resampled whole (a
+    percentile bootstrap, seeded): how far the figure itself can be trusted on this machine."""
+    rng = random.Random(0)
+    k = len(traced)
+    ratios = []
+    for _ in range(rounds):
+        picked = [rng.randrange(k) for _ in range(k)]
+        ratios.append(statistics.median(traced[i] for i in picked)
+                      / statistics.median(bare[i] for i in picked))
+    ratios.sort()
+    return [ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]]
 
 
 def section_overhead(repeats: int) -> dict:
@@ -116,6 +131,7 @@ def section_overhead(repeats: int) -> dict:
         bare, traced = (statistics.median(pooled[k]) for k in ("bare_walls", "traced_walls"))
         pair_ratios = sorted(t / b for t, b in zip(pooled["traced_walls"], pooled["bare_walls"]))
         out[mode] = {"bare_s": bare, "traced_s": traced, "ratio": traced / bare,
+                     "ratio_ci95": ratio_interval(pooled["traced_walls"], pooled["bare_walls"]),
                      "pairs_iqr": [pair_ratios[len(pair_ratios) // 4],
                                    pair_ratios[(3 * len(pair_ratios)) // 4]],
                      "launch_ratios": [run["ratio"] for run in runs],
