@@ -27,6 +27,9 @@ REPRODUCTIONS = [
     Case("prepared", 1006, 4, 0, even_batches=False, epochs=1),
     Case("unseeded", 11, 2, 0, even_batches=False, epochs=1),
     Case("replicated", 10, 3, 0, drop_last=True),
+    # --split-batches with loaders accelerate does not prepare: each rank keeps the whole batch.
+    Case("sampler", 17, 6, 0, drop_last=True, split_batches=True, epochs=1),
+    Case("replicated", 20, 6, 0, split_batches=True, epochs=1),
     # The reference experiment: 8 samples, batch 4.
     Case("sampler", 8, 4, 0), Case("prepared", 8, 4, 0), Case("replicated", 8, 4, 0),
 ]

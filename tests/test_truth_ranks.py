@@ -31,14 +31,22 @@ def truth(request, tmp_path_factory):
     return data
 
 
-def _report(result, world):
+def _full_report(result, world):
+    """The report of one case, its header as a run with these options states it (split_batches
+    slices the batch as given: the run's arithmetic), the mode's trace as the ranks made it."""
     case = Case(**result["case"])
     per_rank = case.b // world if case.split_batches else case.b
     trace = {"world_size": world, "backend": "gloo", "dataset_size": case.n,
              "batch_size": case.b, "global_batch": per_rank * world, "epochs": case.epochs,
-             "seed": case.seed, "source": case.source, "options": {},
+             "seed": case.seed, "source": case.source,
+             "options": {"split_batches": case.split_batches},
              "modes": {case.mode: result["trace"]}}
-    return case, build_report(trace)["modes"][case.mode]
+    return case, build_report(trace)
+
+
+def _report(result, world):
+    case, report = _full_report(result, world)
+    return case, report["modes"][case.mode]
 
 
 def test_every_case_ran_and_every_rank_received_what_the_libraries_give(truth):
@@ -161,6 +169,40 @@ def test_compare_reproductions_through_the_cli(args, promise):
     jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()))
     assert report["broken_promises"] == ([promise] if promise else []), proc.stderr
     assert proc.returncode == (1 if promise else 0), proc.stderr
+
+
+def test_split_batches_leaves_a_loader_it_does_not_prepare_whole(truth):
+    """--split-batches is accelerate's: the sampler and replicated loaders, which it does not
+    prepare, hand every rank the whole batch. The per-rank batch and the steps the report
+    states are those of the DataLoader the libraries build (tests/oracle.py), not the run's
+    slice of it."""
+    from oracle import _dataset, _distributed, _plain
+
+    from sharddemo.render import render_table
+
+    world, results = truth["world"], truth["results"]
+    checked = set()
+    for result in results:
+        case, full = _full_report(result, world)
+        if not case.split_batches or case.mode not in ("sampler", "replicated"):
+            continue
+        loaders = [_distributed(_dataset(case), case, r)[0] if case.mode == "sampler"
+                   else _plain(_dataset(case), case, case.shuffle) for r in range(world)]
+        b = loaders[0].batch_size
+        report = full["modes"][case.mode]
+        where = f"{case} gather={result['gather']}"
+        assert report["global_batch"] == b * world, where
+        assert f"per-rank batch {b} = global batch {b * world})" in report["conclusion"], where
+        assert [r["steps"] for r in report["epochs"][0]["ranks"]] == [len(x) for x in loaders]
+        assert f"this loader: per-rank batch {b}, global batch {b * world}" in render_table(full)
+        checked.add(case.mode)
+        if world == 2 and case.mode == "sampler":
+            # By hand: DistributedSampler(17, 2, drop_last) gives each rank 17 // 2 = 8 ids;
+            # batches of 6 with drop_last: one step each, 12 seen, 5 dropped.
+            e = report["epochs"][0]
+            assert [r["steps"] for r in e["ranks"]] == [1, 1] and e["seen"] == 12
+            assert len(e["missing"]) == 5
+    assert checked == {"sampler", "replicated"}
 
 
 def test_reference_observations(truth):

@@ -200,6 +200,8 @@ def render_table(report: dict) -> str:
                        "stop here)")
         if data.get("settings"):
             out.append("  " + settings_line(data))
+        elif own_sizes_line(report, data):
+            out.append("  " + own_sizes_line(report, data))
         view = {**report, **{k: data[k] for k in SIZES if k in data}}
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
@@ -222,6 +224,20 @@ def render_table(report: dict) -> str:
 
 # A mode's own sizes (a framework's eval loader differs from its train loader).
 SIZES = ("dataset_size", "batch_size", "global_batch")
+
+
+def own_sizes_line(report: dict, data: dict) -> str:
+    """Where a mode's loader batches otherwise than the header says (the header gives the
+    run's: under --split-batches, accelerate's slice of the batch, which a loader it does not
+    prepare never takes; an audit's second loader), its own per-rank and global batch."""
+    g = data.get("global_batch")
+    if g is None or g == report["global_batch"]:
+        return ""
+    w = max(report["world_size"], 1)
+    why = (" (not prepared: --split-batches slices only the batches of a loader accelerate "
+           "prepares)" if (report.get("options") or {}).get("split_batches")
+           and not data.get("prepared") else "")
+    return f"this loader: per-rank batch {g // w}, global batch {g}{why}"
 
 
 def settings_line(data: dict) -> str:
@@ -288,6 +304,8 @@ def render_markdown(report: dict) -> str:
         out.append("")
         if data.get("settings"):
             out += [settings_line(data), ""]
+        elif own_sizes_line(report, data):
+            out += [own_sizes_line(report, data), ""]
         for e in data["epochs"]:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
             out += [f"  - {line.strip()}" for line in window_lines(e.get("grad_accum"))]

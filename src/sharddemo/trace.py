@@ -148,6 +148,11 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         return {}
     out = {"description": MODE_HELP[mode], "prepared": plan.prepared, "loader": description,
            "fingerprint": agreed, "hint": plan.hint, "epochs": epochs}
+    if opts.split_batches and not plan.prepared:
+        # split_batches is accelerate's: a loader it does not prepare hands every rank the
+        # whole --batch-size, not the run's slice of it (the report reads each mode's sizes)
+        world = accelerator.num_processes
+        out["sizes"] = {"batch_size": opts.batch_size, "global_batch": opts.batch_size * world}
     if opts.source == "hf-stream":
         from sharddemo.sources import stream_arithmetic
 
