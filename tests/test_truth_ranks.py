@@ -205,6 +205,25 @@ def test_split_batches_leaves_a_loader_it_does_not_prepare_whole(truth):
     assert checked == {"sampler", "replicated"}
 
 
+def test_the_mode_says_whether_its_dataloader_shuffles_as_its_objects_do(truth):
+    """`prepared` and `replicated` are a plain DataLoader: the description's shuffle=True or
+    shuffle=False must be what the loader holds on the ranks (a RandomSampler, or not), with
+    --no-shuffle and for streams, which a DataLoader never shuffles."""
+    world, results = truth["world"], truth["results"]
+    told = set()
+    for result in results:
+        case = Case(**result["case"])
+        if case.mode not in ("prepared", "replicated"):
+            continue
+        trace = result["trace"]
+        shuffles = "RandomSampler" in trace["loader"]["classes"]
+        says = "DataLoader(shuffle=True)" in trace["description"]
+        assert says == shuffles and ("DataLoader(shuffle=False)" in trace["description"]) != says, \
+            f"{case}: {trace['description']} / {trace['loader']['classes']}"
+        told.add(says)
+    assert told == {True, False}  # both kinds ran
+
+
 def test_reference_observations(truth):
     """The reference's finding, N=8, B=4: the sharded modes split each epoch (at W=2: 4 each,
     disjoint, all 8, a new order each epoch); replicated gives every rank all 8, W x 8 in all."""

@@ -32,6 +32,15 @@ MODE_HELP = {
               "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers (compare only)",
 }
 
+def mode_description(mode: str, shuffle: bool, source: str) -> str:
+    """MODE_HELP as the run built the mode: its plain DataLoader shuffles only with --shuffle
+    over a map-style source (a stream has no order to shuffle; loaders.plain_loader)."""
+    text = MODE_HELP[mode]
+    if not (shuffle and source in MAP_SOURCES):
+        text = text.replace("DataLoader(shuffle=True)", "DataLoader(shuffle=False)")
+    return text
+
+
 # Where the samples come from. Every source carries its sample ids.
 SOURCES = ("toy", "hf", "iterable", "iterable-unsplit", "hf-stream")
 MAP_SOURCES = ("toy", "hf")

@@ -25,8 +25,8 @@ import torch
 from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
 from sharddemo.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import (EXPECT_ENV, MODE_HELP, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
-                               RunOptions)
+from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
+                               RunOptions, mode_description)
 from sharddemo.walk import (agree_on_fingerprint, describe_loader, progress_reporter,
                             tag_batches, walk_epoch)
 
@@ -146,7 +146,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                 on_epoch(epochs[-1])
     if not accelerator.is_main_process:
         return {}
-    out = {"description": MODE_HELP[mode], "prepared": plan.prepared, "loader": description,
+    out = {"description": mode_description(mode, opts.shuffle, opts.source), "prepared": plan.prepared, "loader": description,
            "fingerprint": agreed, "hint": plan.hint, "epochs": epochs}
     if opts.split_batches and not plan.prepared:
         # split_batches is accelerate's: a loader it does not prepare hands every rank the
@@ -222,7 +222,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
         modes: dict[str, Any] = {}
         timings: dict[str, float] = {}
         for mode in opts.modes:
-            talk(f"== mode {mode}: {MODE_HELP[mode]}")
+            talk(f"== mode {mode}: {mode_description(mode, opts.shuffle, opts.source)}")
             start = time.perf_counter()
             try:
                 modes[mode] = trace_mode(
