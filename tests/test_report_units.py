@@ -158,6 +158,23 @@ def test_unequal_steps_and_ragged_batches():
     assert e["gathered_for_metrics_count"] == 7 and e["gather_for_metrics_exact"]
 
 
+def test_the_conclusion_says_when_it_lists_only_the_first_ragged_steps():
+    # A batch sampler of sizes 1, 2, 3, 4, 5, 1, 2, ... over 0..29, dealt alternately to 2 ranks
+    # (accelerate's BatchSamplerShard, worked by hand): rank 0 gets sizes 1, 3, 5, 2, 4, rank 1
+    # sizes 2, 4, 1, 3, 5; every one of the 5 steps differs in size. With 3 of the 5 steps
+    # ragged the list is whole; past 5 the conclusion shows 5 and says there are more.
+    r0 = [[0], [3, 4, 5], [10, 11, 12, 13, 14], [16, 17], [21, 22, 23, 24]]
+    r1 = [[1, 2], [6, 7, 8, 9], [15], [18, 19, 20], [25, 26, 27, 28, 29]]
+    m = report_of(trace("prepared", 30, 5, 2, [[r0, r1]], PREPARED_UNEVEN, remainder=[10, 10]))
+    assert m["epochs"][0]["ragged_steps"] == [0, 1, 2, 3, 4]
+    assert "differ in size at step(s) [0, 1, 2, 3, 4]:" in m["conclusion"]
+    # two more steps, ragged too: [30] vs [31, 32], [33, 34, 35] vs [36, 37, 38, 39]
+    r0, r1 = r0 + [[30], [33, 34, 35]], r1 + [[31, 32], [36, 37, 38, 39]]
+    m = report_of(trace("prepared", 40, 5, 2, [[r0, r1]], PREPARED_UNEVEN, remainder=[10, 10]))
+    assert m["epochs"][0]["ragged_steps"] == [0, 1, 2, 3, 4, 5, 6]
+    assert "differ in size at step(s) [0, 1, 2, 3, 4, ...]:" in m["conclusion"]
+
+
 def test_order_verdict():
     same = [[[1, 0]], [[3, 2]]]
     m = report_of(trace("audit", 4, 1, 2, [same, same], SAMPLER))

@@ -671,7 +671,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
                  f"loop would hang at step {first['hang_at_step']} (DDP's all-reduce waits for "
                  "the ranks that have run out)")
     elif first["ragged_steps"]:
-        text += (f"; the ranks' batches differ in size at step(s) {first['ragged_steps'][:5]}: "
+        ragged = _short(first["ragged_steps"], 5, total=first.get("ragged_step_count"))
+        text += (f"; the ranks' batches differ in size at step(s) {ragged}: "
                  "a plain accelerator.gather of them fails (pad_across_processes, or "
                  "gather_for_metrics(use_gather_object=True))")
     if len(epochs) > 1:
