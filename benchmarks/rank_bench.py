@@ -22,7 +22,7 @@ from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.sources import batch_values
 from sharddemo.trace import make_accelerator
-from sharddemo.walk import walk_epoch
+from sharddemo.walk import tag_batches, walk_epoch
 
 
 def trace_epoch(accelerator, plan, epoch: int, strategy: str, n=None):
@@ -64,6 +64,9 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
     for mode in ("prepared", "sampler"):
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
         plan = build_loader(mode, accelerator, ToyDataset(n), opts)
+        # as compare's trace_mode does; with no workers it tags nothing (walk.tag_batches), so
+        # the bare and the traced loop walk the very same loader
+        assert not tag_batches(plan.loader, record_indices=False)
         bare, traced = [], []
         run_bare = lambda: bare.append(
             timed_cpu(accelerator, lambda: bare_epoch(accelerator, plan)))

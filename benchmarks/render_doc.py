@@ -203,7 +203,11 @@ def render_doc(results: dict) -> str:
             for m in ("prepared", "sampler")) + f" | {o['target']} | {_met(o)} |")
         notes.append(f"- tracing overhead ({_when(o)}): the same loader walked bare (`for batch "
                      "in loader: batch.to(device)`) and by sharddemo's walk as `compare` runs it "
-                     "(`auto`, which at N = 10^6 is the count path), alternated ABBA on the same "
+                     "(`auto`, which at N = 10^6 is the count path; with no DataLoader workers "
+                     "`compare` tags no batch, so both loops walk the very same loader; with "
+                     "workers each batch carries a tag saying which worker made it, a cost "
+                     "this figure leaves out), "
+                     "alternated ABBA on the same "
                      "ranks" + (f", in {o['launches']} separate launches of {o['repeats']} "
                                 "pairs each (the figure: the median over all their pairs; "
                                 "beside it its 95% interval, the pairs resampled whole (a "

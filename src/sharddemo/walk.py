@@ -53,21 +53,35 @@ def unshift(values: torch.Tensor, shift: int) -> torch.Tensor:
     return values - shift if shift else values
 
 
-def _read(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int]:
+def _read(read_ids: ReadIds, batch, known: Optional[int] = None) -> tuple[torch.Tensor, int]:
     """(the batch's 0-based ids, the worker that made it)."""
-    values, worker, shift = _read_values(read_ids, batch)
+    values, worker, shift = _read_values(read_ids, batch, known)
     return unshift(values, shift), worker
 
 
-def _read_values(read_ids: ReadIds, batch) -> tuple[torch.Tensor, int, int]:
-    """(values, the worker that made the batch, shift): its ids are values - shift."""
+def _read_values(read_ids: ReadIds, batch,
+                 known: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
+    """(values, the worker that made the batch, shift): its ids are values - shift. `known`:
+    the worker of every batch where the loader says it (known_worker); else read from the
+    batch's tag (a few microseconds a batch), UNKNOWN_WORKER without one."""
     inner, tag = unwrap(batch)
     got = read_ids(inner, tag)
     values, shift = got if type(got) is tuple else (got, 0)
+    if known is not None:
+        return values, known, shift
     worker = UNKNOWN_WORKER
     if tag is not None and len(tag["worker"]):
         worker = int(tag["worker"][0])
     return values, worker, shift
+
+
+def known_worker(loader) -> Optional[int]:
+    """MAIN_PROCESS where the loader's torch DataLoader has no worker processes: the process
+    that iterates it makes every batch (with dispatch_batches, rank 0's main process makes
+    them all), so no batch needs a tag to say so. None where workers make them (or the
+    loader is not a DataLoader): each batch's tag says which."""
+    workers = getattr(base_loader(loader), "num_workers", None)
+    return MAIN_PROCESS if workers == 0 else None
 
 
 @dataclass
@@ -141,7 +155,9 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     if how == "count":
         from sharddemo.counting import walk_and_count
 
-        return walk_and_count(accelerator, loader, lambda batch: _read_values(read_ids, batch),
+        known = known_worker(loader)
+        return walk_and_count(accelerator, loader,
+                              lambda batch: _read_values(read_ids, batch, known),
                               epoch=epoch, n=int(n), progress=progress, max_steps=max_steps,
                               safe_len=safe_len)
     if how == "batch":
@@ -161,6 +177,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
     ranks: list[list[list[int]]] = [[] for _ in range(world)]
     workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
+    known = known_worker(loader)
     iterator = iter(loader)
     alive, step, received = True, 0, 0
     while True:
@@ -168,7 +185,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
             alive = False
         batch = next(iterator, _END) if alive else _END
         alive = batch is not _END
-        ids, worker = _read(read_ids, batch) if alive else (torch.empty(0, dtype=torch.int64),
+        ids, worker = _read(read_ids, batch, known) if alive else (torch.empty(0, dtype=torch.int64),
                                                             UNKNOWN_WORKER)
         heads = exchange_ints(accelerator, [int(alive), ids.numel(), worker])
         has = [h[0] for h in heads]
@@ -227,12 +244,13 @@ def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optio
     made_by: list[int] = []
     total = safe_len(loader)
     received = 0
+    known = known_worker(loader)
     iterator = iter(loader)
     while max_steps is None or len(local) < max_steps:  # never fetch past a stop
         batch = next(iterator, _END)
         if batch is _END:
             break
-        ids, worker = _read(read_ids, batch)
+        ids, worker = _read(read_ids, batch, known)
         local.append(ids)
         made_by.append(worker)
         received += ids.numel()
@@ -415,7 +433,13 @@ def base_loader(loader):
 def tag_batches(loader, record_indices: bool) -> bool:
     """Make every batch of `loader` carry its worker id (and, for map-style datasets when
     `record_indices`, the indices fetched). False when the loader is not a DataLoader whose
-    collate function can be wrapped (the walk then reads batches as they are)."""
+    collate function can be wrapped (the walk then reads batches as they are), and when there
+    is nothing to record: no indices asked for and no workers (the walk knows the main
+    process made every batch, known_worker). A tag costs a tensor and a dict per batch, which
+    accelerate's send_to_device then walks through, and reading it back a few microseconds:
+    on a toy loader as much as the rest of the walk."""
+    if not record_indices and known_worker(loader) == MAIN_PROCESS:
+        return False
     base = base_loader(loader)
     collate = getattr(base, "collate_fn", None)
     if collate is None or isinstance(collate, TaggingCollate) or not hasattr(base, "dataset"):
