@@ -91,3 +91,47 @@ def test_prepared_shuffled_shards_cover_the_dataset_once():
         seen = sum(got[0][epoch], []) + sum(got[1][epoch], [])
         assert sorted(seen) == list(range(16))
     assert got[0][0] != got[0][1], "accelerate sets the epoch itself: a new order each epoch"
+
+
+def _made_by(samples):
+    """A collate that returns, per sample, the worker torch says is making the batch (-1: the
+    main process, where get_worker_info() is None)."""
+    import torch
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return torch.full((len(samples),), info.id if info is not None else -1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_the_walk_knows_the_worker_without_a_tag_only_where_torch_has_no_workers(workers,
+                                                                                 prepared):
+    """With num_workers=0 the walk takes every batch as made by the main process and tags
+    nothing (no tag to pay for); with workers it cannot know, and tags. What made each batch
+    is what torch's own get_worker_info() says inside the loader."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from oracle import ensure_accelerator_state
+    from torch.utils.data import DataLoader
+
+    from sharddemo.walk import known_worker, tag_batches
+
+    def build():
+        loader = DataLoader(range(8), batch_size=2, num_workers=workers, collate_fn=_made_by)
+        if prepared:
+            ensure_accelerator_state()
+            loader = prepare_data_loader(loader, num_processes=2, process_index=0,
+                                         put_on_device=False)
+        return loader
+
+    made = {int(i) for batch in build() for i in batch}
+    loader = build()
+    if made == {-1}:
+        assert known_worker(loader) == -1
+        assert tag_batches(loader, record_indices=False) is False  # left as it is
+        assert all(torch.is_tensor(b) for b in loader)  # no tag around the batches
+    else:
+        assert made == {0, 1} and known_worker(loader) is None
+        assert tag_batches(loader, record_indices=False) is True
+    assert known_worker([[0, 1], [2, 3]]) is None  # not a DataLoader: its tags say, if any

@@ -209,7 +209,7 @@ def test_the_mode_says_whether_its_dataloader_shuffles_as_its_objects_do(truth):
     """`prepared` and `replicated` are a plain DataLoader: the description's shuffle=True or
     shuffle=False must be what the loader holds on the ranks (a RandomSampler, or not), with
     --no-shuffle and for streams, which a DataLoader never shuffles."""
-    world, results = truth["world"], truth["results"]
+    results = truth["results"]
     told = set()
     for result in results:
         case = Case(**result["case"])
