@@ -32,6 +32,7 @@ MODE_HELP = {
               "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers (compare only)",
 }
 
+
 def mode_description(mode: str, shuffle: bool, source: str) -> str:
     """MODE_HELP as the run built the mode: its plain DataLoader shuffles only with --shuffle
     over a map-style source (a stream has no order to shuffle; loaders.plain_loader)."""

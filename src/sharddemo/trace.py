@@ -146,8 +146,9 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                 on_epoch(epochs[-1])
     if not accelerator.is_main_process:
         return {}
-    out = {"description": mode_description(mode, opts.shuffle, opts.source), "prepared": plan.prepared, "loader": description,
-           "fingerprint": agreed, "hint": plan.hint, "epochs": epochs}
+    out = {"description": mode_description(mode, opts.shuffle, opts.source),
+           "prepared": plan.prepared, "loader": description, "fingerprint": agreed,
+           "hint": plan.hint, "epochs": epochs}
     if opts.split_batches and not plan.prepared:
         # split_batches is accelerate's: a loader it does not prepare hands every rank the
         # whole --batch-size, not the run's slice of it (the report reads each mode's sizes)

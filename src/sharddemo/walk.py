@@ -185,8 +185,8 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
             alive = False
         batch = next(iterator, _END) if alive else _END
         alive = batch is not _END
-        ids, worker = _read(read_ids, batch, known) if alive else (torch.empty(0, dtype=torch.int64),
-                                                            UNKNOWN_WORKER)
+        ids, worker = (_read(read_ids, batch, known) if alive
+                       else (torch.empty(0, dtype=torch.int64), UNKNOWN_WORKER))
         heads = exchange_ints(accelerator, [int(alive), ids.numel(), worker])
         has = [h[0] for h in heads]
         if not any(has):
