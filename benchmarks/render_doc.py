@@ -163,6 +163,9 @@ def render_doc(results: dict) -> str:
     if s:
         spread = (f" (pair by pair {s['pair_ratio_min']:.2f}-{s['pair_ratio_max']:.2f}x)"
                   if "pair_ratio_min" in s else "")
+        if "ratio_ci95" in s:
+            spread = (f" (95% interval {s['ratio_ci95'][0]:.2f}-{s['ratio_ci95'][1]:.2f}x;"
+                      + spread[2:])
         out.append(f"| start-up: `sharddemo compare` (defaults) vs a bare 2-rank launch | "
                    f"{s['compare_s']:.2f} s vs {s['floor_s']:.2f} s = **{s['ratio']:.2f}x**"
                    f"{spread}; "
@@ -170,7 +173,10 @@ def render_doc(results: dict) -> str:
         if "floor_prepared_s" in s:
             out.append(f"| start-up: `sharddemo compare` (defaults) vs a bare 2-rank launch that "
                        f"prepares one loader | {s['compare_s']:.2f} s vs "
-                       f"{s['floor_prepared_s']:.2f} s = **{s['ratio_prepared']:.2f}x** (pair by "
+                       f"{s['floor_prepared_s']:.2f} s = **{s['ratio_prepared']:.2f}x** ("
+                       + (f"95% interval {s['ratio_prepared_ci95'][0]:.2f}-"
+                          f"{s['ratio_prepared_ci95'][1]:.2f}x; "
+                          if "ratio_prepared_ci95" in s else "") + "pair by "
                        f"pair {s['pair_ratio_prepared_min']:.2f}-"
                        f"{s['pair_ratio_prepared_max']:.2f}x) | the same 1.15x, against the "
                        "floor of any script that prepares a loader | "

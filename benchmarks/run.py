@@ -90,6 +90,8 @@ def section_startup(repeats: int) -> dict:
     pairs = sorted(b / a for a, b in zip(floor, compare))
     pairs_prepared = sorted(b / a for a, b in zip(prepared, compare))
     return {"floor_s": f, "compare_s": c, "ratio": c / f, "help_s": statistics.median(helps),
+            "ratio_ci95": ratio_interval(compare, floor),
+            "ratio_prepared_ci95": ratio_interval(compare, prepared),
             "floor_runs_s": floor, "compare_runs_s": compare,
             "pair_ratio_min": pairs[0], "pair_ratio_max": pairs[-1],
             "floor_prepared_s": p, "floor_prepared_runs_s": prepared,
