@@ -164,7 +164,7 @@ def render_doc(results: dict) -> str:
         spread = (f" (pair by pair {s['pair_ratio_min']:.2f}-{s['pair_ratio_max']:.2f}x)"
                   if "pair_ratio_min" in s else "")
         if "ratio_ci95" in s:
-            spread = (f" (95% interval {s['ratio_ci95'][0]:.2f}-{s['ratio_ci95'][1]:.2f}x;"
+            spread = (f" (95% interval {s['ratio_ci95'][0]:.2f}-{s['ratio_ci95'][1]:.2f}x; "
                       + spread[2:])
         out.append(f"| start-up: `sharddemo compare` (defaults) vs a bare 2-rank launch | "
                    f"{s['compare_s']:.2f} s vs {s['floor_s']:.2f} s = **{s['ratio']:.2f}x**"
