@@ -27,6 +27,28 @@ def test_accelerate_launch_run_all_on_cpu2_config():
     assert len(rank_lines) == 2 * (1 + 1) * 2 + 2 * 2 * 2  # sharded: 1 batch; replicated: 2
 
 
+def test_run_states_the_batch_of_a_mode_split_batches_does_not_slice():
+    """`run --split-batches -B 6`: the header gives the run's arithmetic (accelerate's slice of 3
+    per rank); the sampler mode's DataLoader, which accelerate does not prepare, hands each
+    rank the whole batch, and `run` says so before its batches. B comes from the DataLoader
+    torch builds for that mode (tests/oracle.py), the steps from its length."""
+    from oracle import Case, _dataset, _distributed
+
+    proc = accelerate_launch(["-m", "sharddemo", "run", "--mode", "sampler", "--split-batches",
+                              "--batch-size", "6", "--dataset-size", "17", "--epochs", "1"])
+    case = Case("sampler", 17, 6, 2, split_batches=True, epochs=1)
+    loaders = [_distributed(_dataset(case), case, r)[0] for r in range(2)]
+    b = loaders[0].batch_size
+    out = proc.stdout
+    assert "per-rank batch 3 | global batch 6 | dataset 17" in out  # the run's, as given
+    line = f"this loader: per-rank batch {b}, global batch {2 * b} (not prepared"
+    assert out.index("== mode sampler:") < out.index(line) < out.index("epoch 0"), out
+    for r, loader in enumerate(loaders):
+        sizes = [len(x) for x in loader]
+        got = re.findall(rf"^\[rank {r}/2\] batch \d+: \[([\d, ]+)\]$", out, re.M)
+        assert [len(g.split(", ")) for g in got] == sizes, out
+
+
 def test_the_silent_one_process_trap_is_refused():
     # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate issue 2741).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",

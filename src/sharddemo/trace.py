@@ -107,10 +107,12 @@ def arithmetic(world: int, opts: RunOptions) -> dict:
 
 
 def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
-               on_epoch: Optional[Callable[[dict], None]] = None) -> dict:
+               on_epoch: Optional[Callable[[dict], None]] = None,
+               say: Optional[Callable[[str], None]] = None) -> dict:
     """Walk one mode's loader for every epoch on this rank. Returns the mode's trace on the
     main process (every rank's batches, what gather_for_metrics returned, what the loader is
-    made of) and {} elsewhere."""
+    made of) and {} elsewhere. `say`: where to state, before the walk, the mode's own batch
+    where it differs from the run's arithmetic."""
     from accelerate.utils import set_seed
 
     from sharddemo.loaders import build_loader
@@ -119,6 +121,18 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     # (`unseeded` then reseeds each process differently: that is its point).
     set_seed(opts.seed)
     plan = build_loader(mode, accelerator, dataset, opts)
+    world = accelerator.num_processes
+    sizes = None
+    if opts.split_batches and not plan.prepared:
+        # split_batches is accelerate's: a loader it does not prepare hands every rank the
+        # whole --batch-size, not the run's slice of it (the report reads each mode's sizes)
+        sizes = {"batch_size": opts.batch_size, "global_batch": opts.batch_size * world}
+        if say is not None:
+            from sharddemo.render import own_sizes_line
+
+            run = {"global_batch": opts.per_rank_batch(world) * world, "world_size": world,
+                   "options": {"split_batches": True}}
+            say(own_sizes_line(run, {**sizes, "prepared": False}))
     description = describe_loader(plan.loader)
     # sharddemo's own modes are built to show what happens, the pitfalls included: a
     # disagreement is reported with the mode rather than stopping the run.
@@ -149,11 +163,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     out = {"description": mode_description(mode, opts.shuffle, opts.source),
            "prepared": plan.prepared, "loader": description, "fingerprint": agreed,
            "hint": plan.hint, "epochs": epochs}
-    if opts.split_batches and not plan.prepared:
-        # split_batches is accelerate's: a loader it does not prepare hands every rank the
-        # whole --batch-size, not the run's slice of it (the report reads each mode's sizes)
-        world = accelerator.num_processes
-        out["sizes"] = {"batch_size": opts.batch_size, "global_batch": opts.batch_size * world}
+    if sizes is not None:
+        out["sizes"] = sizes
     if opts.source == "hf-stream":
         from sharddemo.sources import stream_arithmetic
 
@@ -229,7 +240,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                 modes[mode] = trace_mode(
                     accelerator, mode, dataset, opts,
                     on_epoch=lambda rec: _print_epoch(talk, rec, world, opts.dataset_size),
-                )
+                    say=talk)
             except UsageError:
                 raise
             except Exception as exc:  # name the mode; the rank is named by the caller
