@@ -198,10 +198,11 @@ def render_table(report: dict) -> str:
         if (data.get("fingerprint") or {}).get("disagreement"):
             out.append(f"  fingerprint: {data['fingerprint']['disagreement']} (an audit would "
                        "stop here)")
+        own = own_sizes_line(report, data)
         if data.get("settings"):
             out.append("  " + settings_line(data))
-        elif own_sizes_line(report, data):
-            out.append("  " + own_sizes_line(report, data))
+        elif own:
+            out.append("  " + own)
         view = {**report, **{k: data[k] for k in SIZES if k in data}}
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
@@ -302,10 +303,11 @@ def render_markdown(report: dict) -> str:
             for r in e["ranks"]:
                 out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {batches_text(r['batches'])} |")
         out.append("")
+        own = own_sizes_line(report, data)
         if data.get("settings"):
             out += [settings_line(data), ""]
-        elif own_sizes_line(report, data):
-            out += [own_sizes_line(report, data), ""]
+        elif own:
+            out += [own, ""]
         for e in data["epochs"]:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
             out += [f"  - {line.strip()}" for line in window_lines(e.get("grad_accum"))]

@@ -130,8 +130,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         if say is not None:
             from sharddemo.render import own_sizes_line
 
-            run = {"global_batch": opts.per_rank_batch(world) * world, "world_size": world,
-                   "options": {"split_batches": True}}
+            run = {**arithmetic(world, opts), "options": {"split_batches": True}}
             say(own_sizes_line(run, {**sizes, "prepared": False}))
     description = describe_loader(plan.loader)
     # sharddemo's own modes are built to show what happens, the pitfalls included: a

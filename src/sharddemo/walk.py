@@ -152,24 +152,25 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     0..n-1), which the count path needs. Returns an EpochRecord, or for the count path a
     counted record (a dict, see counting.py), on the main process; None elsewhere."""
     how = choose_gather(accelerator, loader, strategy, n)
+    known = known_worker(loader)
     if how == "count":
         from sharddemo.counting import walk_and_count
 
-        known = known_worker(loader)
         return walk_and_count(accelerator, loader,
                               lambda batch: _read_values(read_ids, batch, known),
                               epoch=epoch, n=int(n), progress=progress, max_steps=max_steps,
                               safe_len=safe_len)
     if how == "batch":
-        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
-    return _walk_then_gather(accelerator, loader, read_ids, epoch, progress, max_steps)
+        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps, known)
+    return _walk_then_gather(accelerator, loader, read_ids, epoch, progress, max_steps, known)
 
 
 _END = object()
 
 
 def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
-                    max_steps: Optional[int] = None) -> Optional[EpochRecord]:
+                    max_steps: Optional[int] = None,
+                    known: Optional[int] = None) -> Optional[EpochRecord]:
     main = accelerator.is_main_process
     world = accelerator.num_processes
     prepared = is_prepared(loader)
@@ -177,7 +178,6 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
     ranks: list[list[list[int]]] = [[] for _ in range(world)]
     workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
-    known = known_worker(loader)
     iterator = iter(loader)
     alive, step, received = True, 0, 0
     while True:
@@ -239,12 +239,12 @@ def _remainders(accelerator, loader) -> list[Optional[int]]:
 
 
 def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
-                      max_steps: Optional[int] = None) -> Optional[EpochRecord]:
+                      max_steps: Optional[int] = None,
+                      known: Optional[int] = None) -> Optional[EpochRecord]:
     local: list[torch.Tensor] = []
     made_by: list[int] = []
     total = safe_len(loader)
     received = 0
-    known = known_worker(loader)
     iterator = iter(loader)
     while max_steps is None or len(local) < max_steps:  # never fetch past a stop
         batch = next(iterator, _END)
