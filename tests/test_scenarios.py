@@ -335,6 +335,38 @@ def test_iterable_dispatch_covers_the_stream(scenarios):
         assert e["steps_equal"], name
 
 
+def test_a_dispatched_stream_is_read_by_rank_0_alone(scenarios):
+    """hf-stream through accelerator.prepare: dispatched by default (accelerate's
+    DataLoaderDispatcher, whose _fetch_batches calls next() on process 0 only and broadcasts
+    each rank its slice), so rank 0 reads all 4 files and the other ranks none; without
+    dispatch (IterableDatasetShard) every rank reads the whole stream. The file count and
+    rank 0's share per worker come from datasets' own stream."""
+    from oracle import _json_stream
+
+    from sharddemo.render import stream_line
+
+    world, cases = scenarios
+    for name, dispatch in (("hf-stream/prepared", True),
+                           ("hf-stream/unequal-files-prepared", False)):
+        o = cases[name]["options"]
+        stream = _json_stream(o["dataset_size"], o["shards"])
+        files = int(stream.num_shards)
+        whole = len(stream._ex_iterable.split_shard_indices_by_worker(num_shards=1, index=0))
+        report = report_of(cases[name], world)
+        assert report["loader"]["dispatcher"] is dispatch, name
+        streams = report["streams"]
+        assert streams["dispatch_batches"] is dispatch
+        if dispatch:
+            assert streams["files_per_rank"] == [files] + [0] * (world - 1)
+            assert streams["files_per_worker"] == [[whole]] + [[]] * (world - 1)
+            assert stream_line(streams).startswith(
+                f"stream of {files} file(s): rank 0 reads the whole stream and sends every rank "
+                f"its slice (dispatch_batches); files per rank [{files}, 0")
+        else:
+            assert streams["files_per_rank"] == [files] * world
+            assert "every rank reads the whole stream" in stream_line(streams)
+
+
 def test_replicated_streams_give_every_rank_everything(scenarios):
     world, cases = scenarios
     for name, n in (("iterable/replicated", 10), ("hf-stream/replicated", 12)):

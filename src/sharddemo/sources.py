@@ -116,18 +116,28 @@ def build_source(name: str, length: int, shards: int = 4):
     raise ValueError(f"unknown source {name!r}")
 
 
-def stream_arithmetic(stream, world: int, num_workers: int, split: bool) -> dict:
+def stream_arithmetic(stream, world: int, num_workers: int, split: bool,
+                      dispatch: bool = False) -> dict:
     """How HF datasets spreads a streamed dataset's files over ranks and DataLoader workers,
     asked of datasets itself: `split_dataset_by_node` per rank (whole files when the file count
     divides by W, else every W-th example of every file), then, per worker, the shard indices
-    its `_iter_pytorch` gives that worker (`split_shard_indices_by_worker`)."""
+    its `_iter_pytorch` gives that worker (`split_shard_indices_by_worker`).
+
+    `dispatch`: the loader is accelerate's DataLoaderDispatcher (dispatch_batches), whose
+    `_fetch_batches` reads the stream on process 0 only and sends every rank its slice: the
+    other ranks read no file for their batches (0 files, no workers listed; their own
+    DataLoader workers still start and prefetch, and that data is never used)."""
     from datasets.distributed import split_dataset_by_node
 
     files = int(stream.num_shards)
     out: dict[str, Any] = {"files": files, "world_size": world, "num_workers": num_workers,
-                           "split_by_node": split}
+                           "split_by_node": split, "dispatch_batches": dispatch}
     per_rank, per_worker, idle = [], [], []
     for rank in range(world):
+        if dispatch and rank:
+            per_rank.append(0)
+            per_worker.append([])
+            continue
         part = split_dataset_by_node(stream, rank=rank, world_size=world) if split else stream
         per_rank.append(int(part.num_shards))
         workers = []
@@ -138,7 +148,9 @@ def stream_arithmetic(stream, world: int, num_workers: int, split: bool) -> dict
             if num_workers and not shards:
                 idle.append({"rank": rank, "worker": k})
         per_worker.append(workers)
-    out["how"] = ("every rank reads the whole stream" if not split else
+    out["how"] = ("rank 0 reads the whole stream and sends every rank its slice "
+                  "(dispatch_batches)" if dispatch else
+                  "every rank reads the whole stream" if not split else
                   "whole files per rank" if files % world == 0 else
                   f"every {world}-th example of every file (the {files} files do not divide by "
                   f"{world} ranks)")

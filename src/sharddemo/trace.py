@@ -168,7 +168,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         from sharddemo.sources import stream_arithmetic
 
         out["streams"] = stream_arithmetic(dataset, accelerator.num_processes, opts.num_workers,
-                                           split=mode == "split")
+                                           split=mode == "split",
+                                           dispatch=bool(description.get("dispatcher")))
     return out
 
 
