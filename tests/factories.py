@@ -180,3 +180,45 @@ def fails_in_the_third_launch(accelerator):
     if calls == 3:
         raise RuntimeError("the resumed run cannot open its shards")
     return seeded_40(accelerator)
+
+
+# Loaders whose own objects deal part of the dataset, or repeat ids, by design.
+def split_parts(seed=0):
+    """random_split of the 60 ids into 45 to train on and 15 held out (a seeded generator:
+    every rank draws the same split)."""
+    from torch.utils.data import random_split
+
+    return random_split(_dataset(), [45, 15], generator=torch.Generator().manual_seed(seed))
+
+
+def random_split_train(accelerator):
+    """The usual train/validation split, the train part prepared: the 15 held out are not
+    its data."""
+    return accelerator.prepare(DataLoader(split_parts()[0], batch_size=4, shuffle=True))
+
+
+def random_split_eval(accelerator):
+    """The validation part of the same split, prepared as an eval loader."""
+    return accelerator.prepare(DataLoader(split_parts()[1], batch_size=4))
+
+
+def random_split_per_rank(accelerator):
+    """The pitfall: random_split seeded by rank, so every rank trains on another 45."""
+    train = split_parts(seed=accelerator.process_index)[0]
+    return accelerator.prepare(DataLoader(train, batch_size=4, shuffle=True))
+
+
+def weighted_draws(accelerator):
+    """WeightedRandomSampler (replacement=True): 60 draws an epoch, repeats and gaps by design."""
+    from torch.utils.data import WeightedRandomSampler
+
+    sampler = WeightedRandomSampler(torch.ones(N), N, generator=torch.Generator().manual_seed(5))
+    return accelerator.prepare(DataLoader(_dataset(), batch_size=4, sampler=sampler))
+
+
+def weighted_draws_unprepared(accelerator):
+    """The same sampler on every rank, not prepared: each rank draws the whole epoch."""
+    from torch.utils.data import WeightedRandomSampler
+
+    sampler = WeightedRandomSampler(torch.ones(N), N, generator=torch.Generator().manual_seed(5))
+    return DataLoader(_dataset(), batch_size=4, sampler=sampler)

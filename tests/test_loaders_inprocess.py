@@ -135,3 +135,49 @@ def test_the_walk_knows_the_worker_without_a_tag_only_where_torch_has_no_workers
         assert made == {0, 1} and known_worker(loader) is None
         assert tag_batches(loader, record_indices=False) is True
     assert known_worker([[0, 1], [2, 3]]) is None  # not a DataLoader: its tags say, if any
+
+
+def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
+    """walk.index_domain against torch's objects: the distinct ids a Subset chain or a
+    SubsetRandomSampler leaves, and the draw of a sampler that does not deal each id once,
+    read from each loader as built and as accelerate's prepare_data_loader rebuilds it."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+    from torch.utils.data import (DataLoader, RandomSampler, Subset, SubsetRandomSampler,
+                                  TensorDataset, WeightedRandomSampler, random_split)
+
+    from sharddemo.walk import index_domain
+
+    data = TensorDataset(torch.arange(30))
+    train, _ = random_split(data, [21, 9], generator=torch.Generator().manual_seed(1))
+    nested = Subset(train, list(range(0, 21, 3)))  # 7 of the 21
+    picked = SubsetRandomSampler([4, 9, 12, 20])
+    weighted = WeightedRandomSampler(torch.ones(30), 30)
+    fewer = RandomSampler(data, num_samples=12)
+    cases = [
+        (DataLoader(data, batch_size=4, shuffle=True), None, None),
+        (DataLoader(train, batch_size=4, shuffle=True), len(set(train.indices)), None),
+        (DataLoader(nested, batch_size=4),
+         len({train.indices[i] for i in nested.indices}), None),
+        (DataLoader(data, batch_size=4, sampler=picked), len(set(picked.indices)), None),
+        (DataLoader(data, batch_size=4, sampler=weighted), None,
+         {"sampler": "WeightedRandomSampler", "replacement": weighted.replacement,
+          "count": weighted.num_samples}),
+        (DataLoader(data, batch_size=4, sampler=fewer), None,
+         {"sampler": "RandomSampler", "replacement": False, "count": fewer.num_samples}),
+        (DataLoader(data, batch_size=4,
+                    sampler=DistributedSampler(data, num_replicas=2, rank=0)), None, None),
+    ]
+    ensure_accelerator_state()
+    for loader, domain, draws in cases:
+        for built in (loader, prepare_data_loader(loader, num_processes=2, process_index=1,
+                                                  put_on_device=False,
+                                                  rng_types=list(ACCELERATOR_RNG_TYPES))):
+            got = index_domain(built)
+            assert got["domain"] == domain, (loader, built)
+            if draws is None:
+                assert got["draws"] is None, (loader, built)
+            else:  # accelerate may put its SeedableRandomSampler in the RandomSampler's place
+                assert {k: v for k, v in got["draws"].items() if k != "sampler"} == \
+                    {k: v for k, v in draws.items() if k != "sampler"}

@@ -391,3 +391,49 @@ def test_fill_per_worker_from_the_kept_ends_worked_by_hand():
     for r in record["ranks"]:
         del r["head_workers"]
     assert fill_per_worker(record, 4) is None
+
+
+def test_a_subset_loader_is_checked_against_its_own_ids():
+    # A prepared loader over a Subset of 4 of the 6 ids (describe_loader: domain 4), B=2, W=2:
+    # rank 0 [5, 1], rank 1 [0, 2]: the 4 ids it deals, each once; 3 and 4 are not its data.
+    sub = {**PREPARED, "domain": 4}
+    m = report_of(trace("audit", 6, 2, 2, [[[[5, 1]], [[0, 2]]]], sub))
+    e = m["epochs"][0]
+    assert e["missing"] == [3, 4] and e["missing_reason"] == "subset" and e["missing_explained"]
+    assert all(v["ok"] for v in m["verdicts"]) and not m["broken_promises"]
+    assert "the other 2 are not its data" in e["reasons"]["subset"]
+    # The same loader losing one of its own 4 (rank 1 got [0] alone: 3 distinct, 0, 2, ... no 2)
+    m = report_of(trace("audit", 6, 2, 2, [[[[5, 1]], [[0]]]], sub))
+    e = m["epochs"][0]
+    assert e["missing"] == [2, 3, 4] and not e["missing_explained"]
+    assert "but 1 of the 4 it deals never came: NOT explained" in e["reasons"]["subset"]
+    assert [v["verdict"] for v in m["verdicts"] if not v["ok"]] == ["no-missing-samples"]
+
+
+def test_an_eval_subset_counts_its_own_samples_once():
+    # An eval loader (not prepared) over a Subset of 3 of 10 ids: ranks got [7, 2] and [9]: its
+    # 3 samples once each: eval-counts-each-sample-once holds; losing one (rank 1 nothing) not.
+    sub = {"prepared": False, "domain": 3}
+    for ranks, ok in (([[[7, 2]], [[9]]], True), ([[[7, 2]], []], False)):
+        t = trace("audit", 10, 2, 2, [ranks], sub)
+        t["modes"]["audit"]["role"] = "eval"
+        m = report_of(t)
+        got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
+        assert got["eval-counts-each-sample-once"] is ok, m["verdicts"]
+
+
+def test_a_sampler_with_replacement_explains_its_repeats_unless_every_rank_draws_it_all():
+    # WeightedRandomSampler(replacement=True), 4 draws of 4 ids (describe_loader: draws), B=2,
+    # W=2, prepared: rank 0 [1, 1], rank 1 [3, 0]: 2 not drawn, 1 twice, by design.
+    draws = {"sampler": "WeightedRandomSampler", "replacement": True, "count": 4}
+    m = report_of(trace("audit", 4, 2, 2, [[[[1, 1]], [[3, 0]]]], {**PREPARED, "draws": draws}))
+    e = m["epochs"][0]
+    assert e["missing"] == [2] and e["missing_reason"] == "sampler-draws"
+    assert {d["reason"] for d in e["duplicates"]} == {"sampler-draws"}
+    assert all(v["ok"] for v in m["verdicts"])
+    # Not prepared: both ranks draw the same 4 ([1, 1], [3, 0] each): 8 > 4 draws + a round of
+    # fill (4): every rank walked the same sequence, replication.
+    same = [[1, 1], [3, 0]]
+    m = report_of(trace("audit", 4, 2, 2, [[same, same]], {**PLAIN, "draws": draws}))
+    got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
+    assert got["no-silent-replication"] is False

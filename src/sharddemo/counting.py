@@ -172,7 +172,12 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         return None
     ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
     record = _summarise(epoch, code[:n], shift, ranks)
-    record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"], n)
+    from sharddemo.report import loader_share
+    from sharddemo.walk import index_domain
+
+    share = loader_share(index_domain(loader), n)
+    record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"],
+                                                     n, share)
     return record
 
 
@@ -249,11 +254,14 @@ def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
     return code, shift
 
 
-def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: int):
+def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: int,
+                 share: Optional[int] = None):
     """What accelerate's gather_for_metrics returns over the epoch (every step whole, the last
     keeping its first `remainder` ids, as report.for_metrics): {"count", "exact"}, or None
     where no loop reaches the last step (unequal steps) or the loader is not prepared.
-    Exact when it holds n ids and no id had all its copies in the dropped part."""
+    Exact when it holds n ids (or the `share` of them a Subset leaves the loader: it can deal
+    no others) and no id had all its copies in the dropped part."""
+    share = n if share is None else share
     rem = [r["remainder"] for r in ranks]
     if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
         return None
@@ -261,7 +269,7 @@ def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: 
     last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
     dropped = last[keep:] if keep > 0 else []
     count = cov["seen"] - len(dropped)
-    if count != n or cov["missing_count"] or cov["out_of_range"]:
+    if count != share or cov["missing_count"] != n - share or cov["out_of_range"]:
         return {"count": count, "exact": False}
     drop: dict[int, int] = {}
     for i in dropped:

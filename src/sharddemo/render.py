@@ -95,7 +95,8 @@ def _epoch_summary(e: dict) -> list[str]:
         how = "every batch" if e["gather"] == "batch" else "each rank's epoch at once"
         g = f"accelerator.gather ({how}) returned {e['gathered_count']}"
     if e.get("gathered_for_metrics_count") is not None:
-        exact = ("exactly the dataset" if e["gather_for_metrics_exact"] else
+        data = "the loader's data" if e["missing_reason"] == "subset" else "the dataset"
+        exact = (f"exactly {data}" if e["gather_for_metrics_exact"] else
                  "the same as gather, NOT the dataset" if e["gather_for_metrics_equals_gather"]
                  else "NOT the dataset")
         g += f", gather_for_metrics {e['gathered_for_metrics_count']} ({exact})"

@@ -49,6 +49,8 @@ REASON_LABEL = {
     "double-split": "the loader was split twice",
     "ranks-disagree": "the ranks dealt from different orders",
     "drop-last": "drop_last",
+    "subset": "the loader reads a subset",
+    "sampler-draws": "the sampler's own draw",
     "unexplained": "no known reason",
 }
 
@@ -75,9 +77,61 @@ REASON_SENTENCE = {
                       "the slices overlap and leave holes (no common seed: use_seedable_sampler "
                       "without set_seed, or a permutation drawn before the ranks synchronise "
                       "their RNG, as a prepared stateful loader with workers does, accelerate "
-                      "issue 4204)",
+                      "issue 4204; or data split differently on each rank, as a random_split "
+                      "without a seeded generator is)",
     "unexplained": "not explained by the loader's own padding",
 }
+
+# Missing samples the loader's own objects leave out by design: not a broken promise when the
+# reason accounts for all of them (missing_explained).
+BY_DESIGN_MISSING = ("drop-last", "subset", "sampler-draws")
+
+
+def missing_ok(e: dict) -> bool:
+    """No sample missing, or only those the loader leaves out by design."""
+    return not e["missing_count"] or (e["missing_reason"] in BY_DESIGN_MISSING
+                                      and e["missing_explained"])
+
+
+def loader_share(loader: dict, n: int) -> int:
+    """How many distinct ids a loader deals in an epoch, from its description
+    (walk.index_domain): the ids a Subset or SubsetRandomSampler leaves it (`domain`), at most
+    its sampler's draw without replacement; n where nothing narrows it."""
+    draws, domain = loader.get("draws"), loader.get("domain")
+    share = n if domain is None else domain
+    if draws and not draws["replacement"]:
+        share = min(share, draws["count"])
+    return share
+
+
+def draws_repeat(loader: dict, n: int) -> bool:
+    """The sampler itself deals some ids more than once: with replacement, or more draws
+    than ids to draw from."""
+    draws = loader.get("draws")
+    return bool(draws) and (draws["replacement"]
+                            or draws["count"] > (loader.get("domain") or n))
+
+
+def by_design_sentence(code: str, loader: dict, n: int, missing: int,
+                       explained: bool = True) -> str:
+    """The sentence for the subset and sampler-draws reasons, with this loader's numbers;
+    where they do not account for every missing sample (`explained` False), it says so."""
+    draws, domain = loader.get("draws"), loader.get("domain")
+    share = loader_share(loader, n)
+    if code == "subset":
+        text = (f"subset: the loader deals from {domain} of the {n} samples (a torch Subset, "
+                "as random_split makes, or a SubsetRandomSampler); the other "
+                f"{n - domain} are not its data")
+    elif draws["replacement"]:
+        return (f"the sampler draws with replacement ({draws['sampler']}, {draws['count']} "
+                "draws an epoch): some samples come several times and some never, by design")
+    else:
+        text = (f"the sampler draws {draws['count']} of {domain or n} samples an epoch "
+                f"({draws['sampler']}, num_samples={draws['count']})")
+    if not explained:
+        return text + (f"; but {missing - (n - share)} of the {share} it deals never came: "
+                       "NOT explained")
+    return text + (", and drop_last drops the rest" if missing > n - share else "")
 
 
 # Audit modes: "audit" (a make_loader factory) and the loaders a framework builds.
@@ -179,9 +233,12 @@ def is_double_split(loader: dict) -> bool:
 
 
 def _replicated(flat: list[list[int]]) -> bool:
-    """Every rank walked the same samples, each once: the loader is not sharded."""
+    """Every rank walked the same samples, each once, or the very same sequence (a sampler
+    that repeats ids, the same on every rank): the loader is not sharded."""
     if len(flat) < 2 or not flat[0]:
         return False
+    if all(ids == flat[0] for ids in flat[1:]):
+        return True
     first = sorted(flat[0])
     return (len(set(first)) == len(first)
             and all(sorted(ids) == first for ids in flat[1:]))
@@ -207,6 +264,10 @@ def explain_duplicates(ranks: list[list[list[int]]], loader: dict, hint: Optiona
         return "double-split", True
     if hint:
         return hint, True
+    if draws_repeat(loader, n) and sum(map(len, flat)) < (loader["draws"]["count"]
+                                                           + world * batch):
+        # the ranks together dealt one draw (and less than a round of fill): its own repeats
+        return "sampler-draws", True
     code, order = padding_mechanism(loader)
     if code is not None:
         dealt = interleave_steps(ranks) if order == "batch" else _interleave_samples(flat)
@@ -288,17 +349,30 @@ def worker_shares(ranks: list[list[list[int]]], workers: list[list[int]], config
 
 
 def explain_missing(missing: int, loader: dict, hint: Optional[str],
-                    global_size: int, dup_code: Optional[str] = None) -> tuple[Optional[str], bool]:
+                    global_size: int, dup_code: Optional[str] = None, n: Optional[int] = None,
+                    unique: Optional[int] = None) -> tuple[Optional[str], bool]:
     """Why samples were never seen: a code (None: no reason, a broken promise) and whether
     that reason accounts for all of them. drop_last can drop less than one global batch:
     an incomplete last batch on each rank, or an incomplete last round of batches, or the
-    DistributedSampler's cut to a multiple of W (all three together stay under W x B)."""
+    DistributedSampler's cut to a multiple of W (all three together stay under W x B).
+    A loader that deals only part of the n ids (a Subset, a SubsetRandomSampler, a draw of
+    fewer, loader_share) accounts for them when the ranks received that many distinct ids
+    (it can deal no others), less what drop_last drops; one that draws with replacement
+    accounts for any."""
     if is_double_split(loader):
         return "double-split", True
     if hint:
         return hint, True
     if dup_code == "ranks-disagree":
         return "ranks-disagree", True
+    draws = loader.get("draws")
+    if draws and draws["replacement"]:
+        return "sampler-draws", True
+    share = loader_share(loader, n) if n is not None else None
+    if share is not None and share < n and unique is not None:
+        slack = global_size - 1 if loader.get("drop_last") else 0
+        code = "subset" if share == loader.get("domain") else "sampler-draws"
+        return code, share - slack <= unique <= share
     if loader.get("drop_last"):
         return "drop-last", missing < global_size
     return None, False
@@ -327,7 +401,11 @@ def coverage(flat: list[list[int]], n: int) -> dict:
     }
 
 
-def _exactly_once(ids: list[int], n: int) -> bool:
+def _exactly_once(ids: list[int], n: int, share: Optional[int] = None) -> bool:
+    """Every id of the dataset exactly once; or, for a loader that deals `share` of its n ids
+    (loader_share), that many distinct ids (it can deal no others)."""
+    if share is not None and share < n:
+        return len(ids) == share == len(set(ids)) and all(0 <= i < n for i in ids)
     return len(ids) == n and sorted(ids) == list(range(n))
 
 
@@ -392,17 +470,22 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     elif extra:
         dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch, n,
                                                  [set(wk) for wk in workers] if known else None)
-        reasons[dup_code] = REASON_SENTENCE[dup_code]
+        reasons[dup_code] = (by_design_sentence(dup_code, loader, n, 0)
+                             if dup_code == "sampler-draws" else REASON_SENTENCE[dup_code])
     miss_code, miss_explained = None, True
     if cov["missing"]:
         if kind == REPLICATED and not loader.get("drop_last"):
             miss_code, miss_explained = None, False
         else:
             miss_code, miss_explained = explain_missing(len(cov["missing"]), loader, hint,
-                                                        global_batch(trace), dup_code)
+                                                        global_batch(trace), dup_code, n,
+                                                        cov["unique"])
         if miss_code == "drop-last":
             reasons["drop-last"] = (f"drop_last: {len(cov['missing'])} sample(s) did not make a "
                                     "complete batch (or round of batches) and were dropped")
+        elif miss_code in ("subset", "sampler-draws"):
+            reasons[miss_code] = by_design_sentence(miss_code, loader, n, len(cov["missing"]),
+                                                    miss_explained)
         elif miss_code:
             reasons.setdefault(miss_code, REASON_SENTENCE[miss_code])
     hang = min(steps) if len(set(steps)) > 1 else None
@@ -443,7 +526,8 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
         metrics = for_metrics(record, ranks)
         out["gathered_for_metrics"] = metrics if record.get("gather") == "batch" else None
         out["gathered_for_metrics_count"] = None if metrics is None else len(metrics)
-        out["gather_for_metrics_exact"] = None if metrics is None else _exactly_once(metrics, n)
+        out["gather_for_metrics_exact"] = (None if metrics is None else
+                                           _exactly_once(metrics, n, loader_share(loader, n)))
         out["gather_for_metrics_equals_gather"] = (metrics is not None
                                                    and len(metrics) == cov["seen"])
     if known:
@@ -475,11 +559,9 @@ def _stream_padded(ranks, loader, world: int, batch: int) -> bool:
 def replicated_ok(e: dict) -> bool:
     """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
     ones on every rank)."""
-    missing_ok = not e["missing_count"] or (e["missing_reason"] == "drop-last"
-                                            and e["missing_explained"])
     samples = [r["samples"] for r in e["ranks"]]
     # drop_last can keep nothing at all (N < B): then every rank saw all of nothing.
-    return missing_ok and e["same_ids_on_every_rank"] and (samples[0] > 0 or not any(samples))
+    return missing_ok(e) and e["same_ids_on_every_rank"] and (samples[0] > 0 or not any(samples))
 
 
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
@@ -490,7 +572,7 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
     for e in epochs:
         tag = f"{mode} epoch {e['epoch']}"
         if kind == SHARDED:
-            if e["missing"] and not (e["missing_reason"] == "drop-last" and e["missing_explained"]):
+            if not missing_ok(e):
                 problems.append(f"{tag}: {e['missing_count']} sample(s) never seen: "
                                 f"{_short(e['missing'], total=e['missing_count'])}")
             if not e["duplicates_explained"]:
@@ -536,10 +618,12 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
             return False, (f"{e['missing_count']} of {n} eval samples are never evaluated{why}: "
                            f"{_short(e['missing'], total=e['missing_count'])}")
         return False, f"gather_for_metrics returns {e['gathered_for_metrics_count']} ids, not {n}"
-    if not e["missing"] and not extra:
+    # an eval loader over a Subset (random_split's validation part) evaluates its own data
+    lost = e["missing"] and not (e["missing_reason"] == "subset" and e["missing_explained"])
+    if not lost and not extra:
         return True, ""
     parts = []
-    if e["missing"]:
+    if lost:
         why = " (drop_last)" if e["missing_reason"] == "drop-last" else ""
         parts.append(f"{e['missing_count']} of {n} eval samples are never evaluated{why}")
     if extra:
@@ -566,7 +650,7 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
     previous = None
     for e in epochs:
         k = e["epoch"]
-        ok = not e["missing"] or (e["missing_reason"] == "drop-last" and e["missing_explained"])
+        ok = missing_ok(e)
         add("no-missing-samples", k, ok, "" if ok else
             f"{e['missing_count']} never seen: {_short(e['missing'], total=e['missing_count'])}")
         if expect == "sharded":
@@ -654,6 +738,9 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
     missing, why_missing = first["missing_count"], first["missing_reason"]
     if missing and why_missing == "drop-last":
         text += f"; drop_last dropped {missing}"
+    elif missing and why_missing in ("subset", "sampler-draws") and first["missing_explained"]:
+        text += (f"; {missing} sample(s) are not its data" if why_missing == "subset"
+                 else f"; {missing} sample(s) were not drawn") + f" ({REASON_LABEL[why_missing]})"
     elif missing:
         why = f" ({REASON_LABEL[why_missing]})" if why_missing else " (no known reason)"
         text += f", but {missing} sample(s) were never seen{why}"
@@ -661,7 +748,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
         text += f", {dup} extra (repeated) sample(s) ({REASON_LABEL[first['duplicates'][0]['reason']]})"
     if first.get("gather_for_metrics_exact") is not None:
         if first["gather_for_metrics_exact"]:
-            text += "; gather_for_metrics returns exactly the dataset, use it for metrics"
+            data = "the loader's data" if why_missing == "subset" else "the dataset"
+            text += f"; gather_for_metrics returns exactly {data}, use it for metrics"
         elif first["gather_for_metrics_equals_gather"] and why_missing == "drop-last":
             text += "; gather_for_metrics then equals gather (nothing to drop)"
         else:

@@ -149,9 +149,15 @@ def fill_per_worker(record: dict, limit: int) -> Optional[int]:
 
 
 def _replicated(record: dict, world: int) -> bool:
+    """report._replicated, from the counts: every rank held the same samples once each, or
+    every rank walked the very same sequence (equal order hashes over equal lengths)."""
     ranks, cov = record["ranks"], record["coverage"]
-    return (world >= 2 and ranks[0]["samples"] > 0
-            and all(r["repeats_total"] == 0 and r["samples"] == ranks[0]["samples"] for r in ranks)
+    if world < 2 or ranks[0]["samples"] == 0:
+        return False
+    if all(r["samples"] == ranks[0]["samples"] and r["order_hash"] == ranks[0]["order_hash"]
+           for r in ranks):
+        return True
+    return (all(r["repeats_total"] == 0 and r["samples"] == ranks[0]["samples"] for r in ranks)
             and set(cov["ranks_per_sample"]) <= {0, world})
 
 
@@ -170,6 +176,9 @@ def explain_duplicates(record: dict, loader: dict, hint: Optional[str], kind: st
         return "double-split", True
     if hint:
         return hint, True
+    if R.draws_repeat(loader, n) and sum(r["samples"] for r in record["ranks"]) < (
+            loader["draws"]["count"] + world * batch):
+        return "sampler-draws", True
     code, order = R.padding_mechanism(loader)
     if code is not None:
         again = tail_repeats_head(record, order)
@@ -254,7 +263,8 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
             reasons[code] = R.REASON_SENTENCE[code]
     elif extra:
         dup_code, explained = explain_duplicates(record, loader, hint, kind, w, per_rank_batch, n)
-        reasons[dup_code] = R.REASON_SENTENCE[dup_code]
+        reasons[dup_code] = (R.by_design_sentence(dup_code, loader, n, 0)
+                             if dup_code == "sampler-draws" else R.REASON_SENTENCE[dup_code])
     missing = cov["missing_count"]
     miss_code, miss_explained = None, True
     if missing:
@@ -262,10 +272,14 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
             miss_code, miss_explained = None, False
         else:
             miss_code, miss_explained = R.explain_missing(missing, loader, hint,
-                                                          R.global_batch(trace), dup_code)
+                                                          R.global_batch(trace), dup_code, n,
+                                                          cov["unique"])
         if miss_code == "drop-last":
             reasons["drop-last"] = (f"drop_last: {missing} sample(s) did not make a complete "
                                     "batch (or round of batches) and were dropped")
+        elif miss_code in ("subset", "sampler-draws"):
+            reasons[miss_code] = R.by_design_sentence(miss_code, loader, n, missing,
+                                                      miss_explained)
         elif miss_code:
             reasons.setdefault(miss_code, R.REASON_SENTENCE[miss_code])
     hang = min(steps) if len(set(steps)) > 1 else None

@@ -359,7 +359,72 @@ def describe_loader(loader) -> dict:
         type(dataset).__name__ == "IterableDataset"
     shards = getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", None)
     info["dataset_shards"] = int(shards) if isinstance(shards, int) else None
+    info.update(index_domain(loader))
     return info
+
+
+def _index_sampler(base):
+    """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler)."""
+    def inner(obj):  # (not `or`: truth-testing a sampler calls its __len__)
+        found = getattr(obj, "batch_sampler", None)
+        return found if found is not None else getattr(obj, "sampler", None)
+
+    obj = inner(base)
+    for _ in range(8):
+        nxt = inner(obj)
+        if nxt is None or nxt is obj:
+            break
+        obj = nxt
+    return obj
+
+
+def index_domain(loader) -> dict:
+    """What the loader's own objects let it deal in an epoch, read from them (no iteration):
+
+    - `domain`: how many distinct dataset ids (the ids sharddemo records: indices of the data
+      under any torch Subset) the loader can deal at all, where a Subset (random_split) or a
+      SubsetRandomSampler narrows them to fewer than the whole; else None.
+    - `draws`: where the index sampler does not deal each of its positions once, its draw:
+      {"sampler", "replacement", "count"} (RandomSampler(replacement=True) or num_samples,
+      WeightedRandomSampler); else None. A DistributedSampler is not a draw: it shards.
+
+    random_split(ds, [40, 10])[0] in a prepared DataLoader: {"domain": 40, "draws": None}."""
+    import numpy as np
+
+    base = base_loader(loader)
+    dataset = getattr(base, "dataset", None)
+    chain = []  # each Subset's indices, outermost first
+    for _ in range(16):
+        if isinstance(dataset, IndexedDataset):
+            dataset = dataset._inner
+        elif isinstance(dataset, torch.utils.data.Subset):
+            chain.append(dataset.indices)
+            dataset = dataset.dataset
+        else:
+            break
+    sampler = _index_sampler(base)
+    out: dict[str, Any] = {"domain": None, "draws": None}
+    if sampler is None or hasattr(sampler, "num_replicas"):
+        return out
+    subset_sampler = isinstance(sampler, torch.utils.data.SubsetRandomSampler)
+    try:
+        positions = len(sampler.indices) if subset_sampler else len(base.dataset)
+        count = len(sampler)
+    except (TypeError, AttributeError):
+        return out  # a stream, or a sampler without a length
+    replacement = getattr(sampler, "replacement", False) is True
+    if replacement or count != positions:
+        out["draws"] = {"sampler": type(sampler).__name__, "replacement": replacement,
+                        "count": int(count)}
+    if chain or subset_sampler:
+        ids = (np.asarray(sampler.indices, dtype=np.int64) if subset_sampler
+               else np.arange(positions, dtype=np.int64))
+        for indices in chain:
+            ids = np.asarray(indices, dtype=np.int64)[ids]
+        domain = int(np.unique(ids).size)
+        whole = root_length(base.dataset)
+        out["domain"] = domain if whole is None or domain < whole else None
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
