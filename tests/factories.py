@@ -222,3 +222,26 @@ def weighted_draws_unprepared(accelerator):
 
     sampler = WeightedRandomSampler(torch.ones(N), N, generator=torch.Generator().manual_seed(5))
     return DataLoader(_dataset(), batch_size=4, sampler=sampler)
+
+
+def hf_ids(n=N):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"sample_id": list(range(n)),
+                              "x": [float(i) for i in range(n)]}).with_format("torch")
+
+
+def hf_train_test_split(accelerator):
+    """datasets' train_test_split (a view with an indices mapping), the train part prepared."""
+    train = hf_ids().train_test_split(test_size=0.25, seed=0)["train"]
+    return accelerator.prepare(DataLoader(train, batch_size=4, shuffle=True))
+
+
+def hf_split_by_node(accelerator):
+    """split_dataset_by_node on a map-style datasets.Dataset: each rank its own contiguous
+    rows, a plain DataLoader (the positions 0.. are not the same samples on every rank)."""
+    from datasets.distributed import split_dataset_by_node
+
+    part = split_dataset_by_node(hf_ids(), rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes)
+    return DataLoader(part, batch_size=4, shuffle=True)

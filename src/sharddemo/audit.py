@@ -351,12 +351,13 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
 
     loader = target.loader
     description = describe_loader(loader)  # before the walk wraps anything
-    agreed = agree_on_fingerprint(accelerator, loader, description=description)
+    agreed = agree_on_fingerprint(accelerator, loader, description=description,
+                                  ids_by_position=opts.id_field is None)
     read_ids = id_reader(loader, opts.id_field)
     prepared = is_prepared(loader)
     records = []
     # N before the walk, where the loader says it (the count path needs it); else after.
-    known = _known_size(loader, opts)
+    known = _known_size(loader, opts, agreed)
     label = "audit" if target.mode == AUDIT_MODE else target.mode
     for epoch in range(target.epochs):
         if target.start_epoch is not None:
@@ -373,7 +374,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
             raise RunFailed(f"{where}epoch {epoch} of the loader raised {type(exc).__name__}: "
                             f"{exc}") from exc
         records.append(record)
-    size = _dataset_size(loader, opts, records)
+    size = _dataset_size(loader, opts, records, agreed)
     # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
     sizes = exchange_ints(accelerator, [size])
     size = max(row[0] for row in sizes)
@@ -403,21 +404,26 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     return mode
 
 
-def _known_size(loader, opts: AuditOptions):
+def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
     """N where it is known before any walk: the length of the dataset under any Subset, else
     (a stream) --dataset-size; None for a stream without it. The dataset's own length wins: a
     framework audit walks several loaders, and --dataset-size is meant for the stream among
-    them, not for the map-style eval set beside it."""
+    them, not for the map-style eval set beside it. Where the ranks read different rows of a
+    datasets.Dataset (`agreed["rows_differ"]`, a per-rank split, audited by --id-field), a
+    rank's own length is its part only: --dataset-size, else None (found after the walk)."""
     from sharddemo.walk import base_loader, root_length
 
+    if agreed and agreed.get("rows_differ"):
+        return opts.dataset_size
     length = root_length(getattr(base_loader(loader), "dataset", None))
     return length if length is not None else opts.dataset_size
 
 
-def _dataset_size(loader, opts: AuditOptions, records: list) -> int:
+def _dataset_size(loader, opts: AuditOptions, records: list,
+                  agreed: Optional[dict] = None) -> int:
     """N: the length of the dataset under any Subset, else --dataset-size, else one past the
     largest id this rank saw (the ranks then agree on the largest)."""
-    length = _known_size(loader, opts)
+    length = _known_size(loader, opts, agreed)
     if length is not None:
         return length
     top = -1

@@ -120,8 +120,9 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
     share = loader_share(loader, n)
     if code == "subset":
         text = (f"subset: the loader deals from {domain} of the {n} samples (a torch Subset, "
-                "as random_split makes, or a SubsetRandomSampler); the other "
-                f"{n - domain} are not its data")
+                "as random_split makes, a SubsetRandomSampler, or a view of a datasets.Dataset "
+                f"such as train_test_split, select or filter make); the other {n - domain} "
+                "are not its data")
     elif draws["replacement"]:
         return (f"the sampler draws with replacement ({draws['sampler']}, {draws['count']} "
                 "draws an epoch): some samples come several times and some never, by design")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import xxhash
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged, narrowest_dtype
 
@@ -402,6 +403,9 @@ def index_domain(loader) -> dict:
             dataset = dataset.dataset
         else:
             break
+    rows = hf_rows(dataset)  # a datasets.Dataset view: its positions are these table rows
+    if rows is not None:
+        chain.append(rows)
     sampler = _index_sampler(base)
     out: dict[str, Any] = {"domain": None, "draws": None}
     if sampler is None or hasattr(sampler, "num_replicas"):
@@ -442,22 +446,50 @@ TAG = "__sharddemo__"
 MAIN_PROCESS = -1  # the worker id of a batch made without workers
 
 
+def hf_rows(dataset):
+    """The table rows a datasets.Dataset view reads, position by position, where it has an
+    indices mapping (train_test_split, select, filter, shuffle): a numpy array; else None."""
+    indices = getattr(dataset, "_indices", None)
+    if indices is None or not hasattr(dataset, "data"):
+        return None
+    return indices.column(0).to_numpy()
+
+
+def hf_rows_digest(dataset) -> Optional[str]:
+    """For a datasets.Dataset read by position with no indices mapping (its positions are its
+    rows; split_dataset_by_node and Dataset.shard give each rank its own contiguous rows): a
+    hash of its length and of its first, middle and last rows as stored (Arrow: no transform
+    runs, no RNG is drawn), so that ranks can tell whether position i is the same sample
+    everywhere. None for anything else."""
+    data = getattr(dataset, "data", None)
+    if getattr(dataset, "_indices", 0) is not None or not hasattr(data, "slice"):
+        return None
+    n = int(data.num_rows)
+    h = xxhash.xxh3_64(str(n).encode())
+    for i in sorted({0, n // 2, n - 1}) if n else []:
+        h.update(repr(data.slice(i, 1).to_pydict()).encode())
+    return h.hexdigest()
+
+
 class IndexedDataset(torch.utils.data.Dataset):
-    """Stands in for a map-style dataset: returns what it returns, and notes each index."""
+    """Stands in for a map-style dataset: returns what it returns, and notes each index (the
+    table row, for a datasets.Dataset view with an indices mapping: hf_rows)."""
 
     def __init__(self, inner) -> None:
         self._inner = inner
+        self._rows = hf_rows(inner)
         self._fetched: list[int] = []
 
     def __len__(self) -> int:
         return len(self._inner)
 
     def __getitem__(self, index):
-        self._fetched.append(int(index))
+        self._fetched.append(int(index) if self._rows is None else int(self._rows[index]))
         return self._inner[index]
 
     def __getitems__(self, indices):
-        self._fetched.extend(int(i) for i in indices)
+        rows = self._rows
+        self._fetched.extend(int(i) if rows is None else int(rows[i]) for i in indices)
         batched = getattr(self._inner, "__getitems__", None)
         return batched(indices) if batched else [self._inner[i] for i in indices]
 
@@ -624,7 +656,20 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
             "num_workers": int(getattr(base, "num_workers", 0) or 0),
             "order_hash": (_order_hash(inner) if inner is not None
                            and (length is None or length < COUNT_FROM) else None),
-            "shards_itself": _shards_itself(description or describe_loader(loader))}
+            "shards_itself": _shards_itself(description or describe_loader(loader)),
+            "rows_digest": hf_rows_digest(_root(getattr(base, "dataset", None)))}
+
+
+def _root(dataset):
+    """The dataset under any torch Subset and sharddemo's IndexedDataset."""
+    for _ in range(16):
+        if isinstance(dataset, IndexedDataset):
+            dataset = dataset._inner
+        elif isinstance(dataset, torch.utils.data.Subset):
+            dataset = dataset.dataset
+        else:
+            break
+    return dataset
 
 
 def _shards_itself(info: dict) -> bool:
@@ -642,18 +687,30 @@ FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": 
 
 
 def agree_on_fingerprint(accelerator, loader, stop: bool = True,
-                         description: Optional[dict] = None) -> dict:
+                         description: Optional[dict] = None,
+                         ids_by_position: bool = False) -> dict:
     """Every rank's fingerprint, exchanged with one gather. If they differ, every rank stops
     with the same one-line message naming the field and the ranks (a Disagreement, exit 1);
     with `stop=False` (compare's pitfall demos, which disagree on purpose) the message is
-    returned under `disagreement` instead."""
+    returned under `disagreement` instead. `ids_by_position`: the walk will take the
+    positions the DataLoader asks for as sample ids; where the ranks read different rows of a
+    datasets.Dataset (hf_rows_digest), position i is not one sample, and every rank stops with
+    a UsageError asking for --id-field."""
     from accelerate.utils import gather_object
 
     from sharddemo.collect import collective
-    from sharddemo.errors import Disagreement
+    from sharddemo.errors import Disagreement, UsageError
 
     mine = fingerprint(loader, description)
     every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
+    digests = {fp["rows_digest"] for fp in every}
+    if ids_by_position and len(digests) > 1:
+        raise UsageError("the ranks read different rows of a datasets.Dataset (as "
+                         "split_dataset_by_node or Dataset.shard give each rank its own), so a "
+                         "position the DataLoader asks for is not the same sample on every "
+                         "rank; pass --id-field with the column that holds each sample's id")
+    # each rank's own rows (a per-rank split): one rank's length is not the dataset's
+    mine = {**mine, "rows_differ": len(digests) > 1}
     same_data = any(fp["shards_itself"] for fp in every)
     for key, words in FINGERPRINT_WORDS.items():
         if not same_data and key not in ("sampler", "batch_sampler", "num_workers"):
