@@ -202,12 +202,6 @@ def random_split_eval(accelerator):
     return accelerator.prepare(DataLoader(split_parts()[1], batch_size=4))
 
 
-def random_split_per_rank(accelerator):
-    """The pitfall: random_split seeded by rank, so every rank trains on another 45."""
-    train = split_parts(seed=accelerator.process_index)[0]
-    return accelerator.prepare(DataLoader(train, batch_size=4, shuffle=True))
-
-
 def weighted_draws(accelerator):
     """WeightedRandomSampler (replacement=True): 60 draws an epoch, repeats and gaps by design."""
     from torch.utils.data import WeightedRandomSampler

@@ -408,6 +408,13 @@ def test_a_subset_loader_is_checked_against_its_own_ids():
     assert e["missing"] == [2, 3, 4] and not e["missing_explained"]
     assert "but 1 of the 4 it deals never came: NOT explained" in e["reasons"]["subset"]
     assert [v["verdict"] for v in m["verdicts"] if not v["ok"]] == ["no-missing-samples"]
+    # Each rank's part drawn apart (random_split seeded by rank): rank 0 [5, 1], rank 1 [1, 3]:
+    # each clean, 1 on both, 3 distinct of 4: the ranks dealt from different data.
+    m = report_of(trace("audit", 6, 2, 2, [[[[5, 1]], [[1, 3]]]], sub))
+    e = m["epochs"][0]
+    assert e["missing_reason"] == "ranks-disagree"
+    assert {v["verdict"] for v in m["verdicts"] if not v["ok"]} == {
+        "no-missing-samples", "no-unexplained-duplicates"}
 
 
 def test_an_eval_subset_counts_its_own_samples_once():

@@ -175,7 +175,8 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
     from sharddemo.report import loader_share
     from sharddemo.walk import index_domain
 
-    share = loader_share(index_domain(loader), n)
+    # (gather_for_metrics is accelerate's: only a prepared loader has one to check)
+    share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
     record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"],
                                                      n, share)
     return record

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -389,10 +390,27 @@ def index_domain(loader) -> dict:
       {"sampler", "replacement", "count"} (RandomSampler(replacement=True) or num_samples,
       WeightedRandomSampler); else None. A DistributedSampler is not a draw: it shards.
 
-    random_split(ds, [40, 10])[0] in a prepared DataLoader: {"domain": 40, "draws": None}."""
+    random_split(ds, [40, 10])[0] in a prepared DataLoader: {"domain": 40, "draws": None}.
+    Read once per loader (a Subset's ids are counted in a mask of the dataset's length)."""
+    base = base_loader(loader)
+    try:
+        return dict(_DOMAINS[base])
+    except (KeyError, TypeError):
+        pass
+    out = _index_domain(base)
+    try:
+        _DOMAINS[base] = out
+    except TypeError:
+        pass  # not weak-referenceable: read again next time
+    return dict(out)
+
+
+_DOMAINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _index_domain(base) -> dict:
     import numpy as np
 
-    base = base_loader(loader)
     dataset = getattr(base, "dataset", None)
     chain = []  # each Subset's indices, outermost first
     for _ in range(16):
@@ -425,8 +443,13 @@ def index_domain(loader) -> dict:
                else np.arange(positions, dtype=np.int64))
         for indices in chain:
             ids = np.asarray(indices, dtype=np.int64)[ids]
-        domain = int(np.unique(ids).size)
         whole = root_length(base.dataset)
+        if whole is not None and ids.size and 0 <= ids.min() and ids.max() < whole:
+            seen = np.zeros(whole, dtype=bool)  # distinct ids: a mask, not a sort
+            seen[ids] = True
+            domain = int(np.count_nonzero(seen))
+        else:
+            domain = int(np.unique(ids).size)
         out["domain"] = domain if whole is None or domain < whole else None
     return out
 
