@@ -3,6 +3,7 @@ and every rank's output shown when a launch fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,3 +58,29 @@ def sharddemo(args: list[str], timeout: float = OUTER_TIMEOUT, check: bool = Tru
               env: dict | None = None) -> subprocess.CompletedProcess:
     return run_cmd([sys.executable, "-m", "sharddemo", *args], timeout=timeout, check=check,
                    env=env)
+
+
+# `sharddemo audit` as the audit tests run it (tests/test_audit.py, tests/test_audit_parts.py)
+FACTORIES = str(ROOT / "tests" / "factories.py")
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
+def audit(target, *args, check=True, nproc=2):
+    """`sharddemo audit TARGET --format json`; every report it prints must validate."""
+    import jsonschema
+
+    proc = sharddemo(["audit", target, "--num-processes", str(nproc), "--format", "json", *args],
+                     check=False)
+    if check and proc.returncode not in (0, 1):
+        pytest.fail(f"audit exited {proc.returncode}\n{proc.stderr}")
+    if proc.returncode in (0, 1) and proc.stdout.strip():
+        jsonschema.validate(json.loads(proc.stdout), SCHEMA)
+    return proc
+
+
+def verdicts(proc):
+    report = json.loads(proc.stdout)
+    out = {}
+    for v in report["modes"]["audit"]["verdicts"]:
+        out[v["verdict"]] = out.get(v["verdict"], True) and v["ok"]
+    return report, out

@@ -6,37 +6,10 @@ import json
 import re
 
 import pytest
-from conftest import ROOT, sharddemo
+from conftest import FACTORIES, ROOT, SCHEMA, audit, sharddemo, verdicts
 from torch.utils.data import DistributedSampler
 
 from sharddemo.testing import assert_shards
-
-FACTORIES = str(ROOT / "tests" / "factories.py")
-
-
-SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
-
-
-def audit(target, *args, check=True, nproc=2):
-    """`sharddemo audit TARGET --format json`; every report it prints must validate."""
-    import jsonschema
-
-    proc = sharddemo(["audit", target, "--num-processes", str(nproc), "--format", "json", *args],
-                     check=False)
-    if check and proc.returncode not in (0, 1):
-        pytest.fail(f"audit exited {proc.returncode}\n{proc.stderr}")
-    if proc.returncode in (0, 1) and proc.stdout.strip():
-        jsonschema.validate(json.loads(proc.stdout), SCHEMA)
-    return proc
-
-
-def verdicts(proc):
-    report = json.loads(proc.stdout)
-    out = {}
-    for v in report["modes"]["audit"]["verdicts"]:
-        out[v["verdict"]] = out.get(v["verdict"], True) and v["ok"]
-    return report, out
-
 
 @pytest.mark.parametrize("example,failing,nproc", [
     ("good", set(), 2),
@@ -92,7 +65,7 @@ def test_id_field(target, field):
     assert e["missing"] == [] and report["dataset_size"] == 60
     import jsonschema
 
-    jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()))
+    jsonschema.validate(report, SCHEMA)
 
 
 def test_expect_replicated_flips_the_replication_check():
@@ -179,118 +152,3 @@ def test_the_header_states_the_per_rank_and_global_batch_of_split_batches(how):
     assert report["global_batch"] == per_rank * 2
     head = render(report, "table").splitlines()[0]
     assert f"| per-rank batch {per_rank} | global batch {per_rank * 2} |" in head
-
-
-# Loaders whose own objects deal part of the dataset or repeat ids by design (a random_split
-# part, a sampler that draws with replacement): the truth is what those objects deal, and a
-# real loss or a replication still fails. Expected values from torch's and accelerate's objects.
-def _received(e) -> set:
-    return {i for r in e["ranks"] for b in r["batches"] for i in b}
-
-
-def test_a_random_split_part_is_audited_against_its_own_data():
-    """On 3 ranks and the count path (the ids path: the train/test split of datasets below,
-    and tests/test_report_units.py)."""
-    from factories import split_parts
-
-    train, held = split_parts()  # torch's random_split, seeded as the factory seeds it
-    proc = audit(f"{FACTORIES}:random_split_train", "--epochs", "1", "--gather", "count",
-                 nproc=3)
-    report, got = verdicts(proc)
-    assert proc.returncode == 0 and all(got.values()), got
-    e = report["modes"]["audit"]["epochs"][0]
-    assert e["missing_count"] == len(held) and e["unique"] == len(train)
-    assert e["missing"] == sorted(held.indices)  # the held-out part, and nothing else
-    assert e["missing_reason"] == "subset" and e["missing_explained"]
-    # accelerate's gather_for_metrics cuts the last step by len(dataset) = len(train)
-    assert e["gathered_for_metrics_count"] == len(train) and e["gather_for_metrics_exact"]
-    assert report["modes"]["audit"]["loader"]["domain"] == len(set(train.indices))
-
-
-def _weighted_oracle(world: int, epochs: int, prepared: bool):
-    """[epoch][rank] -> batches: the factory's DataLoader over WeightedRandomSampler(seed 5),
-    built fresh per rank and, where prepared, through accelerate's prepare_data_loader."""
-    import torch
-    from accelerate.data_loader import prepare_data_loader
-    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
-    from torch.utils.data import DataLoader, WeightedRandomSampler
-
-    from factories import N, _dataset
-
-    out = [[None] * world for _ in range(epochs)]
-    for rank in range(world):
-        sampler = WeightedRandomSampler(torch.ones(N), N,
-                                        generator=torch.Generator().manual_seed(5))
-        loader = DataLoader(_dataset(), batch_size=4, sampler=sampler)
-        if prepared:
-            ensure_accelerator_state()
-            loader = prepare_data_loader(loader, num_processes=world, process_index=rank,
-                                         put_on_device=False,
-                                         rng_types=list(ACCELERATOR_RNG_TYPES))
-        for epoch in range(epochs):
-            out[epoch][rank] = [[int(i) for i in ids] for ids, _ in loader]
-    return out
-
-
-def test_a_sampler_with_replacement_repeats_and_skips_by_design():
-    """2 epochs on 3 ranks, the count path (the ids path: tests/test_report_units.py)."""
-    nproc, gather = 3, "count"
-    expected = _weighted_oracle(nproc, 2, prepared=True)
-    proc = audit(f"{FACTORIES}:weighted_draws", "--gather", gather, nproc=nproc)
-    report, got = verdicts(proc)
-    assert proc.returncode == 0 and all(got.values()), got
-    for e, ranks in zip(report["modes"]["audit"]["epochs"], expected):
-        drawn = [i for batches in ranks for b in batches for i in b]
-        assert e["seen"] == len(drawn) and e["unique"] == len(set(drawn))
-        assert e["missing_count"] == 60 - len(set(drawn)) > 0
-        assert [r["steps"] for r in e["ranks"]] == [len(batches) for batches in ranks]
-        assert e["missing_reason"] == "sampler-draws" and e["duplicates_explained"]
-        assert {d["reason"] for d in e["duplicates"]} == {"sampler-draws"}
-
-
-def test_the_same_draw_on_every_rank_is_replication():
-    expected = _weighted_oracle(2, 1, prepared=False)
-    proc = audit(f"{FACTORIES}:weighted_draws_unprepared", "--epochs", "1")
-    report, got = verdicts(proc)
-    assert proc.returncode == 1 and not got["no-silent-replication"], got
-    e = report["modes"]["audit"]["epochs"][0]
-    assert [r["batches"] for r in e["ranks"]] == expected[0]
-    assert expected[0][0] == expected[0][1]  # torch: the same sampler draws the same on each
-    assert {d["reason"] for d in e["duplicates"]} == {"replication"}
-
-
-def test_a_datasets_view_is_audited_by_its_table_rows():
-    """train_test_split's train part: the positions the DataLoader asks for are mapped to the
-    table's rows (its indices mapping), so the ids are the samples' own (sample_id = row) and
-    the held-out quarter is the view's, not a loss. Expected from datasets' own split."""
-    from factories import hf_ids
-
-    parts = hf_ids().train_test_split(test_size=0.25, seed=0)
-    proc = audit(f"{FACTORIES}:hf_train_test_split", "--epochs", "1")
-    report, got = verdicts(proc)
-    assert proc.returncode == 0 and all(got.values()), got
-    e = report["modes"]["audit"]["epochs"][0]
-    assert _received(e) == {int(i) for i in parts["train"]["sample_id"]}
-    assert e["missing"] == sorted(int(i) for i in parts["test"]["sample_id"])
-    assert e["missing_reason"] == "subset" and report["dataset_size"] == 60
-
-
-def test_a_per_rank_datasets_split_needs_ids_and_is_right_with_them():
-    """split_dataset_by_node on a map-style datasets.Dataset: by position, every rank's rows
-    would look like the same samples (replication); the audit refuses, and with --id-field
-    each rank received its own part, from datasets' own split."""
-    from datasets.distributed import split_dataset_by_node
-    from factories import hf_ids
-
-    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "read different rows of a datasets.Dataset" in lines[0] and "--id-field" in lines[0]
-    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", "--id-field", "sample_id")
-    report, got = verdicts(proc)
-    assert proc.returncode == 0 and all(got.values()), got
-    e = report["modes"]["audit"]["epochs"][0]
-    for r in e["ranks"]:
-        part = split_dataset_by_node(hf_ids(), rank=r["rank"], world_size=2)
-        assert sorted(i for b in r["batches"] for i in b) == sorted(int(i) for i in part["sample_id"])
-    assert report["dataset_size"] == 60 and e["times_dataset"] == 1
