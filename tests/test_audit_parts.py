@@ -86,3 +86,42 @@ def test_the_same_draw_on_every_rank_is_replication():
         assert r["steps"] == len(batches) and r["first_batches"][0] == batches[0]
     assert e["seen"] == 3 * sum(map(len, expected[0][0]))
     assert {d["reason"] for d in e["duplicates"]} == {"replication"}
+
+
+def test_a_datasets_view_is_audited_by_its_table_rows():
+    """train_test_split's train part: the positions the DataLoader asks for are mapped to the
+    table's rows (its indices mapping), so the ids are the samples' own (sample_id = row) and
+    the held-out quarter is the view's, not a loss. Expected from datasets' own split."""
+    from factories import hf_ids
+
+    parts = hf_ids().train_test_split(test_size=0.25, seed=0)
+    proc = audit(f"{FACTORIES}:hf_train_test_split", "--epochs", "1")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    e = report["modes"]["audit"]["epochs"][0]
+    assert _received(e) == {int(i) for i in parts["train"]["sample_id"]}
+    assert e["missing"] == sorted(int(i) for i in parts["test"]["sample_id"])
+    assert e["missing_reason"] == "subset" and report["dataset_size"] == 60
+    # accelerate's gather_for_metrics cuts the last step by len(dataset): the train part's
+    assert e["gathered_for_metrics_count"] == len(parts["train"]) and e["gather_for_metrics_exact"]
+
+
+def test_a_per_rank_datasets_split_needs_ids_and_is_right_with_them():
+    """split_dataset_by_node on a map-style datasets.Dataset: by position, every rank's rows
+    would look like the same samples (replication); the audit refuses, and with --id-field
+    each rank received its own part, from datasets' own split."""
+    from datasets.distributed import split_dataset_by_node
+    from factories import hf_ids
+
+    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "read different rows of a datasets.Dataset" in lines[0] and "--id-field" in lines[0]
+    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", "--id-field", "sample_id")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    e = report["modes"]["audit"]["epochs"][0]
+    for r in e["ranks"]:
+        part = split_dataset_by_node(hf_ids(), rank=r["rank"], world_size=2)
+        assert sorted(i for b in r["batches"] for i in b) == sorted(int(i) for i in part["sample_id"])
+    assert report["dataset_size"] == 60 and e["times_dataset"] == 1
