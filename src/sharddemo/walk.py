@@ -384,8 +384,9 @@ def index_domain(loader) -> dict:
     """What the loader's own objects let it deal in an epoch, read from them (no iteration):
 
     - `domain`: how many distinct dataset ids (the ids sharddemo records: indices of the data
-      under any torch Subset) the loader can deal at all, where a Subset (random_split) or a
-      SubsetRandomSampler narrows them to fewer than the whole; else None.
+      under any torch Subset, table rows of a datasets.Dataset view) the loader can deal at
+      all, where a Subset (random_split), a SubsetRandomSampler or a view's indices mapping
+      (train_test_split, select, filter) narrows them to fewer than the whole; else None.
     - `draws`: where the index sampler does not deal each of its positions once, its draw:
       {"sampler", "replacement", "count"} (RandomSampler(replacement=True) or num_samples,
       WeightedRandomSampler); else None. A DistributedSampler is not a draw: it shards.
