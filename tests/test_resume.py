@@ -108,13 +108,26 @@ def test_compare_resume_runs_every_scenario_side_by_side():
     """compare --modes resume: 3 strategies x 2 stops x workers 0 and 2, in three launches.
     (It is also the suite's check of skip with a seed, restart and a stop at an epoch
     boundary, which `audit --resume-at` runs through the same code.)
-    N=40, B=4, W=2: 5 steps per rank, the mid-epoch stop is step 2 (worked out by hand)."""
+    N=40, a batch of 8 split across W=2 (--split-batches): 4 per rank, 5 steps per rank, the
+    mid-epoch stop is step 2 (worked out by hand). The header states the per-rank and global
+    batch of accelerate's own prepared loader (the resume demo builds its report apart from
+    the modes; the other commands: tests/test_audit.py)."""
     import jsonschema
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
 
-    proc = sharddemo(["compare", "--modes", "resume", "--dataset-size", "40", "--batch-size", "4",
-                      "--format", "json"], timeout=240)
+    from sharddemo.render import render
+
+    proc = sharddemo(["compare", "--modes", "resume", "--dataset-size", "40", "--batch-size", "8",
+                      "--split-batches", "--format", "json"], timeout=240)
     report = json.loads(proc.stdout)
     jsonschema.validate(report, SCHEMA)
+    ref = prepare_data_loader(DataLoader(list(range(40)), batch_size=8), num_processes=2,
+                              process_index=0, split_batches=True, put_on_device=False)
+    per_rank = len(next(iter(ref)))
+    assert report["global_batch"] == per_rank * 2
+    head = render(report, "table").splitlines()[0]
+    assert f"| per-rank batch {per_rank} | global batch {per_rank * 2} |" in head
     rows = {(r["workers"], r["at"]["epoch"], r["at"]["step"], r["strategy"]): r
             for r in report["resume"]}
     assert sorted(rows) == sorted((w, e, s, st) for w in (0, 2) for e, s in ((0, 2), (1, 0))
