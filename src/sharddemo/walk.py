@@ -409,11 +409,10 @@ def index_domain(loader) -> dict:
 _DOMAINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _index_domain(base) -> dict:
-    import numpy as np
-
-    dataset = getattr(base, "dataset", None)
-    chain = []  # each Subset's indices, outermost first
+def under_subsets(dataset) -> tuple[Any, list]:
+    """(the dataset under any torch Subsets and sharddemo's IndexedDataset, each Subset's
+    indices, outermost first)."""
+    chain = []
     for _ in range(16):
         if isinstance(dataset, IndexedDataset):
             dataset = dataset._inner
@@ -422,6 +421,13 @@ def _index_domain(base) -> dict:
             dataset = dataset.dataset
         else:
             break
+    return dataset, chain
+
+
+def _index_domain(base) -> dict:
+    import numpy as np
+
+    dataset, chain = under_subsets(getattr(base, "dataset", None))
     rows = hf_rows(dataset)  # a datasets.Dataset view: its positions are these table rows
     if rows is not None:
         chain.append(rows)
@@ -473,10 +479,12 @@ MAIN_PROCESS = -1  # the worker id of a batch made without workers
 def hf_rows(dataset):
     """The table rows a datasets.Dataset view reads, position by position, where it has an
     indices mapping (train_test_split, select, filter, shuffle): a numpy array; else None."""
-    indices = getattr(dataset, "_indices", None)
-    if indices is None or not hasattr(dataset, "data"):
-        return None
-    return indices.column(0).to_numpy()
+    return dataset._indices.column(0).to_numpy() if _is_hf_view(dataset) else None
+
+
+def _is_hf_view(dataset) -> bool:
+    """A datasets.Dataset whose positions go through an indices mapping to its table's rows."""
+    return getattr(dataset, "_indices", None) is not None and hasattr(dataset, "data")
 
 
 def hf_rows_digest(dataset) -> Optional[str]:
@@ -635,17 +643,12 @@ def _order_hash(sampler) -> Optional[str]:
 
 def root_length(dataset) -> Optional[int]:
     """The length of the data every rank starts from, under the views that legitimately differ
-    by rank: a torch Subset, an HF dataset shard (split_dataset_by_node keeps the whole table
-    and an index of its rows), sharddemo's own IndexedDataset. None for a stream."""
-    for _ in range(16):
-        if isinstance(dataset, IndexedDataset):
-            dataset = dataset._inner
-        elif isinstance(dataset, torch.utils.data.Subset):
-            dataset = dataset.dataset
-        elif getattr(dataset, "_indices", None) is not None and hasattr(dataset, "data"):
-            return int(dataset.data.num_rows)
-        else:
-            break
+    by rank: a torch Subset, a datasets.Dataset view with an indices mapping (the whole
+    table's rows: train_test_split, select, filter), sharddemo's own IndexedDataset. None for
+    a stream."""
+    dataset, _ = under_subsets(dataset)
+    if _is_hf_view(dataset):
+        return int(dataset.data.num_rows)
     try:
         return len(dataset)
     except TypeError:
@@ -681,19 +684,7 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
             "order_hash": (_order_hash(inner) if inner is not None
                            and (length is None or length < COUNT_FROM) else None),
             "shards_itself": _shards_itself(description or describe_loader(loader)),
-            "rows_digest": hf_rows_digest(_root(getattr(base, "dataset", None)))}
-
-
-def _root(dataset):
-    """The dataset under any torch Subset and sharddemo's IndexedDataset."""
-    for _ in range(16):
-        if isinstance(dataset, IndexedDataset):
-            dataset = dataset._inner
-        elif isinstance(dataset, torch.utils.data.Subset):
-            dataset = dataset.dataset
-        else:
-            break
-    return dataset
+            "rows_digest": hf_rows_digest(under_subsets(getattr(base, "dataset", None))[0])}
 
 
 def _shards_itself(info: dict) -> bool:
