@@ -135,6 +135,18 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
     return text + (", and drop_last drops the rest" if missing > n - share else "")
 
 
+def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
+                    explained: bool = True) -> str:
+    """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
+    reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
+    if code == "drop-last":
+        return (f"drop_last: {missing} sample(s) did not make a complete batch (or round of "
+                "batches) and were dropped")
+    if code in ("subset", "sampler-draws"):
+        return by_design_sentence(code, loader, n, missing, explained)
+    return REASON_SENTENCE[code]
+
+
 # Audit modes: "audit" (a make_loader factory) and the loaders a framework builds.
 FRAMEWORK_PREFIXES = ("trainer:", "lightning:")
 
@@ -471,8 +483,7 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
     elif extra:
         dup_code, explained = explain_duplicates(ranks, loader, hint, kind, w, per_rank_batch, n,
                                                  [set(wk) for wk in workers] if known else None)
-        reasons[dup_code] = (by_design_sentence(dup_code, loader, n, 0)
-                             if dup_code == "sampler-draws" else REASON_SENTENCE[dup_code])
+        reasons[dup_code] = reason_sentence(dup_code, loader, n)
     miss_code, miss_explained = None, True
     if cov["missing"]:
         if kind == REPLICATED and not loader.get("drop_last"):
@@ -481,14 +492,9 @@ def analyse_epoch(mode: str, trace: dict, record: dict, previous: Optional[dict]
             miss_code, miss_explained = explain_missing(len(cov["missing"]), loader, hint,
                                                         global_batch(trace), dup_code, n,
                                                         cov["unique"])
-        if miss_code == "drop-last":
-            reasons["drop-last"] = (f"drop_last: {len(cov['missing'])} sample(s) did not make a "
-                                    "complete batch (or round of batches) and were dropped")
-        elif miss_code in ("subset", "sampler-draws"):
-            reasons[miss_code] = by_design_sentence(miss_code, loader, n, len(cov["missing"]),
-                                                    miss_explained)
-        elif miss_code:
-            reasons.setdefault(miss_code, REASON_SENTENCE[miss_code])
+        if miss_code:
+            reasons[miss_code] = reason_sentence(miss_code, loader, n, len(cov["missing"]),
+                                                 miss_explained)
     hang = min(steps) if len(set(steps)) > 1 else None
     ragged = [s for s in range(max(steps, default=0))
               if len({len(b[s]) for b in ranks if s < len(b)}) > 1]

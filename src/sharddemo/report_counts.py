@@ -263,8 +263,7 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
             reasons[code] = R.REASON_SENTENCE[code]
     elif extra:
         dup_code, explained = explain_duplicates(record, loader, hint, kind, w, per_rank_batch, n)
-        reasons[dup_code] = (R.by_design_sentence(dup_code, loader, n, 0)
-                             if dup_code == "sampler-draws" else R.REASON_SENTENCE[dup_code])
+        reasons[dup_code] = R.reason_sentence(dup_code, loader, n)
     missing = cov["missing_count"]
     miss_code, miss_explained = None, True
     if missing:
@@ -274,14 +273,9 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
             miss_code, miss_explained = R.explain_missing(missing, loader, hint,
                                                           R.global_batch(trace), dup_code, n,
                                                           cov["unique"])
-        if miss_code == "drop-last":
-            reasons["drop-last"] = (f"drop_last: {missing} sample(s) did not make a complete "
-                                    "batch (or round of batches) and were dropped")
-        elif miss_code in ("subset", "sampler-draws"):
-            reasons[miss_code] = R.by_design_sentence(miss_code, loader, n, missing,
-                                                      miss_explained)
-        elif miss_code:
-            reasons.setdefault(miss_code, R.REASON_SENTENCE[miss_code])
+        if miss_code:
+            reasons[miss_code] = R.reason_sentence(miss_code, loader, n, missing,
+                                                   miss_explained)
     hang = min(steps) if len(set(steps)) > 1 else None
     ragged, ragged_total = _ragged(ranks)
     out: dict[str, Any] = {
