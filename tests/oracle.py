@@ -15,6 +15,8 @@ gets is not synchronised, which is why its ranks disagree; here rank r is seeded
 
 from __future__ import annotations
 
+import atexit
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +140,9 @@ def _dataset(case: Case):
     return Ids(case.n)
 
 
+_STREAM_FILES: dict = {}  # (n, shards) -> the files, written once per test process
+
+
 def _json_stream(n: int, shards: int):
     """ids 0..n-1 written as `shards` JSON-lines files of ceil(n / shards) ids each, in order,
     streamed by datasets (the hf-stream source, as its help describes it)."""
@@ -148,14 +153,18 @@ def _json_stream(n: int, shards: int):
     from datasets import load_dataset
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    folder = tempfile.mkdtemp(prefix="oracle-stream-")
-    per, files = -(-n // shards), []
-    for k in range(shards):
-        path = os.path.join(folder, f"shard-{k:05d}.jsonl")
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps({"id": i}) + "\n"
-                              for i in range(k * per, min(n, (k + 1) * per)))
-        files.append(path)
+    files = _STREAM_FILES.get((n, shards))
+    if files is None:
+        folder = tempfile.mkdtemp(prefix="oracle-stream-")
+        atexit.register(shutil.rmtree, folder, True)
+        per, files = -(-n // shards), []
+        for k in range(shards):
+            path = os.path.join(folder, f"shard-{k:05d}.jsonl")
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.writelines(json.dumps({"id": i}) + "\n"
+                                  for i in range(k * per, min(n, (k + 1) * per)))
+            files.append(path)
+        _STREAM_FILES[(n, shards)] = files
     return load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
 
 

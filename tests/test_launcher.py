@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, accelerate_launch, run_cmd, sharddemo
+from conftest import ROOT, accelerate_launch, launch_env, run_cmd, sharddemo
 
 
 def test_accelerate_launch_run_all_on_cpu2_config():
@@ -140,10 +140,14 @@ def test_compare_pitfalls_fail_the_check():
     assert len(error) == 1 and error[0].startswith("Error: broken promise(s): double-split")
 
 
-def test_compare_hf_stream_split_on_three_ranks():
+def test_compare_hf_stream_split_on_three_ranks(tmp_path):
+    env = {**launch_env(), "TMPDIR": str(tmp_path)}
     proc = sharddemo(["compare", "--source", "hf-stream", "--modes", "split,prepared,replicated",
                       "--num-processes", "3", "--dataset-size", "10", "--batch-size", "3",
-                      "--format", "json", "--epochs", "1"])
+                      "--format", "json", "--epochs", "1"], env=env)
+    # Nothing left in the temporary folder: not the launch's own, not torchrun's log folder,
+    # not the JSON-lines files each of the 3 ranks wrote for its stream.
+    assert list(tmp_path.iterdir()) == []
     report = json.loads(proc.stdout)
     split = report["modes"]["split"]["epochs"][0]
     assert [sum(r["batches"], []) for r in split["ranks"]] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]

@@ -98,6 +98,11 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         trace_path = os.path.join(tmp, "trace.json")
         status_dir = os.path.join(tmp, "status")
         os.mkdir(status_dir)
+        # The launcher's and the ranks' temporary files (torchrun's log folder, an hf-stream's
+        # files, a Trainer's output_dir) go here and are removed with it: ranks end with
+        # os._exit (cli._end_rank), so their own atexit cleanup never runs.
+        scratch = os.path.join(tmp, "scratch")
+        os.mkdir(scratch)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch.accelerate_args(),
                "--main_process_port", str(port),
                "-m", "sharddemo", launch.command, *launch.run_args, "--quiet",
@@ -111,6 +116,7 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         env[STATUS_ENV] = status_dir
         if progress:
             env[PROGRESS_ENV] = "1"
+        env["TMPDIR"] = scratch
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:

@@ -82,8 +82,10 @@ def hf_dataset(length: int):
 def hf_stream(length: int, shards: int):
     """A datasets.IterableDataset streamed from `shards` JSON-lines files written locally.
 
-    Each process writes its own copy (the same content) into a temporary folder removed at
-    exit, so no rank waits on another and nothing is fetched from a hub.
+    Each process writes its own copy (the same content) into a temporary folder, so no rank
+    waits on another and nothing is fetched from a hub. Under a launch the folder lies in the
+    launch's own temporary folder, removed with it (launch.run_launch sets TMPDIR: a rank ends
+    with os._exit, which skips atexit); in a process of its own it is removed at exit.
     """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from datasets import load_dataset
