@@ -137,6 +137,14 @@ def test_shipped_configs_load():
      "Error: mode sampler needs a map-style dataset (a sampler draws indices), but --source "
      "iterable is iterable; use --source toy or hf, or modes prepared, replicated, split"),
     (["--shards", "0", "--source", "hf-stream"], "Error: --shards must be at least 1, got 0"),
+    (["--modes", "resume", "--epochs", "2"],
+     "Error: mode resume always walks epochs 0..2 with 0 and 2 workers and gathers every batch, "
+     "so --epochs does not apply; drop it, or audit your own loader: sharddemo audit "
+     "FILE.py:make_loader --resume-at EPOCH:STEP --epochs N"),
+    (["--modes", "resume", "--num-workers", "0", "--gather", "batch"],
+     "Error: mode resume always walks epochs 0..2 with 0 and 2 workers and gathers every batch, "
+     "so --num-workers and --gather do not apply; drop them, or audit your own loader: sharddemo "
+     "audit FILE.py:make_loader --resume-at EPOCH:STEP --epochs N"),
 ])
 def test_scenario_options_bad_input(args, message):
     result = invoke(["compare", *args])

@@ -391,6 +391,8 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     """
     settings = _settings(kw)
     opts = _options(modes, kw)
+    if "resume" in opts.modes:
+        _refuse_resume_options()
     _check_files(output, plot)
     if max_memory is not None:
         _check_memory(opts, settings.num_processes, parse_size(max_memory, "--max-memory"))
@@ -409,6 +411,21 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
         return 1
     return 0
+
+
+def _refuse_resume_options() -> None:
+    """`--modes resume` runs fixed scenarios: epochs 0..2, 0 and 2 workers, every batch
+    gathered (resume.demo_scenarios). Saying so beats ignoring what the user passed."""
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("epochs", "num_workers", "gather")
+             if ctx.get_parameter_source(name) in (click.core.ParameterSource.COMMANDLINE,
+                                                  click.core.ParameterSource.ENVIRONMENT)]
+    if given:
+        verb, them = ("does", "it") if len(given) == 1 else ("do", "them")
+        raise UsageError(f"mode resume always walks epochs 0..2 with 0 and 2 workers and "
+                         f"gathers every batch, so {' and '.join(given)} {verb} not apply; drop "
+                         f"{them}, or audit your own loader: sharddemo audit FILE.py:make_loader "
+                         f"--resume-at EPOCH:STEP --epochs N")
 
 
 def audit_options(func: Callable) -> Callable:

@@ -29,7 +29,8 @@ MODE_HELP = {
                 "process shuffles with its own seed",
     "split": "datasets.distributed.split_dataset_by_node per rank, then a plain DataLoader, not prepared",
     "resume": "the prepared loader stopped, saved, restarted and resumed: skip, stateful and restart "
-              "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers (compare only)",
+              "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers, epochs 0..2 (compare only; "
+              "--epochs, --num-workers and --gather do not apply)",
 }
 
 
