@@ -10,6 +10,7 @@ timed on the main rank between barriers, repeated, and the median kept.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -41,6 +42,11 @@ def timed_cpu(accelerator, fn) -> tuple[float, float]:
     """(wall seconds on the main rank between barriers, CPU seconds of all ranks together).
     CPU time leaves out the waits a busy 2-core machine adds to the wall time (the other
     rank, other processes), so it is the steadier measure of what the work itself costs."""
+    # A full collection first, on every rank: the interpreter holds about 250,000 objects
+    # here (torch, accelerate, datasets), so a collection that the loader's allocations set off
+    # takes tens of ms and would land on one loop or the other at random; collected before
+    # every timing, the two loops start from the same heap.
+    gc.collect()
     accelerator.wait_for_everyone()
     start, cpu = time.perf_counter(), time.process_time()
     fn()

@@ -310,10 +310,14 @@ class _Running:
         """Count `batches`, whose ids are their values - shift (one subtraction for all)."""
         if not batches:
             return
-        ids = batches[0] if len(batches) == 1 else torch.cat(batches)
+        if len(batches) == 1:
+            ids = unshift(batches[0], shift)  # a new tensor where shifted: not the loader's
+        else:
+            ids = torch.cat(batches)  # our own tensor: shifted in place, no second copy
+            if shift:
+                ids.sub_(shift)
         if not ids.numel():
             return
-        ids = unshift(ids, shift)  # a new tensor where shifted: never the loader's batch
         arr = ids.numpy()
         self.order.update(memoryview(arr))  # the same digest as hashing batch after batch
         if self.ascending:
