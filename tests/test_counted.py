@@ -143,3 +143,35 @@ def test_the_most_copies_of_a_sample_past_the_listed_duplicates(n, exact):
     said = "samples arrived up to 4 times" if exact else "samples arrived up to at least 4 times"
     assert f"{said} (" in data["conclusion"]
     assert any(line.endswith(said) for line in report["broken_promises"])
+
+
+def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatch):
+    """One process (world size 1): the count path's walk over batches worked by hand, with a
+    flush buffer of 4 ids, so that batches straddle flushes, the reader changes its shift
+    while values wait in the buffer, and one batch (5 ids) is larger than the buffer."""
+    import numpy as np
+    import torch
+    import xxhash
+    from accelerate import Accelerator
+
+    from sharddemo import counting
+
+    monkeypatch.setattr(counting, "FLUSH_IDS", 4)
+    accelerator = Accelerator(cpu=True)
+    # (values, shift): the ids are values - shift
+    batches = [([1, 2, 3], 1), ([4, 5], 1), ([3, 9], 0), ([5, 6, 7, 8, 10], 0), ([0, 12], 0),
+               ([3], 0)]
+    ids = [0, 1, 2, 3, 4, 3, 9, 5, 6, 7, 8, 10, 0, 12, 3]  # worked by hand from the above
+    record = counting.walk_and_count(
+        accelerator, [(torch.tensor(v), s) for v, s in batches],
+        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=12)
+    rank = record["ranks"][0]
+    assert rank["samples"] == 15 and rank["steps"] == 6
+    assert rank["head"] == [[0, 1, 2], [3, 4], [3, 9]]
+    assert rank["tail"] == [[5, 6, 7, 8, 10], [0, 12], [3]]
+    assert rank["out_of_range"] == [12] and rank["out_of_range_total"] == 1
+    assert rank["repeats"] == [[0, 2], [3, 3]] and rank["repeats_total"] == 2  # 0 x2, 3 x3
+    assert rank["distinct"] == 11  # 0..10; 11 never came, 12 is outside [0, 12)
+    assert record["coverage"]["missing"] == [11]
+    assert rank["order_hash"] == xxhash.xxh3_128(np.array(ids, dtype=np.int64)).hexdigest()
+    assert rank["ascending"] is False
