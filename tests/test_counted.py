@@ -146,9 +146,9 @@ def test_the_most_copies_of_a_sample_past_the_listed_duplicates(n, exact):
 
 
 def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatch):
-    """One process (world size 1): the count path's walk over batches worked by hand, with a
-    flush buffer of 4 ids, so that batches straddle flushes, the reader changes its shift
-    while values wait in the buffer, and one batch (5 ids) is larger than the buffer."""
+    """One process (world size 1): the count path's walk over batches worked by hand, with
+    flushes of 8 ids, so that several batches wait for one flush, the reader changes its shift
+    while values wait, and one batch (9 ids) is larger than a flush."""
     import numpy as np
     import torch
     import xxhash
@@ -156,22 +156,32 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
 
     from sharddemo import counting
 
-    monkeypatch.setattr(counting, "FLUSH_IDS", 4)
+    monkeypatch.setattr(counting, "FLUSH_IDS", 8)
     accelerator = Accelerator(cpu=True)
     # (values, shift): the ids are values - shift
-    batches = [([1, 2, 3], 1), ([4, 5], 1), ([3, 9], 0), ([5, 6, 7, 8, 10], 0), ([0, 12], 0),
-               ([3], 0)]
-    ids = [0, 1, 2, 3, 4, 3, 9, 5, 6, 7, 8, 10, 0, 12, 3]  # worked by hand from the above
+    batches = [([1, 2], 1), ([3, 4, 5], 1), ([3, 9], 0), ([5, 6, 7, 8, 10, 11, 12, 13, 14], 0),
+               ([0, 20], 0), ([3], 0)]
+    # worked by hand from the above
+    ids = [0, 1, 2, 3, 4, 3, 9, 5, 6, 7, 8, 10, 11, 12, 13, 14, 0, 20, 3]
     record = counting.walk_and_count(
         accelerator, [(torch.tensor(v), s) for v, s in batches],
-        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=12)
+        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=17)
     rank = record["ranks"][0]
-    assert rank["samples"] == 15 and rank["steps"] == 6
-    assert rank["head"] == [[0, 1, 2], [3, 4], [3, 9]]
-    assert rank["tail"] == [[5, 6, 7, 8, 10], [0, 12], [3]]
-    assert rank["out_of_range"] == [12] and rank["out_of_range_total"] == 1
+    assert rank["samples"] == 19 and rank["steps"] == 6
+    assert rank["sizes"] == [[2, 1], [3, 1], [2, 1], [9, 1], [2, 1], [1, 1]]
+    assert rank["head"] == [[0, 1], [2, 3, 4], [3, 9]]
+    assert rank["tail"] == [[5, 6, 7, 8, 10, 11, 12, 13, 14], [0, 20], [3]]
+    assert rank["out_of_range"] == [20] and rank["out_of_range_total"] == 1
     assert rank["repeats"] == [[0, 2], [3, 3]] and rank["repeats_total"] == 2  # 0 x2, 3 x3
-    assert rank["distinct"] == 11  # 0..10; 11 never came, 12 is outside [0, 12)
-    assert record["coverage"]["missing"] == [11]
+    assert rank["distinct"] == 15  # 0..14; 15 and 16 never came, 20 is outside [0, 17)
+    assert record["coverage"]["missing"] == [15, 16]
     assert rank["order_hash"] == xxhash.xxh3_128(np.array(ids, dtype=np.int64)).hexdigest()
     assert rank["ascending"] is False
+    # ten batches of 2, counted over several flushes: still one run of sizes, 0..19 once each
+    record = counting.walk_and_count(
+        accelerator, [(torch.tensor([2 * k, 2 * k + 1]), 0) for k in range(10)],
+        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=20)
+    rank = record["ranks"][0]
+    assert rank["sizes"] == [[2, 10]] and rank["distinct"] == 20 and rank["ascending"] is True
+    assert rank["head"] == [[0, 1], [2, 3], [4, 5]] and rank["tail"] == [[14, 15], [16, 17],
+                                                                         [18, 19]]
