@@ -11,7 +11,9 @@ N = 1000
 
 
 def make_loader(accelerator):
-    dataset = TensorDataset(torch.randn(N, 4), torch.randint(0, 2, (N,)))
+    data = torch.Generator().manual_seed(0)  # the same data on every rank, as files read are
+    dataset = TensorDataset(torch.randn(N, 4, generator=data),
+                            torch.randint(0, 2, (N,), generator=data))
     sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
                                  rank=accelerator.process_index, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=16, sampler=sampler)

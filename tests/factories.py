@@ -7,7 +7,8 @@ N = 60
 
 
 def _dataset(n=N):
-    return TensorDataset(torch.arange(n), torch.randn(n, 2))
+    features = torch.randn(n, 2, generator=torch.Generator().manual_seed(0))  # same on every rank
+    return TensorDataset(torch.arange(n), features)
 
 
 def sampler_with_workers(accelerator):
@@ -239,3 +240,17 @@ def hf_split_by_node(accelerator):
     part = split_dataset_by_node(hf_ids(), rank=accelerator.process_index,
                                  world_size=accelerator.num_processes)
     return DataLoader(part, batch_size=4, shuffle=True)
+
+
+def tensor_sliced_by_rank(accelerator):
+    """A TensorDataset built per rank from its slice of the ids (ids r, r + W, ...), a plain
+    shuffled DataLoader: each rank's position i is another sample. Batches are [ids, x]."""
+    ids = torch.arange(accelerator.process_index, 40, accelerator.num_processes)
+    return DataLoader(TensorDataset(ids, ids * 2.0), batch_size=4, shuffle=True)
+
+
+def tensor_unseeded_prepared(accelerator):
+    """torch.randn with no seed on each rank, then a prepared (sharded) loader: every rank
+    shards its own, different data."""
+    return accelerator.prepare(DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=4,
+                                          shuffle=True))

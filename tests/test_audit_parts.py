@@ -125,3 +125,41 @@ def test_a_per_rank_datasets_split_needs_ids_and_is_right_with_them():
         part = split_dataset_by_node(hf_ids(), rank=r["rank"], world_size=2)
         assert sorted(i for b in r["batches"] for i in b) == sorted(int(i) for i in part["sample_id"])
     assert report["dataset_size"] == 60 and e["times_dataset"] == 1
+
+
+def test_a_tensor_dataset_sliced_by_rank_needs_ids_and_is_right_with_them():
+    """TensorDataset(ids[rank::W]) on each rank: by position it would read as replication (every
+    rank's positions are 0..19); the ranks compare their rows as stored, the audit refuses,
+    and with --id-field 0 each rank received its own slice."""
+    proc = audit(f"{FACTORIES}:tensor_sliced_by_rank", "--epochs", "1", check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "read different rows of a TensorDataset" in lines[0] and "--id-field" in lines[0]
+    proc = audit(f"{FACTORIES}:tensor_sliced_by_rank", "--epochs", "1", "--id-field", "0")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    e = report["modes"]["audit"]["epochs"][0]
+    for r in e["ranks"]:  # rank r holds r, r + 2, ..., 38 + r (the factory's slice, by hand)
+        assert sorted(i for b in r["batches"] for i in b) == list(range(r["rank"], 40, 2))
+    assert report["dataset_size"] == 40 and e["times_dataset"] == 1
+
+
+def test_a_sharded_loader_over_different_data_on_each_rank_says_the_ids_are_positions():
+    """Unseeded torch.randn on each rank under a prepared loader: accelerate shards positions
+    that hold different samples on each rank. The split of positions is what accelerate dealt
+    (from its own BatchSamplerShard), and the report says that it is not a split of samples."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    proc = audit(f"{FACTORIES}:tensor_unseeded_prepared", "--epochs", "1")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    mode = report["modes"]["audit"]
+    assert mode["fingerprint"]["rows_differ"] is True
+    assert "the split below is of positions, not of samples" in mode["fingerprint"]["rows_note"]
+    e = mode["epochs"][0]
+    whole = BatchSampler(SequentialSampler(range(40)), 4, False)
+    for r in e["ranks"]:
+        shard = BatchSamplerShard(whole, num_processes=2, process_index=r["rank"])
+        assert len(r["batches"]) == len(list(shard)) and all(len(b) == 4 for b in r["batches"])
+    assert report["dataset_size"] == 40 and e["times_dataset"] == 1

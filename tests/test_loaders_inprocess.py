@@ -181,3 +181,46 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
             else:  # accelerate may put its SeedableRandomSampler in the RandomSampler's place
                 assert {k: v for k, v in got["draws"].items() if k != "sampler"} == \
                     {k: v for k, v in draws.items() if k != "sampler"}
+
+
+def test_rows_digest_reads_rows_as_stored_and_nothing_of_the_users():
+    """Ranks compare these to tell whether position i is the same sample everywhere."""
+    import numpy as np
+    import torch
+    from datasets import Dataset as HFDataset
+    from torch.utils.data import Dataset, TensorDataset
+
+    from sharddemo.walk import rows_digest
+
+    ids = torch.arange(40)
+    same = rows_digest(TensorDataset(ids, ids * 2.0))
+    assert same == rows_digest(TensorDataset(ids.clone(), ids * 2.0))  # equal content
+    assert same != rows_digest(TensorDataset(ids[0::2], ids[0::2] * 2.0))  # rank 0's slice
+    assert rows_digest(TensorDataset(ids[0::2])) != rows_digest(TensorDataset(ids[1::2]))
+    # only the first, middle and last rows are read: a change elsewhere is not seen
+    changed = ids.clone()
+    changed[7] = -1
+    assert rows_digest(TensorDataset(changed)) == rows_digest(TensorDataset(ids))
+    changed[20] = -1  # the middle row of 40
+    assert rows_digest(TensorDataset(changed)) != rows_digest(TensorDataset(ids))
+    assert rows_digest(torch.zeros(4, 2, dtype=torch.bfloat16)) is not None  # no numpy dtype
+    assert rows_digest(np.arange(10)) == rows_digest(np.arange(10)) != rows_digest(np.arange(1, 11))
+    assert rows_digest(list(range(10))) == rows_digest(range(10)) != rows_digest(range(1, 11))
+    assert rows_digest([(1, "a"), (2, "b")]) is not None
+    hf = HFDataset.from_dict({"id": list(range(10))})
+    assert rows_digest(hf) == rows_digest(HFDataset.from_dict({"id": list(range(10))}))
+    assert rows_digest(hf.shard(2, 0)) != rows_digest(hf.shard(2, 1))
+
+    class Touchy:  # its repr is the user's code: never called
+        def __repr__(self):
+            raise AssertionError("repr called")
+
+    class Mine(Dataset):  # reading a row would run the user's __getitem__
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            raise AssertionError("__getitem__ called")
+
+    assert rows_digest([Touchy()] * 3) is None and rows_digest(Mine()) is None
+    assert rows_digest(hf.select([3, 1])) is None  # a view: its rows go through a mapping

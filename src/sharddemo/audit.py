@@ -413,7 +413,7 @@ def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
     rank's own length is its part only: --dataset-size, else None (found after the walk)."""
     from sharddemo.walk import base_loader, root_length
 
-    if agreed and agreed.get("rows_differ"):
+    if agreed and agreed.get("rows_differ") and opts.id_field is not None:
         return opts.dataset_size
     length = root_length(getattr(base_loader(loader), "dataset", None))
     return length if length is not None else opts.dataset_size

@@ -199,6 +199,8 @@ def render_table(report: dict) -> str:
         if (data.get("fingerprint") or {}).get("disagreement"):
             out.append(f"  fingerprint: {data['fingerprint']['disagreement']} (an audit would "
                        "stop here)")
+        if (data.get("fingerprint") or {}).get("rows_note"):
+            out.append(f"  note: {data['fingerprint']['rows_note']}")
         own = own_sizes_line(report, data)
         if data.get("settings"):
             out.append("  " + settings_line(data))
@@ -298,7 +300,8 @@ def render_markdown(report: dict) -> str:
     if report.get("launch_command"):
         out += [f"Rerun by hand: `{report['launch_command']}`", ""]
     for mode, data in report["modes"].items():
-        out += [f"## {mode}", "", data["description"], "",
+        note = (data.get("fingerprint") or {}).get("rows_note")
+        out += [f"## {mode}", "", data["description"], "", *([f"Note: {note}", ""] if note else []),
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:

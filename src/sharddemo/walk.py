@@ -487,20 +487,63 @@ def _is_hf_view(dataset) -> bool:
     return getattr(dataset, "_indices", None) is not None and hasattr(dataset, "data")
 
 
-def hf_rows_digest(dataset) -> Optional[str]:
-    """For a datasets.Dataset read by position with no indices mapping (its positions are its
-    rows; split_dataset_by_node and Dataset.shard give each rank its own contiguous rows): a
-    hash of its length and of its first, middle and last rows as stored (Arrow: no transform
-    runs, no RNG is drawn), so that ranks can tell whether position i is the same sample
-    everywhere. None for anything else."""
+def rows_digest(dataset) -> Optional[str]:
+    """For a dataset whose rows can be read as stored, running none of the user's code and
+    drawing no RNG, so that ranks can tell whether position i is the same sample everywhere
+    (a dataset split by rank before the loader is not): a hash of its length and of its first,
+    middle and last rows. That is a datasets.Dataset with no indices mapping (its positions
+    are its Arrow rows; split_dataset_by_node and Dataset.shard give each rank its own), a
+    torch TensorDataset, a tensor or numpy array, and a list, tuple or range of plain values.
+    None for anything else (a dataset class of the user's: reading a row runs its code)."""
     data = getattr(dataset, "data", None)
-    if getattr(dataset, "_indices", 0) is not None or not hasattr(data, "slice"):
+    if getattr(dataset, "_indices", 0) is None and hasattr(data, "slice"):  # datasets.Dataset
+        n = int(data.num_rows)
+        return _rows_hash(n, [lambda i: repr(data.slice(i, 1).to_pydict()).encode()])
+    import numpy as np
+
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        arrays = list(dataset.tensors)
+    elif isinstance(dataset, (torch.Tensor, np.ndarray)) and dataset.ndim:
+        arrays = [dataset]
+    elif isinstance(dataset, (list, tuple, range)):
+        rows = dataset
+        n = len(rows)
+        if not all(_plain(rows[i]) for i in {0, n // 2, n - 1} if n):
+            return None
+        return _rows_hash(n, [lambda i: repr(rows[i]).encode()])
+    else:
         return None
-    n = int(data.num_rows)
+    if not arrays or any(len(a) != len(arrays[0]) for a in arrays):
+        return None
+    return _rows_hash(len(arrays[0]), [
+        (lambda i, a=a: f"{a.dtype}{tuple(a.shape)}".encode() + _row_bytes(a[i]))
+        for a in arrays])
+
+
+def _rows_hash(n: int, readers: list) -> str:
     h = xxhash.xxh3_64(str(n).encode())
     for i in sorted({0, n // 2, n - 1}) if n else []:
-        h.update(repr(data.slice(i, 1).to_pydict()).encode())
+        for read in readers:
+            h.update(read(i))
     return h.hexdigest()
+
+
+def _row_bytes(row) -> bytes:
+    """One row of a tensor or array as bytes (a copy of that row alone, on the CPU)."""
+    if isinstance(row, torch.Tensor):
+        row = row.detach().to("cpu").reshape(-1).clone()
+        return row.view(torch.uint8).numpy().tobytes() if row.numel() else b""
+    import numpy as np
+
+    return np.ascontiguousarray(row).tobytes()
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """A value whose repr runs no user code: a number, string, bytes, None, or a tuple of
+    them."""
+    if value is None or type(value) in (int, float, bool, str, bytes):
+        return True
+    return depth == 0 and type(value) is tuple and all(_plain(v, 1) for v in value)
 
 
 class IndexedDataset(torch.utils.data.Dataset):
@@ -684,7 +727,7 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
             "order_hash": (_order_hash(inner) if inner is not None
                            and (length is None or length < COUNT_FROM) else None),
             "shards_itself": _shards_itself(description or describe_loader(loader)),
-            "rows_digest": hf_rows_digest(under_subsets(getattr(base, "dataset", None))[0])}
+            "rows_digest": rows_digest(under_subsets(getattr(base, "dataset", None))[0])}
 
 
 def _shards_itself(info: dict) -> bool:
@@ -708,9 +751,11 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
     with the same one-line message naming the field and the ranks (a Disagreement, exit 1);
     with `stop=False` (compare's pitfall demos, which disagree on purpose) the message is
     returned under `disagreement` instead. `ids_by_position`: the walk will take the
-    positions the DataLoader asks for as sample ids; where the ranks read different rows of a
-    datasets.Dataset (hf_rows_digest), position i is not one sample, and every rank stops with
-    a UsageError asking for --id-field."""
+    positions the DataLoader asks for as sample ids. Where the ranks read different rows
+    (rows_digest), position i is not one sample: for data split by rank before the loader
+    every rank stops with a UsageError asking for --id-field (by position it would read as
+    replication); under a loader that shards the data itself the walk goes on (unseeded
+    random data does this, harmless in a demo) and `rows_note` says what it means."""
     from accelerate.utils import gather_object
 
     from sharddemo.collect import collective
@@ -718,15 +763,23 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
 
     mine = fingerprint(loader, description)
     every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
-    digests = {fp["rows_digest"] for fp in every}
-    if ids_by_position and len(digests) > 1:
-        raise UsageError("the ranks read different rows of a datasets.Dataset (as "
-                         "split_dataset_by_node or Dataset.shard give each rank its own), so a "
-                         "position the DataLoader asks for is not the same sample on every "
-                         "rank; pass --id-field with the column that holds each sample's id")
-    # each rank's own rows (a per-rank split): one rank's length is not the dataset's
-    mine = {**mine, "rows_differ": len(digests) > 1}
+    differ = len({fp["rows_digest"] for fp in every}) > 1
     same_data = any(fp["shards_itself"] for fp in every)
+    if ids_by_position and differ and not same_data:
+        raise UsageError(f"the ranks read different rows of a {_kind(loader)} (a dataset "
+                         "split by rank before the loader: split_dataset_by_node, "
+                         "Dataset.shard, or data sliced by rank), so a position the DataLoader "
+                         "asks for is not the same sample on every rank; pass --id-field with "
+                         "the field (column, dict key or tuple position) that holds each "
+                         "sample's id")
+    # each rank's own rows (a per-rank split): one rank's length is not the dataset's
+    mine = {**mine, "rows_differ": differ}
+    if ids_by_position and differ:
+        mine["rows_note"] = (f"the ranks hold different rows of a {_kind(loader)} at the same "
+                             "positions (the first, middle or last row differs: unseeded "
+                             "random data, or each rank loading its own files), and the ids "
+                             "here are positions: the split below is of positions, not of "
+                             "samples; pass --id-field to audit by each sample's own id")
     for key, words in FINGERPRINT_WORDS.items():
         if not same_data and key not in ("sampler", "batch_sampler", "num_workers"):
             continue  # data split by rank before the loader: each rank's own may differ
@@ -745,6 +798,14 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
                 raise Disagreement(message)
             return {**mine, "disagreement": message}
     return mine
+
+
+def _kind(loader) -> str:
+    """The class of the dataset under any Subset, as a person names it."""
+    dataset, _ = under_subsets(getattr(base_loader(loader), "dataset", None))
+    if hasattr(dataset, "data") and hasattr(dataset, "_indices"):
+        return "datasets.Dataset"
+    return type(dataset).__name__
 
 
 def _say(key: str, value: Any, words: str, first: bool = True) -> str:
