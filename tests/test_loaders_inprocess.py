@@ -155,6 +155,8 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
     picked = SubsetRandomSampler([4, 9, 12, 20])
     weighted = WeightedRandomSampler(torch.ones(30), 30)
     fewer = RandomSampler(data, num_samples=12)
+    repeated = SubsetRandomSampler([5, 5, 7, 11])
+    twice = Subset(data, [2, 3, 3, 8, 8, 9])
     cases = [
         (DataLoader(data, batch_size=4, shuffle=True), None, None),
         (DataLoader(train, batch_size=4, shuffle=True), len(set(train.indices)), None),
@@ -168,6 +170,13 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
          {"sampler": "RandomSampler", "replacement": False, "count": fewer.num_samples}),
         (DataLoader(data, batch_size=4,
                     sampler=DistributedSampler(data, num_replicas=2, rank=0)), None, None),
+        # indices that name a sample twice: 4 indices dealt, 3 distinct samples
+        (DataLoader(data, batch_size=4, sampler=repeated), len(set(repeated.indices)),
+         {"sampler": "SubsetRandomSampler", "replacement": False,
+          "count": len(repeated.indices), "repeated_indices": True}),
+        (DataLoader(twice, batch_size=4, shuffle=True), len(set(twice.indices)),
+         {"sampler": "RandomSampler", "replacement": False, "count": len(twice.indices),
+          "repeated_indices": True}),
     ]
     ensure_accelerator_state()
     for loader, domain, draws in cases:

@@ -444,3 +444,23 @@ def test_a_sampler_with_replacement_explains_its_repeats_unless_every_rank_draws
     m = report_of(trace("audit", 4, 2, 2, [[same, same]], {**PLAIN, "draws": draws}))
     got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
     assert got["no-silent-replication"] is False
+
+
+def test_indices_that_repeat_a_sample_explain_its_repeats_not_others():
+    # SubsetRandomSampler([5, 5, 7, 11]) over 12 ids, prepared, B=2, W=2 (describe_loader:
+    # domain 3, draws of 4 with repeated indices): rank 0 [5, 11], rank 1 [7, 5]: 5 twice and
+    # the 9 others not its data, by design.
+    draws = {"sampler": "SubsetRandomSampler", "replacement": False, "count": 4,
+             "repeated_indices": True}
+    loader = {**PREPARED, "domain": 3, "draws": draws}
+    m = report_of(trace("audit", 12, 2, 2, [[[[5, 11]], [[7, 5]]]], loader))
+    e = m["epochs"][0]
+    assert {d["reason"] for d in e["duplicates"]} == {"sampler-draws"}
+    assert e["missing_reason"] == "subset" and e["missing_explained"]
+    assert ("deals 4 indices an epoch that name 3 distinct samples"
+            in e["reasons"]["sampler-draws"])
+    assert all(v["ok"] for v in m["verdicts"]), m["verdicts"]
+    # The same loader, 7 lost (rank 1 got [5, 5]: 3 copies of 5 in 4 draws): still a loss.
+    m = report_of(trace("audit", 12, 2, 2, [[[[5, 11]], [[5, 5]]]], loader))
+    got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
+    assert got["no-missing-samples"] is False

@@ -126,6 +126,10 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
     elif draws["replacement"]:
         return (f"the sampler draws with replacement ({draws['sampler']}, {draws['count']} "
                 "draws an epoch): some samples come several times and some never, by design")
+    elif draws.get("repeated_indices"):
+        text = (f"the sampler deals {draws['count']} indices an epoch that name {domain} "
+                f"distinct samples ({draws['sampler']}: its indices, or its Subset's, repeat "
+                "some samples), by design")
     else:
         text = (f"the sampler draws {draws['count']} of {domain or n} samples an epoch "
                 f"({draws['sampler']}, num_samples={draws['count']})")

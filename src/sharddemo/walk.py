@@ -458,6 +458,11 @@ def _index_domain(base) -> dict:
         else:
             domain = int(np.unique(ids).size)
         out["domain"] = domain if whole is None or domain < whole else None
+        if domain < ids.size and out["draws"] is None:
+            # indices that repeat samples (SubsetRandomSampler([0, 0, 1]), a Subset the same
+            # way): the sampler deals `count` indices naming `domain` samples, repeats by design
+            out["draws"] = {"sampler": type(sampler).__name__, "replacement": False,
+                            "count": int(count), "repeated_indices": True}
     return out
 
 
