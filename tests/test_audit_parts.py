@@ -5,6 +5,7 @@ fails. Expected values from torch's, datasets' and accelerate's objects."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import FACTORIES, audit, verdicts
 
 
@@ -106,42 +107,36 @@ def test_a_datasets_view_is_audited_by_its_table_rows():
     assert e["gathered_for_metrics_count"] == len(parts["train"]) and e["gather_for_metrics_exact"]
 
 
-def test_a_per_rank_datasets_split_needs_ids_and_is_right_with_them():
-    """split_dataset_by_node on a map-style datasets.Dataset: by position, every rank's rows
-    would look like the same samples (replication); the audit refuses, and with --id-field
-    each rank received its own part, from datasets' own split."""
+def _hf_part(rank: int) -> list[int]:
+    """rank's part of hf_ids() (60 ids) from datasets' own split_dataset_by_node, 2 ranks."""
     from datasets.distributed import split_dataset_by_node
     from factories import hf_ids
 
-    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", check=False)
+    return sorted(int(i) for i in split_dataset_by_node(hf_ids(), rank=rank,
+                                                        world_size=2)["sample_id"])
+
+
+@pytest.mark.parametrize("factory,kind,id_field,part,n", [
+    # split_dataset_by_node on a map-style datasets.Dataset: each rank its contiguous rows
+    ("hf_split_by_node", "datasets.Dataset", "sample_id", _hf_part, 60),
+    # TensorDataset(ids[rank::2]): rank r holds r, r + 2, ..., 38 + r (by hand)
+    ("tensor_sliced_by_rank", "TensorDataset", "0", lambda rank: list(range(rank, 40, 2)), 40),
+])
+def test_data_split_by_rank_needs_ids_and_is_right_with_them(factory, kind, id_field, part, n):
+    """Data split by rank before the loader: by position every rank's rows would look like the
+    same samples (replication); the ranks compare their rows as stored, the audit refuses,
+    and with --id-field each rank received its own part."""
+    proc = audit(f"{FACTORIES}:{factory}", "--epochs", "1", check=False)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "read different rows of a datasets.Dataset" in lines[0] and "--id-field" in lines[0]
-    proc = audit(f"{FACTORIES}:hf_split_by_node", "--epochs", "1", "--id-field", "sample_id")
+    assert f"read different rows of a {kind} " in lines[0] and "--id-field" in lines[0]
+    proc = audit(f"{FACTORIES}:{factory}", "--epochs", "1", "--id-field", id_field)
     report, got = verdicts(proc)
     assert proc.returncode == 0 and all(got.values()), got
     e = report["modes"]["audit"]["epochs"][0]
     for r in e["ranks"]:
-        part = split_dataset_by_node(hf_ids(), rank=r["rank"], world_size=2)
-        assert sorted(i for b in r["batches"] for i in b) == sorted(int(i) for i in part["sample_id"])
-    assert report["dataset_size"] == 60 and e["times_dataset"] == 1
-
-
-def test_a_tensor_dataset_sliced_by_rank_needs_ids_and_is_right_with_them():
-    """TensorDataset(ids[rank::W]) on each rank: by position it would read as replication (every
-    rank's positions are 0..19); the ranks compare their rows as stored, the audit refuses,
-    and with --id-field 0 each rank received its own slice."""
-    proc = audit(f"{FACTORIES}:tensor_sliced_by_rank", "--epochs", "1", check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "read different rows of a TensorDataset" in lines[0] and "--id-field" in lines[0]
-    proc = audit(f"{FACTORIES}:tensor_sliced_by_rank", "--epochs", "1", "--id-field", "0")
-    report, got = verdicts(proc)
-    assert proc.returncode == 0 and all(got.values()), got
-    e = report["modes"]["audit"]["epochs"][0]
-    for r in e["ranks"]:  # rank r holds r, r + 2, ..., 38 + r (the factory's slice, by hand)
-        assert sorted(i for b in r["batches"] for i in b) == list(range(r["rank"], 40, 2))
-    assert report["dataset_size"] == 40 and e["times_dataset"] == 1
+        assert sorted(i for b in r["batches"] for i in b) == part(r["rank"])
+    assert report["dataset_size"] == n and e["times_dataset"] == 1
 
 
 def test_a_sharded_loader_over_different_data_on_each_rank_says_the_ids_are_positions():
