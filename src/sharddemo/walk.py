@@ -508,8 +508,10 @@ def rows_digest(dataset) -> Optional[str]:
 
     if isinstance(dataset, torch.utils.data.TensorDataset):
         arrays = list(dataset.tensors)
-    elif isinstance(dataset, (torch.Tensor, np.ndarray)) and dataset.ndim:
+    elif isinstance(dataset, torch.Tensor) and dataset.ndim:
         arrays = [dataset]
+    elif isinstance(dataset, np.ndarray) and dataset.ndim and dataset.dtype != object:
+        arrays = [dataset]  # (an object array's bytes are pointers, another in each process)
     elif isinstance(dataset, (list, tuple, range)):
         rows = dataset
         n = len(rows)
@@ -732,7 +734,16 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
             "order_hash": (_order_hash(inner) if inner is not None
                            and (length is None or length < COUNT_FROM) else None),
             "shards_itself": _shards_itself(description or describe_loader(loader)),
-            "rows_digest": rows_digest(under_subsets(getattr(base, "dataset", None))[0])}
+            "rows_digest": _safe_rows_digest(under_subsets(getattr(base, "dataset", None))[0])}
+
+
+def _safe_rows_digest(dataset) -> Optional[str]:
+    """rows_digest, or None where a row cannot be read as bytes (a tensor type that cannot be
+    viewed as bytes, say): the check is then skipped, as for a dataset class of the user's."""
+    try:
+        return rows_digest(dataset)
+    except Exception:  # noqa: BLE001 - a best-effort check before the walk, never a failure
+        return None
 
 
 def _shards_itself(info: dict) -> bool:
