@@ -20,8 +20,9 @@ deals its half round-robin once more and some samples are never trained on
 make_trainer_drop_last: dataloader_drop_last=True applies to eval too: the last incomplete
 round of the eval set is never evaluated.
 
-make_trainer_two_evals: eval_dataset is a dict of two eval sets (4 and 7 samples); the Trainer
-evaluates each with its own loader, and the report has a mode for each.
+make_trainer_two_evals: eval_dataset is a dict of eval sets (4 and 7 samples, and a random_split
+part: 4 of 12); the Trainer evaluates each with its own loader, and the report has a mode for
+each (the part is held to its own 4 samples: the other 8 are not its data).
 
 make_trainer_batch_rebalance: train_sampling_strategy="batch_rebalance" (transformers 5): the
 Trainer's BatchRebalanceSampler deals each rank its own micro-batches, of sizes that vary with
@@ -105,10 +106,14 @@ def make_trainer_batch_rebalance():
 
 
 def make_trainer_two_evals():
+    from torch.utils.data import random_split
     from transformers import Trainer
 
+    # "held_out": the 4 of 12 samples random_split keeps out of a training part
+    _, held_out = random_split(Numbers(12), [8, 4], generator=torch.Generator().manual_seed(0))
     return Trainer(model=TinyModel(), args=_arguments(), train_dataset=Numbers(N_TRAIN),
-                   eval_dataset={"short": Numbers(4), "long": Numbers(N_EVAL)})
+                   eval_dataset={"short": Numbers(4), "long": Numbers(N_EVAL),
+                                 "held_out": held_out})
 
 
 def make_trainer_double_split():

@@ -145,13 +145,31 @@ def test_trainer_drop_last_hides_eval_samples(monkeypatch, fresh_accelerate_stat
 
 
 def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_state):
-    """eval_dataset={"short": 4 samples, "long": 7}: one mode per entry, each what the
-    Trainer's own get_eval_dataloader(name) gives each rank (dealt by accelerate's own
-    prepare_data_loader for that rank)."""
+    """eval_dataset={"short": 4 samples, "long": 7, "held_out": a random_split part}: one mode
+    per entry, each what the Trainer's own get_eval_dataloader(name) gives each rank (dealt by
+    accelerate's own prepare_data_loader for that rank)."""
+    import torch
+    from torch.utils.data import random_split
+
     proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_two_evals", "--epochs", "1")
     assert proc.returncode == 0, report["broken_promises"]
-    assert set(report["modes"]) == {"trainer:train", "trainer:eval:short", "trainer:eval:long"}
+    assert set(report["modes"]) == {"trainer:train", "trainer:eval:short", "trainer:eval:long",
+                                    "trainer:eval:held_out"}
     te = example("trainer_example")
+    # the part: torch's random_split, seeded as the factory seeds it; the ids are the 12's
+    _, part = random_split(range(12), [8, 4], generator=torch.Generator().manual_seed(0))
+    mode = report["modes"]["trainer:eval:held_out"]
+    expected = []
+    for rank in range(W):
+        trainer = trainer_for_rank(te.make_trainer_two_evals, rank, monkeypatch)
+        expected.append([b["idx"].tolist() for b in trainer.get_eval_dataloader("held_out")])
+    assert [r["batches"] for r in mode["epochs"][0]["ranks"]] == expected
+    assert sorted(i for r in expected for b in r for i in b) == sorted(part.indices)
+    e0 = mode["epochs"][0]
+    assert mode["dataset_size"] == 12 and e0["missing_reason"] == "subset"
+    assert e0["missing"] == sorted(set(range(12)) - set(part.indices))
+    assert e0["gathered_for_metrics_count"] == 4 and e0["gather_for_metrics_exact"]
+    assert all(v["ok"] for v in mode["verdicts"]), mode["verdicts"]
     for name, size in (("short", 4), ("long", te.N_EVAL)):
         expected = []
         for rank in range(W):
