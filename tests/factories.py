@@ -254,3 +254,24 @@ def tensor_unseeded_prepared(accelerator):
     shards its own, different data."""
     return accelerator.prepare(DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=4,
                                           shuffle=True))
+
+
+class BatchFetched(torch.utils.data.Dataset):
+    """A dataset that fetches a whole batch per call: dataset[[i, j, ...]] -> tensor of ids."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, indices):
+        return torch.tensor(indices)
+
+
+def batch_fetched(accelerator):
+    """A BatchSampler over a DistributedSampler (seed 0) given as the loader's `sampler`, with
+    batch_size=None: one __getitem__ per batch, with a list of indices."""
+    from torch.utils.data import BatchSampler
+
+    dataset = BatchFetched()
+    sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, seed=0)
+    return DataLoader(dataset, sampler=BatchSampler(sampler, 4, False), batch_size=None)

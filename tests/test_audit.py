@@ -56,6 +56,22 @@ def test_recorded_indices_with_workers_are_the_samplers(tmp_path):
     assert report["batch_size_seen"] is False and "| per-rank batch 4 |" in head
 
 
+def test_a_dataset_that_fetches_a_whole_batch_per_call_is_recorded_batch_by_batch():
+    """batch_size=None over a BatchSampler (of a DistributedSampler) given as `sampler`: one
+    __getitem__ per batch with a list of indices. The audit crashed on it (int() of a list);
+    --set-epoch reaches the DistributedSampler inside the BatchSampler."""
+    from torch.utils.data import BatchSampler
+
+    proc = audit(f"{FACTORIES}:batch_fetched", "--set-epoch", "--epochs", "2")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    for e in report["modes"]["audit"]["epochs"]:
+        for r in e["ranks"]:
+            ref = DistributedSampler(range(40), num_replicas=2, rank=r["rank"], seed=0)
+            ref.set_epoch(e["epoch"])
+            assert r["batches"] == [list(b) for b in BatchSampler(ref, 4, False)]
+
+
 @pytest.mark.parametrize("target,field", [("hf_with_id_field", "sample_id"), ("tuple_ids", "0")])
 def test_id_field(target, field):
     proc = audit(f"{FACTORIES}:{target}", "--id-field", field, nproc=3)

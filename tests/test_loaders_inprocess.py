@@ -234,3 +234,43 @@ def test_rows_digest_reads_rows_as_stored_and_nothing_of_the_users():
     assert rows_digest([Touchy()] * 3) is None and rows_digest(Mine()) is None
     assert rows_digest(np.array([Touchy()] * 3, dtype=object)) is None  # bytes are pointers
     assert rows_digest(hf.select([3, 1])) is None  # a view: its rows go through a mapping
+
+
+def test_set_epoch_reaches_a_distributed_sampler_inside_a_batch_sampler():
+    """audit --set-epoch does what the training loop does: where neither the loader nor its
+    `sampler` has set_epoch, the DistributedSampler inside a batch_sampler (or inside a
+    BatchSampler passed as `sampler` with batch_size=None) gets it."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader
+
+    from sharddemo.audit import set_epoch
+
+    data = list(range(20))
+    for make in (lambda s: DataLoader(data, batch_sampler=BatchSampler(s, 4, False)),
+                 lambda s: DataLoader(data, sampler=BatchSampler(s, 4, False), batch_size=None),
+                 lambda s: DataLoader(data, sampler=s, batch_size=4)):
+        inner = DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+        set_epoch(make(inner), 3)
+        assert inner.epoch == 3
+    del torch
+
+
+def test_tags_of_a_loader_without_auto_collation_are_its_samplers_indices():
+    """batch_size=None: one fetch per sampler item, a single index (each batch one sample) or a
+    list of them (a BatchSampler as `sampler`). The recorded indices are what torch's sampler
+    yields, item by item."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, TensorDataset
+
+    from factories import BatchFetched
+    from sharddemo.walk import tag_batches, unwrap
+
+    single = TensorDataset(torch.arange(12), torch.zeros(12, 3))
+    for dataset, wrap in ((single, lambda s: s), (BatchFetched(), lambda s: BatchSampler(s, 4,
+                                                                                       False))):
+        loader = DataLoader(dataset, sampler=wrap(DistributedSampler(dataset, 2, 1, seed=0)),
+                            batch_size=None)
+        assert tag_batches(loader, record_indices=True)
+        got = [unwrap(batch)[1]["index"].tolist() for batch in loader]
+        expected = wrap(DistributedSampler(dataset, 2, 1, seed=0))
+        assert got == [list(item) if isinstance(item, list) else [item] for item in expected]

@@ -260,14 +260,28 @@ def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: b
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """What a training loop that calls set_epoch does."""
+    """What a training loop that calls set_epoch does: on the loader's sampler, else on the
+    loader (a prepared one passes it on), else on the first sampler down the chain that has
+    it (a DistributedSampler inside a batch_sampler, or inside a BatchSampler given as the
+    `sampler` of a loader with batch_size=None)."""
     from sharddemo.walk import base_loader
 
-    sampler = getattr(base_loader(loader), "sampler", None)
+    base = base_loader(loader)
+    sampler = getattr(base, "sampler", None)
     for obj in (sampler, loader):
         if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
+    obj = base
+    for _ in range(8):
+        found = getattr(obj, "batch_sampler", None)  # (not `or`: truth-testing a sampler
+        nxt = found if found is not None else getattr(obj, "sampler", None)  # calls __len__)
+        if nxt is None or nxt is obj:
+            return
+        if hasattr(nxt, "set_epoch"):
+            nxt.set_epoch(epoch)
+            return
+        obj = nxt
 
 
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,

@@ -456,7 +456,8 @@ def audit_options(func: Callable) -> Callable:
                      show_default=True, help="What the loader is meant to do across ranks."),
         click.option("--set-epoch", is_flag=True,
                      help="Call set_epoch(epoch) on the loader's sampler each epoch, as your "
-                          "training loop does (prepared loaders do it themselves)."),
+                          "training loop does (prepared loaders do it themselves; a "
+                          "DistributedSampler inside a batch sampler is found)."),
         click.option("--dataset-size", type=int,
                      help="N, for streams without a length; a loader whose dataset has a "
                           "length uses that [default: len(dataset)]."),

@@ -566,7 +566,14 @@ class IndexedDataset(torch.utils.data.Dataset):
         return len(self._inner)
 
     def __getitem__(self, index):
-        self._fetched.append(int(index) if self._rows is None else int(self._rows[index]))
+        if isinstance(index, (list, tuple)) or getattr(index, "ndim", 0):
+            # a batch of indices in one call: a DataLoader with batch_size=None over a
+            # sampler that yields lists (a BatchSampler as `sampler`), the dataset fetching
+            # the whole batch at once
+            rows = self._rows
+            self._fetched.extend(int(i) if rows is None else int(rows[i]) for i in index)
+        else:
+            self._fetched.append(int(index) if self._rows is None else int(self._rows[index]))
         return self._inner[index]
 
     def __getitems__(self, indices):
@@ -587,20 +594,23 @@ class TaggingCollate:
     """Wraps a collate function: the user's batch plus, per sample, its worker and (for an
     IndexedDataset) its index."""
 
-    def __init__(self, inner: Callable, indexed: Optional[IndexedDataset]) -> None:
+    def __init__(self, inner: Callable, indexed: Optional[IndexedDataset],
+                 auto: bool = True) -> None:
         self.inner = inner
         self.indexed = indexed
+        # auto-collation (a batch_size or batch_sampler): `samples` is the list of samples;
+        # without it (batch_size=None) it is what one fetch returned, a sample or a batch
+        self.auto = auto
 
     def __call__(self, samples):
         batch = self.inner(samples)
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else MAIN_PROCESS
-        n = len(samples)
+        indices = self.indexed.take() if self.indexed is not None else None
+        n = len(samples) if self.auto else (len(indices) if indices else 1)
         tag = {"worker": torch.full((n,), worker, dtype=torch.int64)}
-        if self.indexed is not None:
-            indices = self.indexed.take()
-            if len(indices) == n:
-                tag["index"] = torch.tensor(indices, dtype=torch.int64)
+        if indices is not None and len(indices) == n:
+            tag["index"] = torch.tensor(indices, dtype=torch.int64)
         return {"batch": batch, TAG: tag}
 
 
@@ -637,7 +647,7 @@ def tag_batches(loader, record_indices: bool) -> bool:
         indexed = IndexedDataset(getattr(holder, attr))
         # DataLoader refuses to have its dataset set after construction: set it underneath.
         object.__setattr__(holder, attr, indexed)
-    base.collate_fn = TaggingCollate(collate, indexed)
+    base.collate_fn = TaggingCollate(collate, indexed, getattr(base, "_auto_collation", True))
     return True
 
 
