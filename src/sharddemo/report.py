@@ -59,7 +59,8 @@ REASON_SENTENCE = {
                        "sampler repeats the first indices of the epoch's order",
     "even-batches-fill": "accelerate even_batches loop-around: the last round of batches is "
                          "filled from the start of the epoch so every rank gets as many batches; "
-                         "gather_for_metrics drops them",
+                         "gather_for_metrics is meant to drop them (whether it did: the report's "
+                         "gather_for_metrics count)",
     "shard-fill": "IterableDatasetShard: the last global batch is filled from the start of the "
                   "stream (with DataLoader workers, each worker's own copy fills its own last "
                   "global batch from the start of its share of the stream: one fill per worker)",
