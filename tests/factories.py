@@ -198,6 +198,15 @@ def random_split_train(accelerator):
     return accelerator.prepare(DataLoader(split_parts()[0], batch_size=4, shuffle=True))
 
 
+def random_split_distributed(accelerator):
+    """The DDP recipe: the train part of the same split under torch's DistributedSampler
+    (seed 0; 45 do not divide by 2 ranks: it pads), not prepared."""
+    train = split_parts()[0]
+    sampler = DistributedSampler(train, num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, seed=0)
+    return DataLoader(train, batch_size=4, sampler=sampler)
+
+
 def random_split_eval(accelerator):
     """The validation part of the same split, prepared as an eval loader."""
     return accelerator.prepare(DataLoader(split_parts()[1], batch_size=4))

@@ -32,6 +32,30 @@ def test_a_random_split_part_is_audited_against_its_own_data():
     assert report["modes"]["audit"]["loader"]["domain"] == len(set(train.indices))
 
 
+def test_a_random_split_part_under_a_distributed_sampler_is_its_own_data():
+    """The DDP recipe (random_split, then torch's DistributedSampler over the train part) on
+    2 ranks, 2 epochs, ids path: each rank receives what DistributedSampler deals it, mapped
+    through the Subset; the held-out part is `subset`, the padding DistributedSampler's. It
+    failed no-missing-samples before ("NO reason: a sharded loader lost these samples")."""
+    from torch.utils.data import DistributedSampler
+
+    from factories import split_parts
+
+    train, held = split_parts()
+    proc = audit(f"{FACTORIES}:random_split_distributed", "--epochs", "2", "--set-epoch")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    for e in report["modes"]["audit"]["epochs"]:
+        for r in e["ranks"]:
+            ref = DistributedSampler(train, num_replicas=2, rank=r["rank"], seed=0)
+            ref.set_epoch(e["epoch"])
+            ids = [train.indices[i] for i in ref]
+            assert r["batches"] == [ids[k:k + 4] for k in range(0, len(ids), 4)]
+        assert e["missing"] == sorted(held.indices) and e["missing_reason"] == "subset"
+        assert e["duplicate_count"] == 1  # 45 over 2 ranks: one padded
+        assert {d["reason"] for d in e["duplicates"]} == {"sampler-padding"}
+
+
 def _weighted_oracle(world: int, epochs: int, prepared: bool):
     """[epoch][rank] -> batches: the factory's DataLoader over WeightedRandomSampler(seed 5),
     built fresh per rank and, where prepared, through accelerate's prepare_data_loader."""

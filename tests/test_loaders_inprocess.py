@@ -170,6 +170,10 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
          {"sampler": "RandomSampler", "replacement": False, "count": fewer.num_samples}),
         (DataLoader(data, batch_size=4,
                     sampler=DistributedSampler(data, num_replicas=2, rank=0)), None, None),
+        # a DistributedSampler over a Subset shards the part: the part is still its domain
+        (DataLoader(train, batch_size=4,
+                    sampler=DistributedSampler(train, num_replicas=2, rank=1)),
+         len(set(train.indices)), None),
         # indices that name a sample twice: 4 indices dealt, 3 distinct samples
         (DataLoader(data, batch_size=4, sampler=repeated), len(set(repeated.indices)),
          {"sampler": "SubsetRandomSampler", "replacement": False,

@@ -389,7 +389,8 @@ def index_domain(loader) -> dict:
       (train_test_split, select, filter) narrows them to fewer than the whole; else None.
     - `draws`: where the index sampler does not deal each of its positions once, its draw:
       {"sampler", "replacement", "count"} (RandomSampler(replacement=True) or num_samples,
-      WeightedRandomSampler); else None. A DistributedSampler is not a draw: it shards.
+      WeightedRandomSampler); else None. A DistributedSampler is not a draw: it shards
+      (over a Subset or a view it has a domain all the same).
 
     random_split(ds, [40, 10])[0] in a prepared DataLoader: {"domain": 40, "draws": None}.
     Read once per loader (a Subset's ids are counted in a mask of the dataset's length)."""
@@ -433,7 +434,7 @@ def _index_domain(base) -> dict:
         chain.append(rows)
     sampler = _index_sampler(base)
     out: dict[str, Any] = {"domain": None, "draws": None}
-    if sampler is None or hasattr(sampler, "num_replicas"):
+    if sampler is None:
         return out
     subset_sampler = isinstance(sampler, torch.utils.data.SubsetRandomSampler)
     try:
@@ -441,6 +442,10 @@ def _index_domain(base) -> dict:
         count = len(sampler)
     except (TypeError, AttributeError):
         return out  # a stream, or a sampler without a length
+    if hasattr(sampler, "num_replicas"):
+        # a DistributedSampler shards the positions (every one, once, over the ranks): no
+        # draw of its own, but a Subset or a view under it narrows them as under any sampler
+        count = positions
     replacement = getattr(sampler, "replacement", False) is True
     if replacement or count != positions:
         out["draws"] = {"sampler": type(sampler).__name__, "replacement": replacement,
