@@ -278,3 +278,23 @@ def test_tags_of_a_loader_without_auto_collation_are_its_samplers_indices():
         got = [unwrap(batch)[1]["index"].tolist() for batch in loader]
         expected = wrap(DistributedSampler(dataset, 2, 1, seed=0))
         assert got == [list(item) if isinstance(item, list) else [item] for item in expected]
+
+
+def test_index_domain_reads_the_draw_lightning_wraps_for_ddp():
+    """Lightning puts a custom sampler (a WeightedRandomSampler, for imbalanced classes) under
+    its DistributedSamplerWrapper in DDP: the draw is the wrapped sampler's, sharded over the
+    ranks, and a Subset under it still narrows the ids."""
+    distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler, random_split
+
+    from sharddemo.walk import index_domain
+
+    train, _ = random_split(TensorDataset(torch.arange(30)), [22, 8],
+                            generator=torch.Generator().manual_seed(0))
+    weighted = WeightedRandomSampler(torch.ones(22), 22)
+    wrapper = distributed.DistributedSamplerWrapper(weighted, num_replicas=2, rank=1)
+    got = index_domain(DataLoader(train, batch_size=2, sampler=wrapper))
+    assert got["draws"] == {"sampler": "WeightedRandomSampler",
+                            "replacement": weighted.replacement, "count": weighted.num_samples}
+    assert got["domain"] == len(set(train.indices))

@@ -436,16 +436,19 @@ def _index_domain(base) -> dict:
     out: dict[str, Any] = {"domain": None, "draws": None}
     if sampler is None:
         return out
+    # A DistributedSampler shards the positions (every one, once, over the ranks): no draw
+    # of its own, but a Subset or a view under it narrows them as under any sampler. One that
+    # wraps the user's sampler (Lightning's DistributedSamplerWrapper, for a
+    # WeightedRandomSampler say) shards that sampler's draw: the draw is the wrapped one's.
+    sharded = hasattr(sampler, "num_replicas")
+    if sharded and _wrapped_sampler(sampler) is not None:
+        sampler, sharded = _wrapped_sampler(sampler), False
     subset_sampler = isinstance(sampler, torch.utils.data.SubsetRandomSampler)
     try:
         positions = len(sampler.indices) if subset_sampler else len(base.dataset)
-        count = len(sampler)
+        count = positions if sharded else len(sampler)
     except (TypeError, AttributeError):
         return out  # a stream, or a sampler without a length
-    if hasattr(sampler, "num_replicas"):
-        # a DistributedSampler shards the positions (every one, once, over the ranks): no
-        # draw of its own, but a Subset or a view under it narrows them as under any sampler
-        count = positions
     replacement = getattr(sampler, "replacement", False) is True
     if replacement or count != positions:
         out["draws"] = {"sampler": type(sampler).__name__, "replacement": replacement,
@@ -469,6 +472,19 @@ def _index_domain(base) -> dict:
             out["draws"] = {"sampler": type(sampler).__name__, "replacement": False,
                             "count": int(count), "repeated_indices": True}
     return out
+
+
+def _wrapped_sampler(sampler):
+    """The user's sampler inside a distributed sampler that shards its draw: Lightning's
+    DistributedSamplerWrapper is a DistributedSampler over _DatasetSamplerWrapper(sampler),
+    which keeps it as `_sampler` (catalyst's DatasetFromSampler: `sampler`). None for a
+    DistributedSampler over the data itself."""
+    inner = getattr(sampler, "dataset", None)
+    for name in ("_sampler", "sampler"):
+        found = getattr(inner, name, None)
+        if isinstance(found, torch.utils.data.Sampler):
+            return found
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
