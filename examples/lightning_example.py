@@ -6,9 +6,14 @@ with strategy="ddp"), then walks what each rank receives; nothing is trained.
 
     sharddemo audit --lightning examples/lightning_example.py:make_datamodule
     sharddemo audit --lightning examples/lightning_example.py:make_stream_datamodule --id-field idx
+    sharddemo audit --lightning examples/lightning_example.py:make_weighted_datamodule
 
 make_datamodule: correct. Lightning swaps in a DistributedSampler and sets its epoch each
 epoch, so train is sharded and reshuffled; val (8 samples on 2 or 4 ranks) splits evenly.
+
+make_weighted_datamodule: correct. A WeightedRandomSampler (imbalanced classes) in train:
+Lightning wraps it in its DistributedSamplerWrapper, which shards each epoch's draw over the
+ranks; the draw repeats some samples and skips others, by design (`sampler-draws`).
 
 make_stream_datamodule, two classic mistakes: the train set is an IterableDataset, on which
 Lightning cannot put a sampler, so unless the dataset splits itself by rank every rank trains on
@@ -81,3 +86,22 @@ def make_stream_datamodule(batch_size: int = 2):
             return DataLoader(Numbers(N_VAL_UNEVEN), batch_size=batch_size)
 
     return Stream_DataModule()
+
+
+# make_weighted_datamodule's class weights: odd ids drawn three times as often as even ones
+WEIGHTS = [3.0 if i % 2 else 1.0 for i in range(N_TRAIN)]
+
+
+def make_weighted_datamodule(batch_size: int = 2):
+    pl = _lightning()
+
+    class Weighted_DataModule(pl.LightningDataModule):
+        def train_dataloader(self):
+            sampler = torch.utils.data.WeightedRandomSampler(
+                WEIGHTS, N_TRAIN, generator=torch.Generator().manual_seed(1))
+            return DataLoader(Numbers(N_TRAIN), batch_size=batch_size, sampler=sampler)
+
+        def val_dataloader(self):
+            return DataLoader(Numbers(N_VAL), batch_size=batch_size)
+
+    return Weighted_DataModule()

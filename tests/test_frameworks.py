@@ -343,3 +343,32 @@ def test_a_pytorch_lightning_datamodule_gets_pytorch_lightnings_own_functions():
     assert m["pl"] is pytorch_lightning
     assert m["data"]._process_dataloader.__module__.startswith("pytorch_lightning.")
     assert m["fabric_data"].__name__ == "lightning_fabric.utilities.data"
+
+
+def test_lightning_wraps_a_weighted_sampler_and_shards_its_draw():
+    """A WeightedRandomSampler under Lightning's DDP: its DistributedSamplerWrapper (shuffle,
+    seed 0) shards each epoch's draw. Expected: Lightning's own wrapper over the same seeded
+    sampler, one draw per epoch; the draw's repeats and gaps pass as `sampler-draws`."""
+    import torch
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import BatchSampler, WeightedRandomSampler
+
+    le = example("lightning_example")
+    proc, report = audit_json("--lightning", f"{LIGHTNING}:make_weighted_datamodule")
+    assert proc.returncode == 0, report["broken_promises"]
+    train = report["modes"]["lightning:train"]
+    expected = []  # [rank][epoch] -> batches
+    for rank in range(W):
+        weighted = WeightedRandomSampler(le.WEIGHTS, le.N_TRAIN,
+                                         generator=torch.Generator().manual_seed(1))
+        wrapper = DistributedSamplerWrapper(weighted, num_replicas=W, rank=rank, shuffle=True,
+                                            seed=0)
+        epochs = []
+        for epoch in range(2):
+            wrapper.set_epoch(epoch)
+            epochs.append([[int(i) for i in b] for b in BatchSampler(wrapper, 2, False)])
+        expected.append(epochs)
+    for epoch, e in enumerate(train["epochs"]):
+        assert [r["batches"] for r in e["ranks"]] == [expected[r][epoch] for r in range(W)]
+        assert e["duplicates"] and {d["reason"] for d in e["duplicates"]} == {"sampler-draws"}
+    assert all(v["ok"] for v in train["verdicts"]), train["verdicts"]
