@@ -483,7 +483,10 @@ def _wrapped_sampler(sampler):
     for name in ("_sampler", "sampler"):
         found = getattr(inner, name, None)
         if isinstance(found, torch.utils.data.Sampler):
-            return found
+            try:  # such a wrapper is as long as the draw it stands for
+                return found if len(inner) == len(found) else None
+            except TypeError:
+                return None
     return None
 
 
