@@ -264,24 +264,13 @@ def set_epoch(loader, epoch: int) -> None:
     loader (a prepared one passes it on), else on the first sampler down the chain that has
     it (a DistributedSampler inside a batch_sampler, or inside a BatchSampler given as the
     `sampler` of a loader with batch_size=None)."""
-    from sharddemo.walk import base_loader
+    from sharddemo.walk import base_loader, sampler_chain
 
     base = base_loader(loader)
-    sampler = getattr(base, "sampler", None)
-    for obj in (sampler, loader):
+    for obj in (getattr(base, "sampler", None), loader, *sampler_chain(base)):
         if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
-    obj = base
-    for _ in range(8):
-        found = getattr(obj, "batch_sampler", None)  # (not `or`: truth-testing a sampler
-        nxt = found if found is not None else getattr(obj, "sampler", None)  # calls __len__)
-        if nxt is None or nxt is obj:
-            return
-        if hasattr(nxt, "set_epoch"):
-            nxt.set_epoch(epoch)
-            return
-        obj = nxt
 
 
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,

@@ -365,19 +365,26 @@ def describe_loader(loader) -> dict:
     return info
 
 
+def sampler_chain(base):
+    """The batch samplers and samplers under a DataLoader, outermost first: its batch_sampler
+    (else its sampler), then what that one holds, down to the sampler that draws the dataset
+    positions (accelerate's BatchSamplerShard -> BatchSampler -> sampler)."""
+    obj = base
+    for _ in range(9):
+        found = getattr(obj, "batch_sampler", None)  # (not `or`: truth-testing a sampler
+        nxt = found if found is not None else getattr(obj, "sampler", None)  # calls __len__)
+        if nxt is None or nxt is obj:
+            return
+        yield nxt
+        obj = nxt
+
+
 def _index_sampler(base):
     """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler)."""
-    def inner(obj):  # (not `or`: truth-testing a sampler calls its __len__)
-        found = getattr(obj, "batch_sampler", None)
-        return found if found is not None else getattr(obj, "sampler", None)
-
-    obj = inner(base)
-    for _ in range(8):
-        nxt = inner(obj)
-        if nxt is None or nxt is obj:
-            break
-        obj = nxt
-    return obj
+    last = None
+    for last in sampler_chain(base):
+        pass
+    return last
 
 
 def index_domain(loader) -> dict:
