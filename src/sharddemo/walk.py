@@ -448,8 +448,9 @@ def _index_domain(base) -> dict:
     # wraps the user's sampler (Lightning's DistributedSamplerWrapper, for a
     # WeightedRandomSampler say) shards that sampler's draw: the draw is the wrapped one's.
     sharded = hasattr(sampler, "num_replicas")
-    if sharded and _wrapped_sampler(sampler) is not None:
-        sampler, sharded = _wrapped_sampler(sampler), False
+    wrapped = _wrapped_sampler(sampler) if sharded else None
+    if wrapped is not None:
+        sampler, sharded = wrapped, False
     subset_sampler = isinstance(sampler, torch.utils.data.SubsetRandomSampler)
     try:
         positions = len(sampler.indices) if subset_sampler else len(base.dataset)
