@@ -411,8 +411,8 @@ def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
     """N where it is known before any walk: the length of the dataset under any Subset, else
     (a stream) --dataset-size; None for a stream without it. The dataset's own length wins: a
     framework audit walks several loaders, and --dataset-size is meant for the stream among
-    them, not for the map-style eval set beside it. Where the ranks read different rows of a
-    datasets.Dataset (`agreed["rows_differ"]`, a per-rank split, audited by --id-field), a
+    them, not for the map-style eval set beside it. Where the ranks read different rows
+    (`agreed["rows_differ"]`: data split by rank before the loader, audited by --id-field), a
     rank's own length is its part only: --dataset-size, else None (found after the walk)."""
     from sharddemo.walk import base_loader, root_length
 

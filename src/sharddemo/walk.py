@@ -519,9 +519,14 @@ def hf_rows(dataset):
     return dataset._indices.column(0).to_numpy() if _is_hf_view(dataset) else None
 
 
+def _is_hf_dataset(dataset) -> bool:
+    """A datasets.Dataset: an Arrow table (`data`) and an indices mapping or None."""
+    return hasattr(dataset, "_indices") and hasattr(getattr(dataset, "data", None), "slice")
+
+
 def _is_hf_view(dataset) -> bool:
     """A datasets.Dataset whose positions go through an indices mapping to its table's rows."""
-    return getattr(dataset, "_indices", None) is not None and hasattr(dataset, "data")
+    return _is_hf_dataset(dataset) and dataset._indices is not None
 
 
 def rows_digest(dataset) -> Optional[str]:
@@ -532,8 +537,8 @@ def rows_digest(dataset) -> Optional[str]:
     are its Arrow rows; split_dataset_by_node and Dataset.shard give each rank its own), a
     torch TensorDataset, a tensor or numpy array, and a list, tuple or range of plain values.
     None for anything else (a dataset class of the user's: reading a row runs its code)."""
-    data = getattr(dataset, "data", None)
-    if getattr(dataset, "_indices", 0) is None and hasattr(data, "slice"):  # datasets.Dataset
+    if _is_hf_dataset(dataset) and dataset._indices is None:  # positions are table rows
+        data = dataset.data
         n = int(data.num_rows)
         return _rows_hash(n, [lambda i: repr(data.slice(i, 1).to_pydict()).encode()])
     import numpy as np
@@ -861,7 +866,7 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
 def _kind(loader) -> str:
     """The class of the dataset under any Subset, as a person names it."""
     dataset, _ = under_subsets(getattr(base_loader(loader), "dataset", None))
-    if hasattr(dataset, "data") and hasattr(dataset, "_indices"):
+    if _is_hf_dataset(dataset):
         return "datasets.Dataset"
     return type(dataset).__name__
 
