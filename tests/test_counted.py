@@ -85,10 +85,12 @@ def test_a_replicated_million_keeps_its_lists_capped_and_its_totals_exact():
     Worked by hand: `replicated` is a plain DataLoader(shuffle=True) on each of 2 ranks, so each
     rank walks all 1,000,000 ids once and every id arrives twice: 1,000,000 duplicates, each
     with count 2, listed from id 0 up to the first 1,000. Listed whole they would take about
-    50 MB of JSON (some 50 bytes each); capped, the whole report is a few hundred KB."""
+    50 MB of JSON (some 50 bytes each); capped, the whole report is a few hundred KB. In
+    batches of 20,000: 50 steps per rank, few enough that a smaller dataset would be gathered
+    batch by batch, every id sent to the main process; from 1,000,000 samples none is."""
     n = 1_000_000
     proc = sharddemo(["compare", "--modes", "replicated", "--dataset-size", str(n),
-                      "--batch-size", str(B), "--epochs", "1", "--format", "json"])
+                      "--batch-size", "20000", "--epochs", "1", "--format", "json"])
     assert len(proc.stdout) < 1_000_000
     report = json.loads(proc.stdout)
     jsonschema.validate(report, SCHEMA)
@@ -99,6 +101,10 @@ def test_a_replicated_million_keeps_its_lists_capped_and_its_totals_exact():
     assert e["duplicates"] == [{"id": i, "count": 2, "reason": "replication"}
                                for i in range(1000)]
     assert [r["samples"] for r in e["ranks"]] == [n, n]
+    assert [r["steps"] for r in e["ranks"]] == [50, 50]  # 1,000,000 / 20,000
+    # the first and last 3 of those batches, each listed up to its first 4,096 ids
+    assert [[len(b) for b in r["first_batches"] + r["last_batches"]] for r in e["ranks"]] \
+        == [[4096] * 6] * 2
 
 
 def test_the_conclusion_counts_every_extra_copy_past_the_listed_ones():

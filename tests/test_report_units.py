@@ -201,6 +201,25 @@ def test_a_loader_of_length_zero_has_a_known_length():
     assert choose_gather(alone, iter([]), "auto") == "epoch"  # no len(): unknown
 
 
+def test_auto_counts_a_large_dataset_however_few_its_steps():
+    """Worked by hand from the documented rule: from 1,000,000 samples no id moves (the count
+    path), even where an epoch has few steps (10 here: huge batches, each of which would
+    otherwise be gathered to the main process whole); below it 10 steps go batch by batch and
+    500 steps once per epoch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sharddemo.walk import choose_gather
+
+    alone = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    ten_steps, many_steps = [None] * 10, [None] * 500  # only their len() is read
+    assert choose_gather(alone, ten_steps, "auto", n=1_000_000) == "count"
+    assert choose_gather(alone, ten_steps, "auto", n=999_999) == "batch"
+    assert choose_gather(alone, many_steps, "auto", n=999_999) == "epoch"
+    assert choose_gather(alone, many_steps, "auto", n=1_000_000) == "count"
+
+
 def test_counted_summary_above_15_ranks_worked_by_hand():
     """Past 15 ranks the reduced code per sample is uint16: ranks holding it + 256 x ranks
     holding it more than once. 17 ranks, N = 5: every rank got id 0 once (17); rank 0 got id 1

@@ -349,8 +349,8 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     """Walk one audited loader for its epochs: its trace mode on the main rank ({} elsewhere)."""
     from sharddemo.collect import exchange_ints
     from sharddemo.options import PROGRESS_ENV, per_rank_batch
-    from sharddemo.walk import (agree_on_fingerprint, base_loader, describe_loader, is_prepared,
-                                progress_reporter, walk_epoch)
+    from sharddemo.walk import (agree_on_fingerprint, base_loader, choose_gather,
+                                describe_loader, is_prepared, progress_reporter, walk_epoch)
 
     loader = target.loader
     description = describe_loader(loader)  # before the walk wraps anything
@@ -362,12 +362,14 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     # N before the walk, where the loader says it (the count path needs it); else after.
     known = _known_size(loader, opts, agreed)
     label = "audit" if target.mode == AUDIT_MODE else target.mode
+    # once for all epochs (walk.choose_gather): its exchange is not repeated every epoch
+    how = choose_gather(accelerator, loader, opts.gather, known)
     for epoch in range(target.epochs):
         if target.start_epoch is not None:
             target.start_epoch(epoch)
         try:
             record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
-                                strategy=opts.gather, n=known,
+                                strategy=how, n=known,
                                 progress=progress_reporter(accelerator, f"{label}:epoch{epoch}",
                                                            PROGRESS_ENV))
         except (UsageError, RunFailed):

@@ -148,8 +148,9 @@ def loader_options(func: Callable) -> Callable:
                      show_default=True,
                      help="batch: accelerator.gather every batch; epoch: each rank's ids once "
                           "per epoch; count: no id lists, each rank counts its ids (1 byte per "
-                          "sample) and one reduce sums them; auto: batch up to 100 steps "
-                          "per rank and epoch, count from 1,000,000 samples, else epoch."),
+                          "sample) and one reduce sums them; auto: count from 1,000,000 "
+                          "samples, else batch up to 100 steps per rank and epoch, else "
+                          "epoch."),
         click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
                      help="Seconds a rank waits on a collective before the run fails."),
     ]

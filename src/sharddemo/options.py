@@ -149,8 +149,8 @@ class RunOptions:
     even_batches: bool = True
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
-    # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), or
-    # `auto`: every batch up to PER_BATCH_GATHER_LIMIT steps per rank and epoch (trace.py).
+    # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), not at
+    # all (`count`), or `auto`: as walk.choose_gather decides.
     gather: str = "auto"
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = DEFAULT_TIMEOUT

@@ -18,6 +18,9 @@ from sharddemo import report as R
 # a rank's repeats); the totals are always exact. Here, not in counting.py, so that the report
 # (built in the parent) never imports torch.
 LIST_CAP = 1000
+# Most ids of one kept batch the report lists (its first ones; `batch_sizes` has its size), so
+# that the report stays small for any batch size too. The analysis reads the batches whole.
+KEPT_BATCH_CAP = 4096
 
 
 def _known_units(rank: dict, order: str) -> tuple[int, dict[int, Any]]:
@@ -282,7 +285,8 @@ def analyse_counted_epoch(mode: str, trace: dict, record: dict, previous: Option
         "epoch": record["epoch"],
         "ranks": [
             {"rank": r["rank"], "steps": r["steps"], "samples": r["samples"],
-             "first_batches": r["head"], "last_batches": r["tail"], "batch_sizes": r["sizes"],
+             "first_batches": [b[:KEPT_BATCH_CAP] for b in r["head"]],
+             "last_batches": [b[:KEPT_BATCH_CAP] for b in r["tail"]], "batch_sizes": r["sizes"],
              "order_hash": r["order_hash"], "ascending": r["ascending"]}
             for r in ranks
         ],

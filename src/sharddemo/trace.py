@@ -27,8 +27,8 @@ from sharddemo.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
                                RunOptions, mode_description)
-from sharddemo.walk import (agree_on_fingerprint, describe_loader, progress_reporter,
-                            tag_batches, walk_epoch)
+from sharddemo.walk import (agree_on_fingerprint, choose_gather, describe_loader,
+                            progress_reporter, tag_batches, walk_epoch)
 
 TRACE_SCHEMA = "sharddemo.trace/1"
 
@@ -138,13 +138,15 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     agreed = agree_on_fingerprint(accelerator, plan.loader, stop=False,
                                   description=description)
     tag_batches(plan.loader, record_indices=False)  # which worker made each batch
+    # once for all epochs: the exchange it takes is not repeated every epoch
+    how = choose_gather(accelerator, plan.loader, opts.gather, opts.dataset_size)
     epochs = []
     for epoch in range(opts.epochs):
         if plan.sampler is not None:
             plan.sampler.set_epoch(epoch)
         try:
             record = walk_epoch(accelerator, plan.loader, _source_ids, epoch=epoch,
-                                strategy=opts.gather, n=opts.dataset_size,
+                                strategy=how, n=opts.dataset_size,
                                 progress=progress_reporter(accelerator, f"{mode}:epoch{epoch}",
                                                            PROGRESS_ENV))
         except (UsageError, RunFailed):

@@ -127,10 +127,15 @@ def is_prepared(loader) -> bool:
 
 
 def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -> str:
-    """`batch`, `epoch` or `count`, the same on every rank (a collective: the lengths are
-    exchanged). auto: every batch up to PER_BATCH_GATHER_LIMIT steps per rank; counted from
-    COUNT_FROM samples on when the dataset's length is known; else once per epoch. `count`
-    without a known length falls back to `epoch`."""
+    """`batch`, `epoch` or `count`, the same on every rank (for `auto` a collective: the
+    lengths are exchanged). auto: counted from COUNT_FROM samples on, where every rank knows
+    the same dataset length, however few the steps (a few huge batches of a large dataset
+    gathered as they came would put every id on the main process, which the count path
+    exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps per rank; else once
+    per epoch. `count` without a known length falls back to `epoch`. Callers that walk one
+    loader for several epochs choose once, before the first: any strategy gives the same
+    report, only its cost differs, so a loader whose length changes between epochs is
+    still reported right."""
     from sharddemo.options import COUNT_FROM
 
     if strategy == "batch" or strategy == "epoch":
@@ -138,11 +143,13 @@ def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -
     if strategy == "count":
         return "count" if n is not None else "epoch"
     length = safe_len(loader)
-    lengths = [row[0] for row in exchange_ints(accelerator, [-1 if length is None else length])]
-    known = all(k >= 0 for k in lengths)
-    if known and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT:
+    rows = exchange_ints(accelerator, [-1 if length is None else length, -1 if n is None else n])
+    if n is not None and n >= COUNT_FROM and all(row[1] == n for row in rows):
+        return "count"
+    lengths = [row[0] for row in rows]
+    if all(k >= 0 for k in lengths) and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT:
         return "batch"
-    return "count" if n is not None and n >= COUNT_FROM else "epoch"
+    return "epoch"
 
 
 def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
