@@ -23,7 +23,7 @@ from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.sources import batch_values
 from sharddemo.trace import make_accelerator
-from sharddemo.walk import tag_batches, walk_epoch
+from sharddemo.walk import choose_gather, tag_batches, walk_epoch
 
 
 def trace_epoch(accelerator, plan, epoch: int, strategy: str, n=None):
@@ -73,11 +73,14 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
         # as compare's trace_mode does; with no workers it tags nothing (walk.tag_batches), so
         # the bare and the traced loop walk the very same loader
         assert not tag_batches(plan.loader, record_indices=False)
+        # chosen once per mode, before its epochs, as compare does (trace.trace_mode)
+        how = choose_gather(accelerator, plan.loader, "auto", n)
+        out.setdefault("gather", {})[mode] = how
         bare, traced = [], []
         run_bare = lambda: bare.append(
             timed_cpu(accelerator, lambda: bare_epoch(accelerator, plan)))
         run_traced = lambda: traced.append(
-            timed_cpu(accelerator, lambda: trace_epoch(accelerator, plan, 0, "auto", n)))
+            timed_cpu(accelerator, lambda: trace_epoch(accelerator, plan, 0, how, n)))
         run_bare()  # warm-up: first epochs pay for allocations both would pay
         run_traced()
         bare.clear(), traced.clear()

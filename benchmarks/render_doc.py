@@ -199,7 +199,9 @@ def render_doc(results: dict) -> str:
             f"{m}: {o[m]['traced_s'] * 1000:.0f} ms vs {o[m]['bare_s'] * 1000:.0f} ms = "
             f"**{o[m]['ratio']:.3f}x**" + (
                 f" (95% interval {o[m]['ratio_ci95'][0]:.3f}-{o[m]['ratio_ci95'][1]:.3f}x;"
-                f" {len(o[m]['launch_ratios'])} launches: " if "ratio_ci95" in o[m] else
+                f" {len(o[m]['launch_ratios'])} launches' own ratios "
+                f"{min(o[m]['launch_ratios']):.3f}-{max(o[m]['launch_ratios']):.3f}x;"
+                if "ratio_ci95" in o[m] else
                 f" ({len(o[m]['launch_ratios'])} launches: "
                 f"{min(o[m]['launch_ratios']):.3f}-{max(o[m]['launch_ratios']):.3f}x;"
                 if "launch_ratios" in o[m] else " (") + (
@@ -209,7 +211,10 @@ def render_doc(results: dict) -> str:
             for m in ("prepared", "sampler")) + f" | {o['target']} | {_met(o)} |")
         notes.append(f"- tracing overhead ({_when(o)}): the same loader walked bare (`for batch "
                      "in loader: batch.to(device)`) and by sharddemo's walk as `compare` runs it "
-                     "(`auto`, which at N = 10^6 is the count path; with no DataLoader workers "
+                     "(`auto`, which at N = 10^6 is the count path, chosen once per mode "
+                     "before its first epoch as `compare` does: one exchange of the ranks' "
+                     "lengths, outside the timing like building the loader; with no "
+                     "DataLoader workers "
                      "`compare` tags no batch, so both loops walk the very same loader; with "
                      "workers each batch carries a tag saying which worker made it, a cost "
                      "this figure leaves out), "

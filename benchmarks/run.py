@@ -141,7 +141,7 @@ def section_overhead(repeats: int) -> dict:
                      / statistics.median(pooled["bare_cpus"])}
     worst = max(out[m]["ratio"] for m in ("prepared", "sampler"))
     return {**out, "launches": OVERHEAD_LAUNCHES, "repeats": pairs, "gc_collect": True,
-            "flush_ids": launches[0]["flush_ids"],
+            "flush_ids": launches[0]["flush_ids"], "gather": launches[0]["gather"],
             "target": "traced epoch <= 1.05x the bare loop", "met": worst <= 1.05}
 
 
