@@ -284,3 +284,13 @@ def batch_fetched(accelerator):
     sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
                                  rank=accelerator.process_index, seed=0)
     return DataLoader(dataset, sampler=BatchSampler(sampler, 4, False), batch_size=None)
+
+
+def unshuffled_distributed_11(accelerator):
+    """torch's DistributedSampler with shuffle=False over 11 samples: the ranks' share is padded
+    with sample 0, so the last rank's ids wrap back to 0, and the order is the same every epoch
+    by design."""
+    dataset = _dataset(11)
+    sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, shuffle=False)
+    return DataLoader(dataset, batch_size=2, sampler=sampler)

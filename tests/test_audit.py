@@ -72,6 +72,23 @@ def test_a_dataset_that_fetches_a_whole_batch_per_call_is_recorded_batch_by_batc
             assert r["batches"] == [list(b) for b in BatchSampler(ref, 4, False)]
 
 
+def test_an_unshuffled_loader_keeps_its_order_by_design():
+    """DistributedSampler(shuffle=False) over 11 samples on 2 ranks: torch pads rank 1's share
+    with sample 0, so its ids decrease once (9, then 0). The audit took that for a shuffled
+    order repeated ("set_epoch is never called", with --set-epoch given); the sampler itself
+    says it does not shuffle."""
+    proc = audit(f"{FACTORIES}:unshuffled_distributed_11", "--set-epoch", "--epochs", "2")
+    report, got = verdicts(proc)
+    assert proc.returncode == 0 and all(got.values()), got
+    data = report["modes"]["audit"]
+    assert data["loader"]["shuffled"] is False
+    for e in data["epochs"]:
+        for r in e["ranks"]:
+            ids = list(DistributedSampler(range(11), num_replicas=2, rank=r["rank"], shuffle=False))
+            assert r["batches"] == [ids[i:i + 2] for i in range(0, len(ids), 2)]
+    assert data["epochs"][1]["order_changed"] is False
+
+
 @pytest.mark.parametrize("target,field", [("hf_with_id_field", "sample_id"), ("tuple_ids", "0")])
 def test_id_field(target, field):
     proc = audit(f"{FACTORIES}:{target}", "--id-field", field, nproc=3)

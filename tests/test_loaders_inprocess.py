@@ -196,6 +196,57 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
                     {k: v for k, v in draws.items() if k != "sampler"}
 
 
+def test_shuffled_is_what_the_loaders_own_sampler_says():
+    """walk.describe_loader's `shuffled`, for loaders built here with a known sampler (the
+    expected values are how each was built), as built and as accelerate's prepare_data_loader
+    rebuilds it (it keeps a SequentialSampler, puts a SeedableRandomSampler, a RandomSampler,
+    in a RandomSampler's place, and keeps any other sampler)."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+    from torch.utils.data import (DataLoader, IterableDataset, Sampler, SubsetRandomSampler,
+                                  TensorDataset, WeightedRandomSampler)
+
+    from sharddemo.walk import describe_loader
+
+    class EveryOther(Sampler):  # a sampler of the user's: it says nothing of shuffling
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(0, self.n, 2))
+
+        def __len__(self):
+            return (self.n + 1) // 2
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(12))
+
+    data = TensorDataset(torch.arange(12))
+    cases = [
+        (DataLoader(data, batch_size=4), False),  # torch puts a SequentialSampler there
+        (DataLoader(data, batch_size=4, shuffle=True), True),
+        (DataLoader(data, batch_size=4,
+                    sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)),
+         False),
+        (DataLoader(data, batch_size=4,
+                    sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=True)),
+         True),
+        (DataLoader(data, batch_size=4, sampler=SubsetRandomSampler([1, 4, 7])), True),
+        (DataLoader(data, batch_size=4, sampler=WeightedRandomSampler(torch.ones(12), 12)),
+         True),
+        (DataLoader(data, batch_size=4, sampler=EveryOther(12)), None),
+        (DataLoader(Stream(), batch_size=4), None),
+    ]
+    ensure_accelerator_state()
+    for loader, shuffled in cases:
+        for built in (loader, prepare_data_loader(loader, num_processes=2, process_index=0,
+                                                  put_on_device=False,
+                                                  rng_types=list(ACCELERATOR_RNG_TYPES))):
+            assert describe_loader(built)["shuffled"] is shuffled, (loader, built)
+
+
 def test_rows_digest_reads_rows_as_stored_and_nothing_of_the_users():
     """Ranks compare these to tell whether position i is the same sample everywhere."""
     import numpy as np

@@ -181,6 +181,18 @@ def test_order_verdict():
     assert [v["ok"] for v in m["verdicts"] if v["verdict"] == "order-changes-each-epoch"] == [False]
 
 
+@pytest.mark.parametrize("shuffled,ok", [(False, True), (True, False), (None, False)])
+def test_order_verdict_asks_a_new_order_only_of_a_sampler_that_shuffles(shuffled, ok):
+    """torch's DistributedSampler(shuffle=False) over 11 samples on 2 ranks, batches of 2:
+    rank 0 [0 2] [4 6] [8 10], rank 1 [1 3] [5 7] [9 0] (padded with sample 0, so rank 1's ids
+    decrease once), the same both epochs. The sampler says it does not shuffle: the same order
+    is by design. A sampler that shuffles owes a new order; one that says nothing is read from
+    the ids, and rank 1's are not ascending."""
+    epoch = [[[0, 2], [4, 6], [8, 10]], [[1, 3], [5, 7], [9, 0]]]
+    m = report_of(trace("audit", 11, 2, 2, [epoch, epoch], {**SAMPLER, "shuffled": shuffled}))
+    assert [v["ok"] for v in m["verdicts"] if v["verdict"] == "order-changes-each-epoch"] == [ok]
+
+
 @pytest.mark.parametrize("epochs", [[[[], []]], [[[[]], [[]]]]])
 def test_empty_epochs(epochs):
     m = report_of(trace("audit", 3, 2, 2, epochs, SAMPLER, drop_last=True))

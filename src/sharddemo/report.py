@@ -649,9 +649,10 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
 
 
 def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
-                   prepared: bool = False) -> list[dict]:
+                   prepared: bool = False, loader: Optional[dict] = None) -> list[dict]:
     """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]. An eval loader
-    (role "eval") also gets eval-counts-each-sample-once."""
+    (role "eval") also gets eval-counts-each-sample-once. `loader`: its description
+    (walk.describe_loader), whose `shuffled` says whether a new order is due each epoch."""
     w = trace["world_size"]
     expect = _expect(trace)
     out = []
@@ -689,7 +690,11 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
             ok, detail = eval_verdict(e, prepared, trace["dataset_size"])
             add("eval-counts-each-sample-once", k, ok, detail)
         if previous is not None:
-            shuffled = not all(r["ascending"] for r in e["ranks"])
+            # The sampler's own word where it has one: the padding or fill that wraps an
+            # unshuffled walk back to its first ids makes its ids decrease once.
+            shuffled = (loader or {}).get("shuffled")
+            if shuffled is None:
+                shuffled = not all(r["ascending"] for r in e["ranks"])
             ok = bool(e["order_changed"]) or not shuffled
             add("order-changes-each-epoch", k, ok, "" if ok else
                 "the same shuffled order as the previous epoch: set_epoch is never called")
@@ -806,7 +811,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             previous = record
         if is_audit_mode(mode):
             verdicts = audit_verdicts(view, epochs, role=data.get("role", "train"),
-                                      prepared=data.get("prepared", False))
+                                      prepared=data.get("prepared", False),
+                                      loader=data.get("loader"))
             where = "" if mode == "audit" else f"{mode} "
             broken = [f"{where}{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
                       for v in verdicts if not v["ok"]]

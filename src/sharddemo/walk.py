@@ -369,7 +369,28 @@ def describe_loader(loader) -> dict:
     shards = getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", None)
     info["dataset_shards"] = int(shards) if isinstance(shards, int) else None
     info.update(index_domain(loader))
+    info["shuffled"] = sampler_shuffles(base)
     return info
+
+
+def sampler_shuffles(base) -> Optional[bool]:
+    """Whether the sampler that draws the dataset positions deals a new random order on every
+    pass, as its own object says: False for torch's SequentialSampler and a DistributedSampler
+    built with shuffle=False, True for RandomSampler (accelerate's SeedableRandomSampler is
+    one), SubsetRandomSampler, WeightedRandomSampler and a shuffling DistributedSampler. None
+    for anything else (a sampler of the user's, a stream): the report then reads the order
+    from the ids, as unshuffled where they never decrease."""
+    from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler,
+                                  SubsetRandomSampler, WeightedRandomSampler)
+
+    sampler = _index_sampler(base)
+    if isinstance(sampler, DistributedSampler):
+        return bool(sampler.shuffle)
+    if isinstance(sampler, SequentialSampler):
+        return False
+    if isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)):
+        return True
+    return None
 
 
 def sampler_chain(base):
