@@ -349,3 +349,22 @@ def test_index_domain_reads_the_draw_lightning_wraps_for_ddp():
     assert got["draws"] == {"sampler": "WeightedRandomSampler",
                             "replacement": weighted.replacement, "count": weighted.num_samples}
     assert got["domain"] == len(set(train.indices))
+
+
+def test_an_id_field_of_strings_or_fractions_is_refused_in_one_line():
+    """--id-field must name integer ids: a column of question ids (strings, as many datasets
+    have) or of fractions is a usage error, the same words on every rank, not a crash inside
+    the walk (it was "epoch 0 of the loader raised ValueError: too many dimensions 'str'")."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from sharddemo.audit import id_reader
+    from sharddemo.errors import UsageError
+
+    read = id_reader(DataLoader(range(4)), "id")
+    with pytest.raises(UsageError, match=r"integer id .*\(it holds str values\)$"):
+        read({"id": ["q0001", "q0002"]}, None)
+    with pytest.raises(UsageError, match=r"\(it holds torch.float32 values that are not whole"):
+        read({"id": torch.tensor([0.5, 1.0])}, None)
+    assert read({"id": torch.tensor([3.0, 1.0])}, None).tolist() == [3, 1]
+    assert read({"id": [7, 2]}, None).tolist() == [7, 2]

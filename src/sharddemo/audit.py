@@ -187,7 +187,7 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
                     kind = type(batch).__name__
                     raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
                                      f"field ({type(exc).__name__}: {exc})") from None
-            ids = torch.as_tensor(ids)
+            ids = _as_ids(ids, id_field)
             if not whole and ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
                 raise UsageError(f"--id-field {id_field} selects one number per batch (the "
                                  f"batches are tensors of shape {tuple(batch.shape)}), not the "
@@ -218,6 +218,28 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
         return tag["index"].to("cpu", torch.int64)
 
     return by_index
+
+
+def _as_ids(values, id_field: str):
+    """The id field's values as a tensor of whole numbers, or one Error line (the same on every
+    rank, so that the ranks' errors read as one): sharddemo counts samples by integer id, and
+    strings (a question id like "q0003") or fractions are none."""
+    import torch
+
+    hint = (f"--id-field {id_field} must hold each sample's integer id (0..N-1); pass a field "
+            "of integer ids, or leave --id-field out to audit by the dataset's positions")
+    try:
+        ids = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        first = values
+        while isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        raise UsageError(f"{hint} (it holds {type(first).__name__} values)") from None
+    if ids.dtype is torch.bool or ids.is_complex():
+        raise UsageError(f"{hint} (it holds {ids.dtype} values)")
+    if ids.is_floating_point() and not bool(torch.all(ids == ids.round())):
+        raise UsageError(f"{hint} (it holds {ids.dtype} values that are not whole numbers)")
+    return ids
 
 
 @contextlib.contextmanager
