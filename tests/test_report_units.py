@@ -495,3 +495,23 @@ def test_indices_that_repeat_a_sample_explain_its_repeats_not_others():
     m = report_of(trace("audit", 12, 2, 2, [[[[5, 11]], [[5, 5]]]], loader))
     got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
     assert got["no-missing-samples"] is False
+
+
+def test_an_audit_whose_ids_are_not_positions_stops_with_one_error(monkeypatch):
+    """1-based ids for a dataset of 4, worked by hand: rank 0 receives [1, 2], rank 1 [3, 4].
+    Id 4 lies outside the positions 0..3 and id 0 never comes, so the report would call
+    sample 0 missing for no reason; `audit` stops with one Error line instead (the launch is
+    replaced by this trace: only the parent's side is under test here)."""
+    import sharddemo.compare as C
+    from sharddemo.audit import AuditOptions
+    from sharddemo.errors import UsageError
+
+    one_based = trace("audit", 4, 2, 2, [[[[1, 2]], [[3, 4]]]], SAMPLER)
+    monkeypatch.setattr(C, "run_launch", lambda *args, **kwargs: one_based)
+    factories = str(Path(__file__).resolve().parent / "factories.py")
+    with pytest.raises(UsageError, match=r"^the loader delivered ids outside 0\.\.3, the "
+                       r"positions of its 4 samples \(4\): --id-field id must hold"):
+        C.audit_run(AuditOptions(target=f"{factories}:plain_40", id_field="id"))
+    in_range = trace("audit", 4, 2, 2, [[[[0, 1]], [[2, 3]]]], SAMPLER)
+    monkeypatch.setattr(C, "run_launch", lambda *args, **kwargs: in_range)
+    assert C.audit_run(AuditOptions(target=f"{factories}:plain_40", id_field="id"))["modes"]
