@@ -515,3 +515,24 @@ def test_an_audit_whose_ids_are_not_positions_stops_with_one_error(monkeypatch):
     in_range = trace("audit", 4, 2, 2, [[[[0, 1]], [[2, 3]]]], SAMPLER)
     monkeypatch.setattr(C, "run_launch", lambda *args, **kwargs: in_range)
     assert C.audit_run(AuditOptions(target=f"{factories}:plain_40", id_field="id"))["modes"]
+
+
+def test_a_double_split_over_a_part_counts_its_losses_within_the_part():
+    """Worked by hand: 8 samples, the loader deals a part of 6 (a Subset of ids 0-5), with a
+    DistributedSampler that accelerate shards again on 2 ranks, so rank 0 receives [0] and
+    rank 1 [2]. Never seen: 1, 3, 4, 5 (the part's, lost to the double split) and 6, 7 (not
+    the loader's data). The report said "6 sample(s) were never seen (the loader was split
+    twice)"; 2 of those 6 were never its to deal."""
+    m = report_of(trace("audit", 8, 1, 2, [[[[0]], [[2]]]], {**DOUBLE, "domain": 6}))
+    e = m["epochs"][0]
+    assert e["missing"] == [1, 3, 4, 5, 6, 7] and e["missing_reason"] == "double-split"
+    assert ("but 4 of the 6 sample(s) it deals were never seen (the loader was split twice); "
+            "the other 2 are not its data (it reads a subset)") in m["conclusion"]
+    assert "4 of the 6 samples it deals were lost that way, and the other 2 of the 8 are not " \
+        "its data" in e["reasons"]["double-split"]
+    detail = [v["detail"] for v in m["verdicts"] if v["verdict"] == "no-missing-samples"]
+    assert detail == ["4 of the 6 samples it deals never seen (and 2 not its data): "
+                      "[1, 3, 4, 5, 6, 7]"]
+    # the same loss over the whole data: no part to set apart
+    m = report_of(trace("audit", 6, 1, 2, [[[[0]], [[2]]]], DOUBLE))
+    assert "but 4 sample(s) were never seen (the loader was split twice)" in m["conclusion"]

@@ -140,10 +140,26 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
     return text + (", and drop_last drops the rest" if missing > n - share else "")
 
 
+def not_its_data(e: dict, loader: Optional[dict], n: int) -> int:
+    """How many of an epoch's missing samples the loader could never deal, where something
+    else lost the rest (a double split, or no known reason): the part of the n a Subset leaves
+    out. 0 where the loader deals all n, or the missing are explained by its part."""
+    if not loader or e["missing_reason"] not in ("double-split", "subset") or (
+            e["missing_reason"] == "subset" and e["missing_explained"]):
+        return 0
+    outside = n - loader_share(loader, n)
+    return outside if 0 < outside < e["missing_count"] else 0
+
+
 def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
                     explained: bool = True) -> str:
     """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
     reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
+    if code == "double-split" and missing and loader_share(loader, n) < n:
+        share = loader_share(loader, n)
+        return (REASON_SENTENCE[code] + f"; {missing - (n - share)} of the {share} samples it "
+                f"deals were lost that way, and the other {n - share} of the {n} are not its "
+                "data (it reads a subset)")
     if code == "drop-last":
         return (f"drop_last: {missing} sample(s) did not make a complete batch (or round of "
                 "batches) and were dropped")
@@ -664,8 +680,12 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
     for e in epochs:
         k = e["epoch"]
         ok = missing_ok(e)
+        outside = not_its_data(e, loader, trace["dataset_size"])
+        lost = (f"{e['missing_count'] - outside} of the {trace['dataset_size'] - outside} "
+                f"samples it deals never seen (and {outside} not its data)" if outside
+                else f"{e['missing_count']} never seen")
         add("no-missing-samples", k, ok, "" if ok else
-            f"{e['missing_count']} never seen: {_short(e['missing'], total=e['missing_count'])}")
+            f"{lost}: {_short(e['missing'], total=e['missing_count'])}")
         if expect == "sharded":
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
@@ -708,8 +728,9 @@ def _most_copies(e: dict) -> str:
     return f"up to {'' if e['most_copies_exact'] else 'at least '}{e['most_copies']} times"
 
 
-def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
-    """One sentence in plain words, with the arithmetic stated."""
+def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] = None) -> str:
+    """One sentence in plain words, with the arithmetic stated. `loader`: its description
+    (walk.describe_loader), where it deals only part of the data."""
     n, w = trace["dataset_size"], trace["world_size"]
     g = global_batch(trace)
     b = g // max(w, 1)
@@ -759,8 +780,16 @@ def conclude(mode: str, trace: dict, epochs: list[dict]) -> str:
         text += (f"; {missing} sample(s) are not its data" if why_missing == "subset"
                  else f"; {missing} sample(s) were not drawn") + f" ({REASON_LABEL[why_missing]})"
     elif missing:
-        why = f" ({REASON_LABEL[why_missing]})" if why_missing else " (no known reason)"
-        text += f", but {missing} sample(s) were never seen{why}"
+        outside = not_its_data(first, loader, n)
+        # (a subset that does not explain them all explains only the samples outside it)
+        code = why_missing if why_missing != "subset" or not outside else None
+        why = f" ({REASON_LABEL[code]})" if code else " (no known reason)"
+        if outside:
+            text += (f", but {missing - outside} of the {n - outside} sample(s) it deals were "
+                     f"never seen{why}; the other {outside} are not its data (it reads a "
+                     "subset)")
+        else:
+            text += f", but {missing} sample(s) were never seen{why}"
     if dup and not copies and first["duplicates"]:
         text += f", {dup} extra (repeated) sample(s) ({REASON_LABEL[first['duplicates'][0]['reason']]})"
     if first.get("gather_for_metrics_exact") is not None:
@@ -829,7 +858,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             "streams": data.get("streams"),
             "fingerprint": data.get("fingerprint"),
             "broken_promises": broken,
-            "conclusion": conclude(mode, view, epochs),
+            "conclusion": conclude(mode, view, epochs, data.get("loader")),
         }
         if "sizes" in data:
             modes[mode].update(data["sizes"])
