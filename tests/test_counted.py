@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from accelerate.data_loader import BatchSamplerShard
 from conftest import sharddemo
-from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
@@ -66,7 +66,8 @@ def test_compare_counts_a_million_samples_as_the_libraries_deal_them():
 
 def test_audit_counts_and_still_catches_a_missing_set_epoch():
     proc = sharddemo(["audit", "examples/no_set_epoch.py:make_loader", "--num-processes", "2",
-                      "--gather", "count", "--format", "json"], check=False)
+                      "--gather", "count", "--grad-accum", "3", "--format", "json"],
+                     check=False)
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     jsonschema.validate(report, SCHEMA)
@@ -78,6 +79,16 @@ def test_audit_counts_and_still_catches_a_missing_set_epoch():
     e = data["epochs"][1]
     assert [r["samples"] for r in e["ranks"]] == [500, 500]
     assert e["order_changed"] is False and e["missing_count"] == 0 and e["duplicate_count"] == 0
+    # Gradient accumulation from the step counts alone: torch's loader takes 32 steps per rank
+    # (500 samples in batches of 16); in windows of 3 that is 11 optimizer steps, the last one
+    # taking the 2 batches left (32 = 10 x 3 + 2) on each rank.
+    steps = [len(DataLoader(range(1000), batch_size=16,
+                            sampler=DistributedSampler(range(1000), num_replicas=2, rank=r)))
+             for r in range(2)]
+    assert steps == [32, 32]
+    assert e["grad_accum"] == {"k": 3, "counted": True, "optimizer_steps": 11,
+                               "steps_per_rank": steps, "last_batches": [2, 2],
+                               "uneven_last": True}
 
 
 def test_a_replicated_million_keeps_its_lists_capped_and_its_totals_exact():

@@ -256,13 +256,14 @@ def window_lines(windows: dict | None, show: int = 4) -> list[str]:
     if not windows:
         return []
     k = windows["k"]
-    if windows.get("counted"):
-        return [f"grad accumulation {k}: windows need each batch's ids; this epoch was "
-                "counted (--gather ids or batch lists them)"]
     lines = [f"grad accumulation {k} batches per optimizer step: {windows['optimizer_steps']} "
              f"optimizer step(s) per epoch, steps per rank {windows['steps_per_rank']}"
-             + ("" if windows["partition"] else " (the windows do NOT cover each rank's epoch)")]
-    listed = windows["windows"]
+             + ("" if windows.get("partition", True) else
+                " (the windows do NOT cover each rank's epoch)")]
+    if windows.get("counted"):
+        lines.append("  (this epoch was counted: which ids each optimizer step took is not "
+                     "kept; --gather epoch or batch lists them)")
+    listed = windows.get("windows", [])
     picked = listed if len(listed) <= show else listed[:show - 1] + listed[-1:]
     for w in picked:
         if w is listed[-1] and len(listed) > show:
@@ -272,7 +273,7 @@ def window_lines(windows: dict | None, show: int = 4) -> list[str]:
     if windows["uneven_last"]:
         lines.append(f"  the last optimizer step is UNEVEN: {windows['last_batches']} batch(es) "
                      f"per rank instead of {k}")
-    if windows["in_several_windows"]:
+    if windows.get("in_several_windows"):
         lines.append(f"  ids in more than one optimizer step: {_short(windows['in_several_windows'])}")
     return lines
 

@@ -866,13 +866,14 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             if key in data:
                 modes[mode][key] = data[key]
         if data.get("grad_accum"):
-            from sharddemo.windows import accumulation_windows
+            from sharddemo.windows import accumulation_windows, window_counts
 
             k = data["grad_accum"]
             for e, record in zip(epochs, data["epochs"]):
                 e["grad_accum"] = (accumulation_windows([r["batches"] for r in record["ranks"]], k)
                                    if record.get("gather") != "count" else
-                                   {"k": k, "counted": True})
+                                   {**window_counts([r["steps"] for r in e["ranks"]], k),
+                                    "counted": True})
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
     where = trace.get("placement") or [

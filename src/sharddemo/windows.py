@@ -8,10 +8,21 @@ rank's window j. Pure and torch-free: it reads the per-rank batches of an epoch 
 
 from __future__ import annotations
 
-from typing import Optional
-
 # Windows listed one by one in the report; the counts cover them all.
 WINDOW_CAP = 100
+
+
+def window_counts(steps: list[int], k: int) -> dict:
+    """What the windows are from each rank's step count alone (all a counted epoch keeps):
+    optimizer steps, and how many batches the last window takes on each rank.
+
+    >>> window_counts([977, 977], 3)
+    {'k': 3, 'optimizer_steps': 326, 'steps_per_rank': [977, 977], 'last_batches': [2, 2], 'uneven_last': True}
+    """
+    count = max((-(-s // k) for s in steps), default=0)
+    last = [min(k, max(0, s - (count - 1) * k)) for s in steps] if count else []
+    return {"k": k, "optimizer_steps": count, "steps_per_rank": list(steps),
+            "last_batches": last, "uneven_last": any(b != k for b in last)}
 
 
 def accumulation_windows(ranks: list[list[list[int]]], k: int) -> dict:
@@ -38,13 +49,8 @@ def accumulation_windows(ranks: list[list[list[int]]], k: int) -> dict:
         mine = {i for ids in w["ranks"] for i in ids}
         across |= mine & seen
         seen |= mine
-    last: Optional[dict] = windows[-1] if windows else None
     return {
-        "k": k,
-        "optimizer_steps": count,
-        "steps_per_rank": steps,
-        "last_batches": last["batches"] if last else [],
-        "uneven_last": bool(last) and any(b != k for b in last["batches"]),
+        **window_counts(steps, k),
         "partition": partition,
         "in_several_windows": sorted(across),
         "windows": windows[:WINDOW_CAP] + (windows[-1:] if count > WINDOW_CAP else []),
