@@ -451,8 +451,9 @@ def audit_options(func: Callable) -> Callable:
                      help="Epochs to walk (eval loaders: one)."),
         click.option("--id-field", help="The field (dict key, or tuple position) of each batch "
                      "that holds the sample ids (integers 0..N-1), or '.' when each batch is "
-                     "itself the tensor of ids. Default: the dataset indices each batch was made of, recorded as "
-                     "the dataset is asked for them (map-style datasets only)."),
+                     "itself the tensor of ids. Default: the dataset indices each batch was "
+                     "made of, recorded as the dataset is asked for them (map-style datasets "
+                     "only)."),
         click.option("--expect", type=click.Choice(["sharded", "replicated"]), default="sharded",
                      show_default=True, help="What the loader is meant to do across ranks."),
         click.option("--set-epoch", is_flag=True,

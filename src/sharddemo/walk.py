@@ -133,9 +133,9 @@ def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -
     gathered as they came would put every id on the main process, which the count path
     exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps per rank; else once
     per epoch. `count` without a known length falls back to `epoch`. Callers that walk one
-    loader for several epochs choose once, before the first: any strategy gives the same
-    report, only its cost differs, so a loader whose length changes between epochs is
-    still reported right."""
+    loader for several epochs choose once, before the first: every strategy reports an epoch
+    right (only its cost and how much it lists differ), so a loader whose length changes
+    between epochs is still reported right."""
     from sharddemo.options import COUNT_FROM
 
     if strategy == "batch" or strategy == "epoch":
