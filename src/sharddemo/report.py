@@ -155,8 +155,8 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
                     explained: bool = True) -> str:
     """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
     reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
-    if code == "double-split" and missing and loader_share(loader, n) < n:
-        share = loader_share(loader, n)
+    share = loader_share(loader, n)
+    if code == "double-split" and missing and share < n:
         return (REASON_SENTENCE[code] + f"; {missing - (n - share)} of the {share} samples it "
                 f"deals were lost that way, and the other {n - share} of the {n} are not its "
                 "data (it reads a subset)")
