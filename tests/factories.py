@@ -294,3 +294,30 @@ def unshuffled_distributed_11(accelerator):
     sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
                                  rank=accelerator.process_index, shuffle=False)
     return DataLoader(dataset, batch_size=2, sampler=sampler)
+
+
+class Buckets(torch.utils.data.Sampler):
+    """A bucketing batch sampler of the user's: each epoch a new permutation (seeded with
+    seed + epoch, set by its own set_epoch), grouped into batches of 4 by id % 3."""
+
+    def __init__(self, n, batch_size=4, seed=0):
+        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        batches = []
+        for r in range(3):
+            ids = [i for i in order.tolist() if i % 3 == r]
+            batches += [ids[k:k + self.batch_size] for k in range(0, len(ids), self.batch_size)]
+        return iter(batches)
+
+    def __len__(self):
+        return sum(-(-len(range(r, self.n, 3)) // self.batch_size) for r in range(3))
+
+
+def bucketing_prepared_31(accelerator):
+    """Buckets over 31 samples as the loader's batch_sampler, passed through prepare."""
+    return accelerator.prepare(DataLoader(_dataset(31), batch_sampler=Buckets(31)))

@@ -89,6 +89,53 @@ def test_an_unshuffled_loader_keeps_its_order_by_design():
     assert data["epochs"][1]["order_changed"] is False
 
 
+def test_a_bucketing_batch_sampler_of_the_users_through_prepare():
+    """A bucketing batch sampler of the user's (its own set_epoch and a batch_size of 4, batches
+    of 4 or fewer) over 31 samples, passed through prepare, 2 ranks, --set-epoch. Expected from
+    accelerate's own prepare_data_loader, built here the same way:
+    - its DataLoaderShard.set_epoch does not pass the epoch on to that batch sampler, so both
+      epochs deal the same: order-changes-each-epoch fails, and says the call did not reach
+      what draws the order (it said "set_epoch is never called");
+    - its BatchSamplerShard drops the rounds that end in a batch shorter than 4: the samples
+      it never deals are missing, with the reason short-rounds (the report said "the sampler
+      draws 9 of 31 samples ... -16 of the 9 it deals never came": it took the batch
+      sampler's length, 9 batches, for a draw of 9 samples)."""
+    from accelerate.data_loader import prepare_data_loader
+    from factories import Buckets, _dataset
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+    from torch.utils.data import DataLoader
+
+    proc = audit(f"{FACTORIES}:bucketing_prepared_31", "--set-epoch", "--epochs", "2")
+    report, got = verdicts(proc)
+    assert proc.returncode == 1
+    assert {name for name, ok in got.items() if not ok} == {"order-changes-each-epoch",
+                                                             "no-missing-samples"}
+    data = report["modes"]["audit"]
+    order = [v["detail"] for v in data["verdicts"]
+             if v["verdict"] == "order-changes-each-epoch" and not v["ok"]]
+    assert order == ["the same shuffled order as the previous epoch, although set_epoch was "
+                     "called before each epoch as the training loop does: the call does not "
+                     "reach what draws the order (a sampler or batch sampler of its own needs "
+                     "its own set_epoch call)"]
+    assert data["loader"]["draws"] is None and data["loader"]["shard_batch_size"] == 4
+    ensure_accelerator_state()
+    dealt = {}
+    for r in range(2):
+        loader = prepare_data_loader(DataLoader(_dataset(31), batch_sampler=Buckets(31)),
+                                     num_processes=2, process_index=r, put_on_device=False,
+                                     rng_types=list(ACCELERATOR_RNG_TYPES))
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            dealt[r, epoch] = [b[0].tolist() for b in loader]
+        assert dealt[r, 0] == dealt[r, 1]  # accelerate's own loader: the same order both epochs
+    for e in data["epochs"]:
+        for r in range(2):
+            assert e["ranks"][r]["batches"] == dealt[r, e["epoch"]]
+        never = sorted(set(range(31)) - {i for r in range(2) for b in dealt[r, e["epoch"]]
+                                         for i in b})
+        assert never and e["missing"] == never and e["missing_reason"] == "short-rounds"
+
+
 @pytest.mark.parametrize("target,field", [("hf_with_id_field", "sample_id"), ("tuple_ids", "0")])
 def test_id_field(target, field):
     proc = audit(f"{FACTORIES}:{target}", "--id-field", field, nproc=3)

@@ -368,3 +368,34 @@ def test_an_id_field_of_strings_or_fractions_is_refused_in_one_line():
         read({"id": torch.tensor([0.5, 1.0])}, None)
     assert read({"id": torch.tensor([3.0, 1.0])}, None).tolist() == [3, 1]
     assert read({"id": [7, 2]}, None).tolist() == [7, 2]
+
+
+def test_a_batch_sampler_of_the_users_is_no_draw_and_its_batch_size_is_read_where_sharded():
+    """A batch_sampler of the user's deals whole batches: its length (9 batches of 31 samples)
+    is no draw of 9 samples, and its order says nothing of shuffling. Through accelerate's
+    prepare_data_loader its BatchSamplerShard takes the batch_size (4) it reads from it (the
+    size a round's last batch must have); torch's own BatchSampler there is not flagged."""
+    from accelerate.data_loader import prepare_data_loader
+    from factories import Buckets, _dataset
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from sharddemo.walk import describe_loader
+
+    ensure_accelerator_state()
+
+    def prepared(loader):
+        return prepare_data_loader(loader, num_processes=2, process_index=0, put_on_device=False,
+                                   rng_types=list(ACCELERATOR_RNG_TYPES))
+
+    built = DataLoader(_dataset(31), batch_sampler=Buckets(31))
+    assert len(built.batch_sampler) == 9  # batches, not samples
+    for loader in (built, prepared(built)):
+        info = describe_loader(loader)
+        assert info["draws"] is None and info["domain"] is None and info["shuffled"] is None
+    assert "shard_batch_size" not in describe_loader(built)
+    info = describe_loader(prepared(DataLoader(_dataset(31), batch_sampler=Buckets(31))))
+    assert (info["shard_batch_size"], info["batch_sampler_class"]) == (4, "Buckets")
+    plain = DataLoader(_dataset(31), batch_sampler=BatchSampler(RandomSampler(range(31)), 4,
+                                                                  False))
+    assert "shard_batch_size" not in describe_loader(prepared(plain))

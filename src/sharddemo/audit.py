@@ -422,6 +422,9 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
         per_rank = per_rank_batch(batch, world, bool(description.get("split_batches")))
     mode = {"description": target.description, "prepared": prepared, "loader": description,
             "fingerprint": agreed, "epochs": epochs, "role": target.role,
+            # set_epoch was called before each epoch, as the training loop does (--set-epoch,
+            # or the framework's own call)
+            "set_epoch_called": target.start_epoch is not None,
             "sizes": {"dataset_size": size, "batch_size": batch,
                       "global_batch": per_rank * world, "batch_size_seen": seen}}
     if target.settings:

@@ -51,6 +51,7 @@ REASON_LABEL = {
     "drop-last": "drop_last",
     "subset": "the loader reads a subset",
     "sampler-draws": "the sampler's own draw",
+    "short-rounds": "accelerate drops rounds that end in a short batch",
     "unexplained": "no known reason",
 }
 
@@ -82,6 +83,16 @@ REASON_SENTENCE = {
                       "without a seeded generator is)",
     "unexplained": "not explained by the loader's own padding",
 }
+
+
+def short_rounds_sentence(loader: dict) -> str:
+    size = loader["shard_batch_size"]
+    return ("short rounds: accelerate's BatchSamplerShard deals a round of batches only when "
+            f"the round's last batch holds batch_size ({size}) samples, the size it reads from "
+            f"your batch sampler ({loader.get('batch_sampler_class')}), so every round that "
+            "ends in a shorter batch is dropped whole, mid-epoch. A batch sampler whose "
+            "batches vary in size must not have a batch_size attribute (accelerate then takes "
+            "its batches as they come), or every batch must be full")
 
 # Missing samples the loader's own objects leave out by design: not a broken promise when the
 # reason accounts for all of them (missing_explained).
@@ -155,6 +166,8 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
                     explained: bool = True) -> str:
     """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
     reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
+    if code == "short-rounds":
+        return short_rounds_sentence(loader)
     share = loader_share(loader, n)
     if code == "double-split" and missing and share < n:
         return (REASON_SENTENCE[code] + f"; {missing - (n - share)} of the {share} samples it "
@@ -392,7 +405,9 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
     A loader that deals only part of the n ids (a Subset, a SubsetRandomSampler, a draw of
     fewer, loader_share) accounts for them when the ranks received that many distinct ids
     (it can deal no others), less what drop_last drops; one that draws with replacement
-    accounts for any."""
+    accounts for any. Where none of these accounts for them all and accelerate shards a
+    batch sampler of the user's that has a batch_size, the rounds it drops are named
+    (`short-rounds`: a loss, not a design)."""
     if is_double_split(loader):
         return "double-split", True
     if hint:
@@ -402,14 +417,17 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
     draws = loader.get("draws")
     if draws and draws["replacement"]:
         return "sampler-draws", True
+    short = loader.get("shard_batch_size") is not None
     share = loader_share(loader, n) if n is not None else None
     if share is not None and share < n and unique is not None:
         slack = global_size - 1 if loader.get("drop_last") else 0
         code = "subset" if share == loader.get("domain") else "sampler-draws"
-        return code, share - slack <= unique <= share
-    if loader.get("drop_last"):
+        explained = share - slack <= unique <= share
+        if explained or not short:
+            return code, explained
+    elif loader.get("drop_last") and (missing < global_size or not short):
         return "drop-last", missing < global_size
-    return None, False
+    return ("short-rounds", False) if short else (None, False)
 
 
 def coverage(flat: list[list[int]], n: int) -> dict:
@@ -665,10 +683,12 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
 
 
 def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
-                   prepared: bool = False, loader: Optional[dict] = None) -> list[dict]:
+                   prepared: bool = False, loader: Optional[dict] = None,
+                   set_epoch_called: bool = False) -> list[dict]:
     """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]. An eval loader
     (role "eval") also gets eval-counts-each-sample-once. `loader`: its description
-    (walk.describe_loader), whose `shuffled` says whether a new order is due each epoch."""
+    (walk.describe_loader), whose `shuffled` says whether a new order is due each epoch.
+    `set_epoch_called`: the walk called set_epoch before each epoch, as the loop does."""
     w = trace["world_size"]
     expect = _expect(trace)
     out = []
@@ -717,6 +737,10 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
                 shuffled = not all(r["ascending"] for r in e["ranks"])
             ok = bool(e["order_changed"]) or not shuffled
             add("order-changes-each-epoch", k, ok, "" if ok else
+                "the same shuffled order as the previous epoch, although set_epoch was called "
+                "before each epoch as the training loop does: the call does not reach what "
+                "draws the order (a sampler or batch sampler of its own needs its own "
+                "set_epoch call)" if set_epoch_called else
                 "the same shuffled order as the previous epoch: set_epoch is never called")
         previous = e
     return out
@@ -841,7 +865,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         if is_audit_mode(mode):
             verdicts = audit_verdicts(view, epochs, role=data.get("role", "train"),
                                       prepared=data.get("prepared", False),
-                                      loader=data.get("loader"))
+                                      loader=data.get("loader"),
+                                      set_epoch_called=data.get("set_epoch_called", False))
             where = "" if mode == "audit" else f"{mode} "
             broken = [f"{where}{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
                       for v in verdicts if not v["ok"]]

@@ -370,7 +370,24 @@ def describe_loader(loader) -> dict:
     info["dataset_shards"] = int(shards) if isinstance(shards, int) else None
     info.update(index_domain(loader))
     info["shuffled"] = sampler_shuffles(base)
+    info.update(_shard_batch_size(base))
     return info
+
+
+def _shard_batch_size(base) -> dict:
+    """{"shard_batch_size", "batch_sampler_class"} where accelerate's BatchSamplerShard wraps a
+    batch sampler of the user's (not torch's BatchSampler, whose batches are all full but the
+    last) that has a batch_size: BatchSamplerShard then deals a round only when its last batch
+    holds that many (accelerate's _iter_with_no_split), and drops the rest. Else {}."""
+    shard = getattr(base, "batch_sampler", None)
+    inner = getattr(shard, "batch_sampler", None)
+    if type(shard).__name__ != "BatchSamplerShard" or inner is None or getattr(
+            shard, "split_batches", False) or isinstance(inner, torch.utils.data.BatchSampler):
+        return {}
+    size = getattr(shard, "batch_size", None)
+    if not isinstance(size, int):
+        return {}
+    return {"shard_batch_size": size, "batch_sampler_class": type(inner).__name__}
 
 
 def sampler_shuffles(base) -> Optional[bool]:
@@ -408,11 +425,26 @@ def sampler_chain(base):
 
 
 def _index_sampler(base):
-    """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler)."""
+    """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler);
+    None where the chain ends at a batch sampler of the user's that holds no sampler (it deals
+    whole batches: its length counts batches, not positions)."""
     last = None
     for last in sampler_chain(base):
         pass
+    if last is not None and _is_batch_sampler(base, last):
+        return None
     return last
+
+
+def _is_batch_sampler(base, obj) -> bool:
+    """`obj`, the end of the sampler chain, is some object's `batch_sampler` (the loader's, or
+    the one accelerate's BatchSamplerShard wraps)."""
+    holder = base
+    for nxt in sampler_chain(base):
+        if nxt is obj:
+            return getattr(holder, "batch_sampler", None) is obj
+        holder = nxt
+    return False
 
 
 def index_domain(loader) -> dict:
