@@ -372,3 +372,32 @@ def test_lightning_wraps_a_weighted_sampler_and_shards_its_draw():
         assert [r["batches"] for r in e["ranks"]] == [expected[r][epoch] for r in range(W)]
         assert e["duplicates"] and {d["reason"] for d in e["duplicates"]} == {"sampler-draws"}
     assert all(v["ok"] for v in train["verdicts"]), train["verdicts"]
+
+
+def test_lightning_shuffles_a_train_loader_written_with_shuffle_false():
+    """Lightning's own _get_distributed_sampler and _update_dataloader, called as its
+    _process_dataloader calls them (shuffle=True for every train loader, whatever the loader
+    says; shuffle as written for val): a train loader written with shuffle=False comes out
+    shuffled, and the note says so; one written with shuffle=True, or the val loader, gets
+    none. In process: no launch."""
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import DataLoader
+
+    from sharddemo.adapters.lightning import shuffle_note
+
+    def processed(written, shuffle, stage):
+        sampler = _get_distributed_sampler(written, shuffle=shuffle, overfit_batches=0,
+                                           mode=stage, num_replicas=2, rank=0)
+        return _update_dataloader(written, sampler, mode=stage)
+
+    plain = DataLoader(range(11), batch_size=2)
+    made = processed(plain, True, RunningStage.TRAINING)
+    assert made.sampler.shuffle is True  # Lightning's own sampler shuffles
+    note = shuffle_note(plain, made)
+    assert note.startswith("your train_dataloader() has shuffle=False, but Lightning gives "
+                           "every train loader a shuffling DistributedSampler")
+    shuffled = DataLoader(range(11), batch_size=2, shuffle=True)
+    assert shuffle_note(shuffled, processed(shuffled, True, RunningStage.TRAINING)) is None
+    assert shuffle_note(plain, processed(plain, False, RunningStage.VALIDATING)) is None

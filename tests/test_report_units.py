@@ -536,3 +536,17 @@ def test_a_double_split_over_a_part_counts_its_losses_within_the_part():
     # the same loss over the whole data: no part to set apart
     m = report_of(trace("audit", 6, 1, 2, [[[[0]], [[2]]]], DOUBLE))
     assert "but 4 sample(s) were never seen (the loader was split twice)" in m["conclusion"]
+
+
+def test_a_frameworks_note_reaches_the_report_and_its_table():
+    """A mode's `note` (what a framework changed of the loader the user wrote) is kept in the
+    report and printed above the mode's epochs, in the table and in markdown."""
+    from sharddemo.render import render
+
+    t = trace("audit", 4, 2, 2, [[[[0, 1]], [[2, 3]]]], SAMPLER)
+    t["modes"]["audit"]["note"] = "the framework shuffles it"
+    report = build_report(t)
+    jsonschema.validate(report, SCHEMA)
+    assert report["modes"]["audit"]["note"] == "the framework shuffles it"
+    assert "  note: the framework shuffles it" in render(report, "table").splitlines()
+    assert "Note: the framework shuffles it" in render(report, "markdown").splitlines()

@@ -429,6 +429,8 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
                       "global_batch": per_rank * world, "batch_size_seen": seen}}
     if target.settings:
         mode["settings"] = target.settings
+    if target.note:
+        mode["note"] = target.note
     if target.grad_accum is not None:
         mode["grad_accum"] = target.grad_accum
     return mode

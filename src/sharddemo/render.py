@@ -201,6 +201,8 @@ def render_table(report: dict) -> str:
                        "stop here)")
         if (data.get("fingerprint") or {}).get("rows_note"):
             out.append(f"  note: {data['fingerprint']['rows_note']}")
+        if data.get("note"):
+            out.append(f"  note: {data['note']}")
         own = own_sizes_line(report, data)
         if data.get("settings"):
             out.append("  " + settings_line(data))
@@ -301,8 +303,10 @@ def render_markdown(report: dict) -> str:
     if report.get("launch_command"):
         out += [f"Rerun by hand: `{report['launch_command']}`", ""]
     for mode, data in report["modes"].items():
-        note = (data.get("fingerprint") or {}).get("rows_note")
-        out += [f"## {mode}", "", data["description"], "", *([f"Note: {note}", ""] if note else []),
+        notes = [n for n in ((data.get("fingerprint") or {}).get("rows_note"), data.get("note"))
+                 if n]
+        out += [f"## {mode}", "", data["description"], "",
+                *[line for n in notes for line in (f"Note: {n}", "")],
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:

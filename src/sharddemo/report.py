@@ -887,7 +887,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         }
         if "sizes" in data:
             modes[mode].update(data["sizes"])
-        for key in ("role", "settings"):
+        for key in ("role", "settings", "note"):
             if key in data:
                 modes[mode][key] = data[key]
         if data.get("grad_accum"):

@@ -32,6 +32,7 @@ class Audited:
     start_epoch: Optional[Callable[[int], None]] = None  # the framework's call before each epoch
     settings: dict = field(default_factory=dict)  # the arguments that decide the split
     grad_accum: Optional[int] = None
+    note: Optional[str] = None  # what the framework changed of the loader the user wrote
 
 
 def require_extra(kind: str) -> None:

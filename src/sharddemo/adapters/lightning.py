@@ -114,7 +114,7 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
         except Exception as exc:
             raise RunFailed(f"the datamodule's {hook}() through Lightning raised "
                             f"{type(exc).__name__}: {exc}") from exc
-        for i, loader in enumerate(loaders):
+        for i, (loader, written) in enumerate(zip(loaders, combined.flattened)):
             sampler = type(getattr(loader, "sampler", None)).__name__
             mode = f"lightning:{role}" + (f":{i}" if len(loaders) > 1 else "")
             out.append(Audited(mode, loader, epochs, f"{hook}() of {opts.target} under Lightning's "
@@ -122,9 +122,26 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
                                # the fit loop's call at the top of each epoch
                                start_epoch=partial(m["fabric_data"]._set_sampler_epoch, loader),
                                settings={**shown, "sampler": sampler},
-                               grad_accum=opts.grad_accum if role == "train" else None))
+                               grad_accum=opts.grad_accum if role == "train" else None,
+                               note=shuffle_note(written, loader)))
     if not out:
         raise UsageError(f"the datamodule from {opts.target} defines neither train_dataloader "
                          "nor val_dataloader: there is no loader to audit")
     return out
 
+
+
+def shuffle_note(written, processed):
+    """Where the loader the user wrote does not shuffle (shuffle=False: a SequentialSampler) and
+    the one Lightning made of it does (its _process_dataloader asks a shuffling
+    DistributedSampler for every train loader): the sentence the report shows. Else None."""
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    theirs = getattr(processed, "sampler", None)
+    if not (isinstance(getattr(written, "sampler", None), SequentialSampler)
+            and isinstance(theirs, DistributedSampler) and theirs.shuffle):
+        return None
+    return ("your train_dataloader() has shuffle=False, but Lightning gives every train loader "
+            f"a shuffling {type(theirs).__name__} (use_distributed_sampler): the order below is "
+            "shuffled each epoch. To keep yours, pass use_distributed_sampler=False and a "
+            "DistributedSampler(shuffle=False) of your own")
