@@ -199,10 +199,7 @@ def render_table(report: dict) -> str:
         if (data.get("fingerprint") or {}).get("disagreement"):
             out.append(f"  fingerprint: {data['fingerprint']['disagreement']} (an audit would "
                        "stop here)")
-        if (data.get("fingerprint") or {}).get("rows_note"):
-            out.append(f"  note: {data['fingerprint']['rows_note']}")
-        if data.get("note"):
-            out.append(f"  note: {data['note']}")
+        out += [f"  note: {note}" for note in _notes(data)]
         own = own_sizes_line(report, data)
         if data.get("settings"):
             out.append("  " + settings_line(data))
@@ -298,15 +295,19 @@ def verdict_lines(verdicts: list) -> list[str]:
     return lines
 
 
+def _notes(data: dict) -> list[str]:
+    """A mode's notes: the fingerprint's (ids that are positions) and a framework's."""
+    return [note for note in ((data.get("fingerprint") or {}).get("rows_note"), data.get("note"))
+            if note]
+
+
 def render_markdown(report: dict) -> str:
     out = [f"# sharddemo {_command(report)}", "", header(report)[0], ""]
     if report.get("launch_command"):
         out += [f"Rerun by hand: `{report['launch_command']}`", ""]
     for mode, data in report["modes"].items():
-        notes = [n for n in ((data.get("fingerprint") or {}).get("rows_note"), data.get("note"))
-                 if n]
         out += [f"## {mode}", "", data["description"], "",
-                *[line for n in notes for line in (f"Note: {n}", "")],
+                *[line for note in _notes(data) for line in (f"Note: {note}", "")],
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:

@@ -130,7 +130,6 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
     return out
 
 
-
 def shuffle_note(written, processed):
     """Where the loader the user wrote does not shuffle (shuffle=False: a SequentialSampler) and
     the one Lightning made of it does (its _process_dataloader asks a shuffling
