@@ -84,16 +84,6 @@ REASON_SENTENCE = {
     "unexplained": "not explained by the loader's own padding",
 }
 
-
-def short_rounds_sentence(loader: dict) -> str:
-    size = loader["shard_batch_size"]
-    return ("short rounds: accelerate's BatchSamplerShard deals a round of batches only when "
-            f"the round's last batch holds batch_size ({size}) samples, the size it reads from "
-            f"your batch sampler ({loader.get('batch_sampler_class')}), so every round that "
-            "ends in a shorter batch is dropped whole, mid-epoch. A batch sampler whose "
-            "batches vary in size must not have a batch_size attribute (accelerate then takes "
-            "its batches as they come), or every batch must be full")
-
 # Missing samples the loader's own objects leave out by design: not a broken promise when the
 # reason accounts for all of them (missing_explained).
 BY_DESIGN_MISSING = ("drop-last", "subset", "sampler-draws")
@@ -167,7 +157,13 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
     """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
     reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
     if code == "short-rounds":
-        return short_rounds_sentence(loader)
+        return ("short rounds: accelerate's BatchSamplerShard deals a round of batches only "
+                f"when the round's last batch holds batch_size ({loader['shard_batch_size']}) "
+                "samples, the size it reads from your batch sampler "
+                f"({loader.get('batch_sampler_class')}), so every round that ends in a shorter "
+                "batch is dropped whole, mid-epoch. A batch sampler whose batches vary in size "
+                "must not have a batch_size attribute (accelerate then takes its batches as they "
+                "come), or every batch must be full")
     share = loader_share(loader, n)
     if code == "double-split" and missing and share < n:
         return (REASON_SENTENCE[code] + f"; {missing - (n - share)} of the {share} samples it "

@@ -426,25 +426,15 @@ def sampler_chain(base):
 
 def _index_sampler(base):
     """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler);
-    None where the chain ends at a batch sampler of the user's that holds no sampler (it deals
-    whole batches: its length counts batches, not positions)."""
-    last = None
-    for last in sampler_chain(base):
-        pass
-    if last is not None and _is_batch_sampler(base, last):
+    None where the chain ends at a batch sampler of the user's that holds no sampler (some
+    object's `batch_sampler`: it deals whole batches, its length counts batches, not
+    positions)."""
+    holder, last = None, None
+    for nxt in sampler_chain(base):
+        holder, last = (base if last is None else last), nxt
+    if last is not None and getattr(holder, "batch_sampler", None) is last:
         return None
     return last
-
-
-def _is_batch_sampler(base, obj) -> bool:
-    """`obj`, the end of the sampler chain, is some object's `batch_sampler` (the loader's, or
-    the one accelerate's BatchSamplerShard wraps)."""
-    holder = base
-    for nxt in sampler_chain(base):
-        if nxt is obj:
-            return getattr(holder, "batch_sampler", None) is obj
-        holder = nxt
-    return False
 
 
 def index_domain(loader) -> dict:
