@@ -56,7 +56,7 @@ def test_large_n_is_binned_and_marks_missing_samples(tmp_path):
              "epochs": 1, "seed": 0, "modes": {"sampler": {"epochs": [
                  {"epoch": 0, "ranks": ranks, "gathered": None, "gather": "epoch",
                   "gathered_count": 99_000}]}}}
-    from sharddemo.report import build_report
+    from sharddemo.analysis import build_report
 
     report = build_report(trace)
     drawn = plot_report(report, str(tmp_path / "big.png"))

@@ -1,4 +1,4 @@
-"""report.py on hand-written traces, no processes: every duplicate reason, every missing
+"""sharddemo.analysis on hand-written traces, no processes: every duplicate reason, every missing
 reason, every verdict. Each trace below is worked out by hand in its comment."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from sharddemo.report import build_report, tail_repeats_head
+from sharddemo.analysis import build_report
+from sharddemo.analysis.views import tail_repeats_head
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "report.schema.json").read_text())
 
@@ -386,7 +387,7 @@ SHARD_MADE_BY = [0, 1, 0, 1, 0, 1, 0]
 
 
 def test_fill_per_worker_from_whole_batches_worked_by_hand():
-    from sharddemo.report import fill_per_worker, worker_orders
+    from sharddemo.analysis.views import fill_per_worker, worker_orders
 
     ranks = [SHARD_RANK0, SHARD_RANK1]
     orders = worker_orders(ranks, [SHARD_MADE_BY, SHARD_MADE_BY])
@@ -410,7 +411,10 @@ def _shard_record(rank1_last=None):
 
 
 def test_fill_per_worker_from_the_kept_ends_worked_by_hand():
-    from sharddemo.report_counts import fill_per_worker
+    from sharddemo.analysis.views import CountedEpoch
+
+    def fill_per_worker(record, limit):
+        return CountedEpoch({"epoch": 0, "coverage": {}, **record}, 25).fill_per_worker(limit)
 
     # worker 0: first global batch [0 2 4 6], last [24 0 2 4]: its last 3 repeat its start.
     # worker 1: first [1 3 5 7], last [17 19 21 23]: no fill.

@@ -14,7 +14,7 @@ from conftest import accelerate_launch
 from oracle import Case, IdStream, all_ranks
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from sharddemo.report import build_report
+from sharddemo.analysis import build_report
 
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "report.schema.json")
                     .read_text())

@@ -26,7 +26,7 @@ from sim import SimAccelerator, walk
 from sharddemo.errors import UsageError
 from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
-from sharddemo.report import build_report
+from sharddemo.analysis import build_report
 from sharddemo.sources import build_source
 from sharddemo.walk import describe_loader
 
@@ -214,7 +214,7 @@ def test_iterable_shard_in_workers_explained_as_the_library_deals(n, b, world, w
     from accelerate.data_loader import prepare_data_loader
     from oracle import ensure_accelerator_state
 
-    from sharddemo.report import build_report
+    from sharddemo.analysis import build_report
     from sharddemo.walk import describe_loader
 
     class Stream(_TaggedStream, torch.utils.data.IterableDataset):

@@ -18,7 +18,7 @@ import xxhash
 from conftest import accelerate_launch
 from oracle import Case, all_ranks
 
-from sharddemo.report import build_report
+from sharddemo.analysis import build_report
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])

@@ -8,7 +8,7 @@ from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import UsageError
 from sharddemo.launch import Launch, LaunchSettings, run_launch
 from sharddemo.options import RunOptions
-from sharddemo.report import build_report
+from sharddemo.analysis import build_report
 
 
 def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "run",
@@ -216,7 +216,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
     import shutil
     import tempfile
 
-    from sharddemo.report import REPORT_SCHEMA
+    from sharddemo.analysis import REPORT_SCHEMA
     from sharddemo.resume import demo_report
 
     checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")

@@ -38,7 +38,7 @@ import xxhash
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
-from sharddemo.report_counts import LIST_CAP
+from sharddemo.record import LIST_CAP, loader_share
 from sharddemo.walk import is_prepared, unshift
 
 # First and last batches each rank keeps in full (at least; one per DataLoader worker where
@@ -172,7 +172,6 @@ def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=No
         return None
     ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
     record = _summarise(epoch, code[:n], shift, ranks)
-    from sharddemo.report import loader_share
     from sharddemo.walk import index_domain
 
     # (gather_for_metrics is accelerate's: only a prepared loader has one to check)

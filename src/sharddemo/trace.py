@@ -326,7 +326,7 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
         else:
             count = sum(len(b) for b in rank["batches"])
             talk(f"{label} {len(rank['batches'])} batches, {count} samples")
-    from sharddemo.report import interleave_steps
+    from sharddemo.record import interleave_steps
 
     # What accelerator.gather returned: step by step, each rank's batch in rank order (per
     # batch), or each rank's whole epoch in rank order (once per epoch).

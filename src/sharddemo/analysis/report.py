@@ -1,0 +1,100 @@
+"""Trace (what the ranks did) -> report (what it means): every mode's epochs analysed
+(analysis.epoch), its verdicts and conclusion (analysis.verdicts), the ranks' placement.
+Plain data in, plain data out, no torch: tested without processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sharddemo.analysis.epoch import analyse_epoch
+from sharddemo.analysis.modes import global_batch, is_audit_mode, mode_kind
+from sharddemo.analysis.verdicts import audit_verdicts, broken_promises, conclude
+from sharddemo.analysis.views import epoch_view
+from sharddemo.analysis.windows import accumulation_windows, window_counts
+
+REPORT_SCHEMA = "sharddemo.report/1"
+
+
+def build_report(trace: dict, *, launch_command: Optional[str] = None,
+                 config_file: Optional[str] = None) -> dict:
+    """Trace (what the ranks did) -> report (what it means). Deterministic for a given trace."""
+    modes: dict[str, Any] = {}
+    problems: list[str] = []
+    for mode, data in trace["modes"].items():
+        # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
+        sized = {**trace, **data.get("sizes", {})}
+        n = sized["dataset_size"]
+        views = [epoch_view(record, n) for record in data["epochs"]]
+        epochs = [analyse_epoch(mode, sized, v, views[k - 1] if k else None,
+                                loader=data.get("loader"), hint=data.get("hint"))
+                  for k, v in enumerate(views)]
+        if is_audit_mode(mode):
+            verdicts = audit_verdicts(sized, epochs, role=data.get("role", "train"),
+                                      prepared=data.get("prepared", False),
+                                      loader=data.get("loader"),
+                                      set_epoch_called=data.get("set_epoch_called", False))
+            where = "" if mode == "audit" else f"{mode} "
+            broken = [f"{where}{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
+                      for v in verdicts if not v["ok"]]
+        else:
+            verdicts = None
+            broken = broken_promises(mode, sized, epochs)
+        problems += broken
+        modes[mode] = {
+            "description": data.get("description", ""),
+            "kind": mode_kind(mode, sized),
+            "prepared": data.get("prepared", False),
+            "loader": data.get("loader"),
+            "epochs": epochs,
+            "streams": data.get("streams"),
+            "fingerprint": data.get("fingerprint"),
+            "broken_promises": broken,
+            "conclusion": conclude(mode, sized, epochs, data.get("loader")),
+        }
+        if "sizes" in data:
+            modes[mode].update(data["sizes"])
+        for key in ("role", "settings", "note"):
+            if key in data:
+                modes[mode][key] = data[key]
+        if data.get("grad_accum"):
+            k = data["grad_accum"]
+            for e, v in zip(epochs, views):
+                e["grad_accum"] = (accumulation_windows(v.ranks, k) if v.gather != "count" else
+                                   {**window_counts(v.steps, k), "counted": True})
+        if verdicts is not None:
+            modes[mode]["verdicts"] = verdicts
+    where = trace.get("placement") or [
+        {"rank": r, "local_rank": r, "node": 0, "host": None} for r in range(trace["world_size"])]
+    nodes: dict[str, list[int]] = {}
+    for p in where:
+        nodes.setdefault(str(p["node"]), []).append(p["rank"])
+    for data in modes.values():
+        for e in data["epochs"]:
+            e["by_node"] = {node: sum(e["ranks"][r]["samples"] for r in ranks)
+                            for node, ranks in nodes.items()}
+    report = {
+        "schema": REPORT_SCHEMA,
+        "world_size": trace["world_size"],
+        "backend": trace["backend"],
+        "distributed_type": trace.get("distributed_type"),
+        "device": trace.get("device"),
+        "dataset_size": trace["dataset_size"],
+        "batch_size": trace["batch_size"],
+        "batch_size_seen": bool(trace.get("batch_size_seen", False)),
+        "global_batch": global_batch(trace),
+        "epochs": trace["epochs"],
+        "seed": trace["seed"],
+        "source": trace.get("source", "toy"),
+        "options": trace.get("options", {}),
+        "config_file": config_file,
+        "launch_command": launch_command,
+        "placement": where,
+        "nodes": nodes,
+        "modes": modes,
+        "broken_promises": problems,
+    }
+    if trace.get("fingerprint") is not None:
+        report["fingerprint"] = trace["fingerprint"]
+    if "timings" in trace:
+        report["timings"] = trace["timings"]
+    return report
