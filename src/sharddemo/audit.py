@@ -46,6 +46,8 @@ class AuditOptions:
     # Gradient accumulation: the optimizer steps' windows of K batches (a Trainer's own
     # gradient_accumulation_steps when not given).
     grad_accum: Optional[int] = None
+    # The parent needs every id (--plot draws them): `auto` never takes the count path.
+    keep_ids: bool = False
 
     def validate(self) -> "AuditOptions":
         if self.framework not in FACTORY_CALLS:
@@ -90,6 +92,8 @@ class AuditOptions:
             args += ["--gather", self.gather]
         if self.stateful:
             args.append("--stateful-loader")
+        if self.keep_ids:
+            args.append("--keep-ids")
         return args
 
 
@@ -385,7 +389,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     known = _known_size(loader, opts, agreed)
     label = "audit" if target.mode == AUDIT_MODE else target.mode
     # once for all epochs (walk.choose_gather): its exchange is not repeated every epoch
-    how = choose_gather(accelerator, loader, opts.gather, known)
+    how = choose_gather(accelerator, loader, opts.gather, None if opts.keep_ids else known)
     for epoch in range(target.epochs):
         if target.start_epoch is not None:
             target.start_epoch(epoch)

@@ -6,6 +6,7 @@ and input errors answer at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -398,11 +399,11 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     if max_memory is not None:
         _check_memory(opts, settings.num_processes, parse_size(max_memory, "--max-memory"))
     if plot:
-        from sharddemo.options import counted
-        from sharddemo.plot import COUNTED_NO_PLOT
+        if "resume" in opts.modes:
+            from sharddemo.plot import NO_EPOCHS_TO_PLOT
 
-        if counted(opts.gather, opts.dataset_size):
-            raise UsageError(COUNTED_NO_PLOT)
+            raise UsageError(NO_EPOCHS_TO_PLOT)
+        _refuse_counted_plot(opts.gather, opts.dataset_size)
     from sharddemo.compare import compare_run
 
     result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))
@@ -412,6 +413,15 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
         return 1
     return 0
+
+
+def _refuse_counted_plot(gather: str, n: Optional[int]) -> None:
+    """--plot draws every id: refuse, before any rank starts, a run that would be counted."""
+    from sharddemo.options import counted
+    from sharddemo.plot import COUNTED_NO_PLOT
+
+    if gather == "count" or counted(gather, n):
+        raise UsageError(COUNTED_NO_PLOT)
 
 
 def _refuse_resume_options() -> None:
@@ -494,7 +504,8 @@ def _audit_options(kw: dict) -> "AuditOptions":
                         expect=kw["expect"], set_epoch=kw["set_epoch"],
                         dataset_size=kw["dataset_size"], timeout=kw["timeout"],
                         gather=kw["gather"], max_time=kw.get("max_time") or 3600.0,
-                        stateful=bool(kw.get("stateful_loader"))).validate()
+                        stateful=bool(kw.get("stateful_loader")),
+                        keep_ids=bool(kw.get("keep_ids"))).validate()
 
 
 def _resume_plan(kw: dict, epochs: int):
@@ -503,6 +514,11 @@ def _resume_plan(kw: dict, epochs: int):
     return ResumePlan.parse(kw["resume_at"], kw["resume_strategy"], epochs,
                             kw.get("resume_num_processes"))
 
+
+# The rank commands' side of AuditOptions.keep_ids.
+keep_ids_option = click.option(
+    "--keep-ids", is_flag=True,
+    help="Never take the count path: the parent needs every id (audit --plot, --resume-at).")
 
 resume_options = [
     click.option("--resume-at", metavar="EPOCH:STEP",
@@ -561,6 +577,10 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     settings = _settings(kw)
     opts = _audit_options(kw)
     _check_files(output, plot)
+    if plot:
+        _refuse_counted_plot(opts.gather, opts.dataset_size)
+        # --plot draws every id: `auto` keeps them at any size (as --gather epoch does)
+        opts = dataclasses.replace(opts, keep_ids=True)
     if resume_at is not None and opts.framework is not None:
         raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
                          f"--{opts.framework}")
@@ -574,6 +594,12 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     else:
         from sharddemo.compare import resume_audit_run
 
+        if opts.gather == "count":
+            raise UsageError("--resume-at compares every id of the stopped, the resumed and the "
+                             "uninterrupted run, and --gather count keeps none: pass --gather "
+                             "epoch (or leave --gather out)")
+        # the comparison needs every id: `auto` keeps them at any size
+        opts = dataclasses.replace(opts, keep_ids=True)
         plan = _resume_plan({"resume_at": resume_at, "resume_strategy": resume_strategy,
                              "resume_num_processes": resume_num_processes}, opts.epochs)
         result = resume_audit_run(opts, plan, settings, keep_checkpoint=keep_checkpoint,
@@ -620,6 +646,7 @@ def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: st
 
 @cli.command("resume-rank", hidden=True)
 @audit_options
+@keep_ids_option
 @resume_options[0]
 @resume_options[1]
 @click.option("--phase", type=click.Choice(["stop", "resume"]), required=True)
@@ -645,6 +672,7 @@ def resume_rank_command(phase: str, checkpoint: str, device: str, trace_out: Opt
 
 @cli.command("audit-rank", hidden=True)
 @audit_options
+@keep_ids_option
 @click.option("--stateful-loader", is_flag=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--trace-out", type=click.Path(dir_okay=False))

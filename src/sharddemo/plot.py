@@ -66,6 +66,11 @@ COUNTED_NO_PLOT = ("--plot draws every id a rank received, and this run was coun
                    "--gather epoch to draw it")
 
 
+NO_EPOCHS_TO_PLOT = ("--plot draws each mode's epochs, and mode resume reports its scenarios as "
+                     "rows, not epochs: drop --plot (the table, markdown and JSON show every "
+                     "scenario)")
+
+
 def plot_report(report: dict, path: str) -> dict:
     """Draw the report to `path` (PNG). Returns what was drawn, per mode and epoch: for each
     rank the number of ids placed, and the missing and duplicated ids marked, so a test can
@@ -74,6 +79,8 @@ def plot_report(report: dict, path: str) -> dict:
 
     if any(e.get("gather") == "count" for m in report["modes"].values() for e in m["epochs"]):
         raise UsageError(COUNTED_NO_PLOT)
+    if not report["modes"]:
+        raise UsageError(NO_EPOCHS_TO_PLOT)
     plt = _pyplot()
     modes = list(report["modes"])
     n, w, b = report["dataset_size"], report["world_size"], report["batch_size"]

@@ -27,12 +27,16 @@ def batches_text(batches: list) -> str:
     return f"{head} ... ({len(batches)} batches, {sum(len(b) for b in batches)} samples)"
 
 
-def counted_text(first: list, steps: int, samples: int) -> str:
-    """A counted rank (the count path kept only its first and last batches)."""
-    if not first:
-        return "(nothing)"
+def rank_text(rank: dict) -> str:
+    """A rank's batches in an epoch: all of them where the report lists them, else (a counted
+    epoch keeps only its first and last batches) the first two and the counts."""
+    if "batches" in rank:
+        return batches_text(rank["batches"])
+    first = rank["first_batches"]
+    if rank["steps"] <= len(first) + len(rank["last_batches"]):  # it kept every batch
+        return batches_text(first + rank["last_batches"])
     head = " ".join(_ids(b, 8) for b in first[:2])
-    return f"{head} ... ({steps} batches, {samples} samples)"
+    return f"{head} ... ({rank['steps']} batches, {rank['samples']} samples)"
 
 
 def _short(ids, limit: int = 16) -> str:
@@ -147,6 +151,29 @@ def resume_lines(resume: dict) -> list[str]:
     return lines
 
 
+RESUME_TITLE = ("the prepared loader stopped, saved, restarted in fresh processes and resumed, "
+                "against the uninterrupted run")
+
+
+def resume_demo_lines(rows: list[dict]) -> list[str]:
+    """`compare --modes resume`: one line per scenario (workers, stop, strategy, each epoch's
+    repeats and skips), then where the rows are explained."""
+    out = []
+    for r in rows:
+        at = r["at"]
+        cells = []
+        for e in r["epochs"]:
+            rep, skip = e["repeated"]["count"], e["skipped"]["count"]
+            order = {True: "same order", False: "OTHER ORDER", None: "-"}[e["order_equal"]]
+            cells.append(f"epoch {e['epoch']}: {'exact' if e['resume_exact'] else 'NOT exact'}"
+                         f" ({rep} repeated, {skip} skipped, {order})")
+        out.append(f"workers {r['workers']} | stop {at['epoch']}:{at['step']} | "
+                   f"{r['strategy']:<8} | " + " | ".join(cells)
+                   + f" | resume-exact {'yes' if r['resume_exact'] else 'NO'}")
+    out.append("(docs/resume.md explains each row; audit --resume-at runs it on your loader)")
+    return out
+
+
 def stream_line(streams: dict) -> str:
     """The shard arithmetic of an HF stream, as datasets computes it."""
     text = (f"stream of {streams['files']} file(s): {streams['how']}; files per rank "
@@ -177,20 +204,8 @@ def render_table(report: dict) -> str:
     if report.get("launch_command"):
         out.append(f"rerun by hand: {report['launch_command']}")
     if report.get("resume"):
-        out += ["", "== resume: the prepared loader stopped, saved, restarted in fresh processes "
-                "and resumed, against the uninterrupted run"]
-        for r in report["resume"]:
-            at = r["at"]
-            cells = []
-            for e in r["epochs"]:
-                rep, skip = e["repeated"]["count"], e["skipped"]["count"]
-                order = {True: "same order", False: "OTHER ORDER", None: "-"}[e["order_equal"]]
-                cells.append(f"epoch {e['epoch']}: {'exact' if e['resume_exact'] else 'NOT exact'}"
-                             f" ({rep} repeated, {skip} skipped, {order})")
-            out.append(f"  workers {r['workers']} | stop {at['epoch']}:{at['step']} | "
-                       f"{r['strategy']:<8} | " + " | ".join(cells)
-                       + f" | resume-exact {'yes' if r['resume_exact'] else 'NO'}")
-        out.append("  (docs/resume.md explains each row; audit --resume-at runs it on your loader)")
+        out += ["", "== resume: " + RESUME_TITLE]
+        out += ["  " + line for line in resume_demo_lines(report["resume"])]
     for mode, data in report["modes"].items():
         out.append("")
         out.append(f"== {mode}: {data['description']}")
@@ -209,9 +224,7 @@ def render_table(report: dict) -> str:
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
             for r in e["ranks"]:
-                shown = (batches_text(r["batches"]) if "batches" in r else
-                         counted_text(r["first_batches"], r["steps"], r["samples"]))
-                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {shown}")
+                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {rank_text(r)}")
             out += ["    " + line for line in grid_lines(view, e)]
             out += ["    " + line for line in _epoch_summary(e)]
             out += ["    " + line for line in window_lines(e.get("grad_accum"))]
@@ -305,13 +318,16 @@ def render_markdown(report: dict) -> str:
     out = [f"# sharddemo {_command(report)}", "", header(report)[0], ""]
     if report.get("launch_command"):
         out += [f"Rerun by hand: `{report['launch_command']}`", ""]
+    if report.get("resume"):
+        out += ["## resume", "", RESUME_TITLE[0].upper() + RESUME_TITLE[1:] + ".", ""]
+        out += [f"- {line}" for line in resume_demo_lines(report["resume"])] + [""]
     for mode, data in report["modes"].items():
         out += [f"## {mode}", "", data["description"], "",
                 *[line for note in _notes(data) for line in (f"Note: {note}", "")],
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:
-                out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {batches_text(r['batches'])} |")
+                out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {rank_text(r)} |")
         out.append("")
         own = own_sizes_line(report, data)
         if data.get("settings"):
@@ -322,6 +338,8 @@ def render_markdown(report: dict) -> str:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
             out += [f"  - {line.strip()}" for line in window_lines(e.get("grad_accum"))]
         out += ["", f"**{data['conclusion']}**", ""]
+        if data.get("resume"):
+            out += [f"- resume: {line}" for line in resume_lines(data["resume"])] + [""]
         if "verdicts" in data:
             out += [f"- {line}" for line in verdict_lines(data["verdicts"])] + [""]
         for problem in data["broken_promises"]:
