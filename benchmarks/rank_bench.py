@@ -23,7 +23,8 @@ from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.sources import batch_values
 from sharddemo.trace import make_accelerator
-from sharddemo.walk import choose_gather, tag_batches, walk_epoch
+from sharddemo.rank.tagging import tag_batches
+from sharddemo.rank.walk import choose_gather, walk_epoch
 
 
 def trace_epoch(accelerator, plan, epoch: int, strategy: str, n=None):
@@ -64,7 +65,7 @@ def bare_epoch(accelerator, plan) -> None:
 
 
 def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
-    from sharddemo.counting import FLUSH_IDS
+    from sharddemo.rank.counting import FLUSH_IDS
 
     out: dict = {"flush_ids": FLUSH_IDS}
     for mode in ("prepared", "sampler"):

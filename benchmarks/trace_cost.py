@@ -25,7 +25,7 @@ import torch
 
 from sharddemo.sources import ToyDataset, batch_values
 from sharddemo.trace import make_accelerator
-from sharddemo.walk import walk_epoch
+from sharddemo.rank.walk import walk_epoch
 
 
 def main() -> None:

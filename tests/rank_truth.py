@@ -59,7 +59,7 @@ def reduced_codes(accelerator) -> dict:
     uint32), reduced onto the main process over these real ranks."""
     import numpy as np
 
-    from sharddemo.counting import encode, reduce_to_main
+    from sharddemo.rank.counting import encode, reduce_to_main
 
     out = {}
     for layout in (2, 16, 256):
@@ -80,7 +80,7 @@ def mixed_shift_walk(accelerator) -> Optional[dict]:
     import torch
 
     from sharddemo.sources import batch_values
-    from sharddemo.walk import walk_epoch
+    from sharddemo.rank.walk import walk_epoch
 
     batches = [{"id": torch.tensor(b["id"])} if isinstance(b, dict) else torch.tensor(b)
                for b in MIXED]

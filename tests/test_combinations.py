@@ -37,7 +37,7 @@ KEEP = 3  # counting.KEEP_BATCHES: the batches a rank keeps at each end of a cou
 
 
 def ids_record(epoch: int, ranks: list[list[list[int]]], gather: str) -> dict:
-    """The record walk.EpochRecord.to_dict() writes (main-process workers: -1)."""
+    """The record rank.recorder.epoch_record writes (main-process workers: -1)."""
     return {"epoch": epoch, "gather": gather,
             "ranks": [{"rank": r, "batches": b, "workers": [-1] * len(b)}
                       for r, b in enumerate(ranks)],
@@ -45,10 +45,10 @@ def ids_record(epoch: int, ranks: list[list[list[int]]], gather: str) -> dict:
 
 
 def counted_record(epoch: int, ranks: list[list[list[int]]], n: int) -> dict:
-    """The record counting.walk_and_count returns on the main rank, with its collectives done
+    """The record a counting Recorder returns on the main rank, with its collectives done
     in this process: each rank's counter encoded (counting.encode), the codes summed (the
     reduce), and counting._summarise on the sum."""
-    from sharddemo.counting import _summarise, encode
+    from sharddemo.rank.counting import _summarise, encode
 
     world = len(ranks)
     codes, shift, rows = None, None, []

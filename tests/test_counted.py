@@ -163,7 +163,7 @@ def test_the_most_copies_of_a_sample_past_the_listed_duplicates(n, exact):
 
 
 def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatch):
-    """One process (world size 1): the count path's walk over batches worked by hand, with
+    """One process (world size 1): the Recorder's count path over batches worked by hand, with
     flushes of 8 ids, so that several batches wait for one flush, the reader changes its shift
     while values wait, and one batch (9 ids) is larger than a flush."""
     import numpy as np
@@ -171,7 +171,14 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
     import xxhash
     from accelerate import Accelerator
 
-    from sharddemo import counting
+    from sharddemo.rank import counting
+    from sharddemo.rank.recorder import Recorder
+
+    def walk(batches, n):
+        recorder = Recorder(accelerator, lambda batch, tag: batch, how="count", n=n)
+        for batch in batches:
+            recorder.add(batch)
+        return recorder.finish(0)
 
     monkeypatch.setattr(counting, "FLUSH_IDS", 8)
     accelerator = Accelerator(cpu=True)
@@ -180,9 +187,7 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
                ([0, 20], 0), ([3], 0)]
     # worked by hand from the above
     ids = [0, 1, 2, 3, 4, 3, 9, 5, 6, 7, 8, 10, 11, 12, 13, 14, 0, 20, 3]
-    record = counting.walk_and_count(
-        accelerator, [(torch.tensor(v), s) for v, s in batches],
-        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=17)
+    record = walk([(torch.tensor(v), s) for v, s in batches], 17)
     rank = record["ranks"][0]
     assert rank["samples"] == 19 and rank["steps"] == 6
     assert rank["sizes"] == [[2, 1], [3, 1], [2, 1], [9, 1], [2, 1], [1, 1]]
@@ -195,9 +200,7 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
     assert rank["order_hash"] == xxhash.xxh3_128(np.array(ids, dtype=np.int64)).hexdigest()
     assert rank["ascending"] is False
     # ten batches of 2, counted over several flushes: still one run of sizes, 0..19 once each
-    record = counting.walk_and_count(
-        accelerator, [(torch.tensor([2 * k, 2 * k + 1]), 0) for k in range(10)],
-        lambda batch: (batch[0], -1, batch[1]), epoch=0, n=20)
+    record = walk([(torch.tensor([2 * k, 2 * k + 1]), 0) for k in range(10)], 20)
     rank = record["ranks"][0]
     assert rank["sizes"] == [[2, 10]] and rank["distinct"] == 20 and rank["ascending"] is True
     assert rank["head"] == [[0, 1], [2, 3], [4, 5]] and rank["tail"] == [[14, 15], [16, 17],

@@ -115,7 +115,7 @@ def test_the_walk_knows_the_worker_without_a_tag_only_where_torch_has_no_workers
     from oracle import ensure_accelerator_state
     from torch.utils.data import DataLoader
 
-    from sharddemo.walk import known_worker, tag_batches
+    from sharddemo.rank.tagging import known_worker, tag_batches
 
     def build():
         loader = DataLoader(range(8), batch_size=2, num_workers=workers, collate_fn=_made_by)
@@ -147,7 +147,7 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
     from torch.utils.data import (DataLoader, RandomSampler, Subset, SubsetRandomSampler,
                                   TensorDataset, WeightedRandomSampler, random_split)
 
-    from sharddemo.walk import index_domain
+    from sharddemo.rank.describe import index_domain
 
     data = TensorDataset(torch.arange(30))
     train, _ = random_split(data, [21, 9], generator=torch.Generator().manual_seed(1))
@@ -207,7 +207,7 @@ def test_shuffled_is_what_the_loaders_own_sampler_says():
     from torch.utils.data import (DataLoader, IterableDataset, Sampler, SubsetRandomSampler,
                                   TensorDataset, WeightedRandomSampler)
 
-    from sharddemo.walk import describe_loader
+    from sharddemo.rank.describe import describe_loader
 
     class EveryOther(Sampler):  # a sampler of the user's: it says nothing of shuffling
         def __init__(self, n):
@@ -254,7 +254,7 @@ def test_rows_digest_reads_rows_as_stored_and_nothing_of_the_users():
     from datasets import Dataset as HFDataset
     from torch.utils.data import Dataset, TensorDataset
 
-    from sharddemo.walk import rows_digest
+    from sharddemo.rank.describe import rows_digest
 
     ids = torch.arange(40)
     same = rows_digest(TensorDataset(ids, ids * 2.0))
@@ -318,7 +318,7 @@ def test_tags_of_a_loader_without_auto_collation_are_its_samplers_indices():
     from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
     from factories import BatchFetched
-    from sharddemo.walk import tag_batches, unwrap
+    from sharddemo.rank.tagging import tag_batches, unwrap
 
     single = TensorDataset(torch.arange(12), torch.zeros(12, 3))
     for dataset, wrap in ((single, lambda s: s), (BatchFetched(), lambda s: BatchSampler(s, 4,
@@ -339,7 +339,7 @@ def test_index_domain_reads_the_draw_lightning_wraps_for_ddp():
     import torch
     from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler, random_split
 
-    from sharddemo.walk import index_domain
+    from sharddemo.rank.describe import index_domain
 
     train, _ = random_split(TensorDataset(torch.arange(30)), [22, 8],
                             generator=torch.Generator().manual_seed(0))
@@ -380,7 +380,7 @@ def test_a_batch_sampler_of_the_users_is_no_draw_and_its_batch_size_is_read_wher
     from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
     from torch.utils.data import DataLoader, RandomSampler
 
-    from sharddemo.walk import describe_loader
+    from sharddemo.rank.describe import describe_loader
 
     ensure_accelerator_state()
 

@@ -94,7 +94,7 @@ def test_no_progress_when_output_is_not_a_terminal(small_report):
 def test_progress_comes_from_the_main_rank_only(monkeypatch):
     from types import SimpleNamespace
 
-    from sharddemo.walk import progress_reporter
+    from sharddemo.rank.walk import progress_reporter
 
     monkeypatch.setenv("SHARDDEMO_PROGRESS", "1")
     assert progress_reporter(SimpleNamespace(is_main_process=False), "x") is None

@@ -207,7 +207,7 @@ def test_a_loader_of_length_zero_has_a_known_length():
 
     import torch
 
-    from sharddemo.walk import choose_gather
+    from sharddemo.rank.walk import choose_gather
 
     alone = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     assert choose_gather(alone, [], "auto") == "batch"
@@ -223,7 +223,7 @@ def test_auto_counts_a_large_dataset_however_few_its_steps():
 
     import torch
 
-    from sharddemo.walk import choose_gather
+    from sharddemo.rank.walk import choose_gather
 
     alone = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     ten_steps, many_steps = [None] * 10, [None] * 500  # only their len() is read
@@ -239,7 +239,7 @@ def test_counted_summary_above_15_ranks_worked_by_hand():
     twice and nobody else did (1 + 256 = 257); ids 2-4 came nowhere (0)."""
     import numpy as np
 
-    from sharddemo.counting import _summarise
+    from sharddemo.rank.counting import _summarise
 
     code = np.array([17, 257, 0, 0, 0], dtype=np.uint16)
     ranks = [{"rank": r, "samples": 3 if r == 0 else 1, "repeats": [[1, 2]] if r == 0 else [],
@@ -256,7 +256,7 @@ def test_counted_summary_above_15_ranks_worked_by_hand():
 def test_count_codes_worked_by_hand():
     import numpy as np
 
-    from sharddemo.counting import encode
+    from sharddemo.rank.counting import encode
 
     # 0 copies -> 0, 1 -> 1, several -> 1 + shift
     code, shift = encode(np.array([1, 2, 0, 255], dtype=np.uint8), 17)
@@ -275,7 +275,7 @@ def test_count_codes_across_chunks_worked_by_hand(world, dtype, several):
     edge, and the last one, come out as 0 -> 0, 1 -> 1, more -> 1 + shift."""
     import numpy as np
 
-    from sharddemo.counting import CHUNK, encode
+    from sharddemo.rank.counting import CHUNK, encode
 
     counts = np.zeros(CHUNK + 3, dtype=np.uint8)
     counts[[0, CHUNK - 1, CHUNK, CHUNK + 1, CHUNK + 2]] = [3, 2, 1, 255, 2]
@@ -291,7 +291,7 @@ def test_counted_summary_above_255_ranks_worked_by_hand():
     (2 + 2 x 65536 = 131074); id 2 came nowhere (0)."""
     import numpy as np
 
-    from sharddemo.counting import _summarise
+    from sharddemo.rank.counting import _summarise
 
     code = np.array([300, 131074, 0], dtype=np.uint32)
     ranks = [{"rank": r, "samples": 3 if r < 2 else 1, "repeats": [[1, 2]] if r < 2 else [],
@@ -307,7 +307,7 @@ def test_most_copies_counts_a_ranks_own_repeats_worked_by_hand():
     (1 + 16) + 1 = 18; 4 copies, more than the 2 ranks holding it. Id 1: rank 1 once (1)."""
     import numpy as np
 
-    from sharddemo.counting import _summarise
+    from sharddemo.rank.counting import _summarise
 
     code = np.array([18, 1], dtype=np.uint8)
     ranks = [{"rank": 0, "samples": 3, "repeats": [[0, 3]], "repeats_total": 1,
@@ -339,7 +339,7 @@ def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
     import numpy as np
     from hypothesis import given, settings
 
-    from sharddemo.counting import _summarise, encode
+    from sharddemo.rank.counting import _summarise, encode
 
     @settings(max_examples=300, deadline=None)
     @given(_per_rank_counts())

@@ -28,7 +28,7 @@ from sharddemo.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.analysis import build_report
 from sharddemo.sources import build_source
-from sharddemo.walk import describe_loader
+from sharddemo.rank.describe import describe_loader
 
 MODES = ["sampler", "replicated", "prepared", "double-split", "unseeded"]
 
@@ -215,7 +215,7 @@ def test_iterable_shard_in_workers_explained_as_the_library_deals(n, b, world, w
     from oracle import ensure_accelerator_state
 
     from sharddemo.analysis import build_report
-    from sharddemo.walk import describe_loader
+    from sharddemo.rank.describe import describe_loader
 
     class Stream(_TaggedStream, torch.utils.data.IterableDataset):
         pass

@@ -147,7 +147,7 @@ def test_recording_does_not_change_what_a_stateful_loader_yields():
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from sharddemo.walk import tag_batches, unwrap
+    from sharddemo.rank.tagging import tag_batches, unwrap
 
     def batches(tag):
         torch.manual_seed(7)

@@ -175,7 +175,9 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
     dispatch are all covered)."""
     import torch
 
-    from sharddemo.walk import base_loader, is_tagged, tag_batches
+    from sharddemo.rank.describe import base_loader
+
+    from sharddemo.rank.tagging import is_tagged, tag_batches
 
     if id_field is not None:
         whole = id_field in (".", "batch")
@@ -255,7 +257,7 @@ def tagging_prepare(accelerator, record_indices: bool):
     iterator would change what it yields.) Nothing else about prepare changes."""
     from torch.utils.data import DataLoader
 
-    from sharddemo.walk import tag_batches
+    from sharddemo.rank.tagging import tag_batches
 
     original = accelerator.prepare
 
@@ -290,7 +292,7 @@ def set_epoch(loader, epoch: int) -> None:
     loader (a prepared one passes it on), else on the first sampler down the chain that has
     it (a DistributedSampler inside a batch_sampler, or inside a BatchSampler given as the
     `sampler` of a loader with batch_size=None)."""
-    from sharddemo.walk import base_loader, sampler_chain
+    from sharddemo.rank.describe import base_loader, sampler_chain
 
     base = base_loader(loader)
     for obj in (getattr(base, "sampler", None), loader, *sampler_chain(base)):
@@ -349,7 +351,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
 def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
     """What this rank audits: the user's own loader, or the loaders a framework builds."""
     from sharddemo.adapters import Audited
-    from sharddemo.walk import base_loader
+    from sharddemo.rank.describe import base_loader
 
     if opts.framework == "trainer":
         from sharddemo.adapters.trainer import trainer_loaders
@@ -374,9 +376,9 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
 def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     """Walk one audited loader for its epochs: its trace mode on the main rank ({} elsewhere)."""
     from sharddemo.collect import exchange_ints
-    from sharddemo.options import PROGRESS_ENV, per_rank_batch
-    from sharddemo.walk import (agree_on_fingerprint, base_loader, choose_gather,
-                                describe_loader, is_prepared, progress_reporter, walk_epoch)
+    from sharddemo.options import per_rank_batch
+    from sharddemo.rank.describe import (agree_on_fingerprint, base_loader, describe_loader, is_prepared)
+    from sharddemo.rank.walk import EpochWalker
 
     loader = target.loader
     description = describe_loader(loader)  # before the walk wraps anything
@@ -384,27 +386,19 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
                                   ids_by_position=opts.id_field is None)
     read_ids = id_reader(loader, opts.id_field)
     prepared = is_prepared(loader)
-    records = []
     # N before the walk, where the loader says it (the count path needs it); else after.
     known = _known_size(loader, opts, agreed)
-    label = "audit" if target.mode == AUDIT_MODE else target.mode
-    # once for all epochs (walk.choose_gather): its exchange is not repeated every epoch
-    how = choose_gather(accelerator, loader, opts.gather, None if opts.keep_ids else known)
+    where = "" if target.mode == AUDIT_MODE else f"{target.mode}: "
+    # (keep_ids: without N, `auto` never takes the count path)
+    walker = EpochWalker(accelerator, loader, read_ids, strategy=opts.gather,
+                         n=None if opts.keep_ids else known,
+                         label="audit" if target.mode == AUDIT_MODE else target.mode,
+                         before_epoch=target.start_epoch,
+                         failure=lambda epoch, exc: f"{where}epoch {epoch} of the loader raised "
+                                                    f"{type(exc).__name__}: {exc}")
     for epoch in range(target.epochs):
-        if target.start_epoch is not None:
-            target.start_epoch(epoch)
-        try:
-            record = walk_epoch(accelerator, loader, read_ids, epoch=epoch,
-                                strategy=how, n=known,
-                                progress=progress_reporter(accelerator, f"{label}:epoch{epoch}",
-                                                           PROGRESS_ENV))
-        except (UsageError, RunFailed):
-            raise
-        except Exception as exc:
-            where = "" if target.mode == AUDIT_MODE else f"{target.mode}: "
-            raise RunFailed(f"{where}epoch {epoch} of the loader raised {type(exc).__name__}: "
-                            f"{exc}") from exc
-        records.append(record)
+        walker.walk(epoch)
+    records = walker.records
     size = _dataset_size(loader, opts, records, agreed)
     # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
     sizes = exchange_ints(accelerator, [size])
@@ -417,7 +411,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     if not accelerator.is_main_process:
         return {}
     world = accelerator.num_processes
-    epochs = [r if isinstance(r, dict) else r.to_dict() for r in records]
+    epochs = records
     seen = batch is None  # no batch size to read (a batch sampler of its own): the largest
     if seen:              # batch a rank received, which is per rank already
         batch = per_rank = max((len(b) for e in epochs for r in e["ranks"]
@@ -447,7 +441,7 @@ def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
     them, not for the map-style eval set beside it. Where the ranks read different rows
     (`agreed["rows_differ"]`: data split by rank before the loader, audited by --id-field), a
     rank's own length is its part only: --dataset-size, else None (found after the walk)."""
-    from sharddemo.walk import base_loader, root_length
+    from sharddemo.rank.describe import base_loader, root_length
 
     if agreed and agreed.get("rows_differ") and opts.id_field is not None:
         return opts.dataset_size
@@ -463,10 +457,8 @@ def _dataset_size(loader, opts: AuditOptions, records: list,
     if length is not None:
         return length
     top = -1
-    for record in records:
-        if record is None or isinstance(record, dict):
-            continue
-        for batches in record.ranks:
-            for batch in batches:
+    for record in records:  # (the main rank's: every rank's batches; a counted one has N)
+        for rank in record["ranks"]:
+            for batch in rank.get("batches", ()):
                 top = max([top, *batch])
     return top + 1

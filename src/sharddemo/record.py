@@ -1,20 +1,21 @@
 """The record that crosses from the ranks to the parent: what both sides agree on.
 
-The ranks (`walk.py`, `counting.py`) write one record per loader and epoch; the parent's
-analysis (`sharddemo.analysis`) reads it. Two shapes, told apart by `gather`:
+The ranks (sharddemo.rank: the recorder and the per-batch walk) write one record per loader
+and epoch; the parent's analysis (sharddemo.analysis) reads it. Two shapes, told apart by
+`gather`:
 
 - `"batch"` / `"epoch"` (ids): `{"epoch", "gather", "ranks": [{"rank", "batches": [[id, ...],
   ...], "workers": [worker per batch]}], "gathered_for_metrics", "remainder"}`: every id each
-  rank received, batch by batch (walk.EpochRecord.to_dict).
+  rank received, batch by batch (rank.recorder.epoch_record).
 - `"count"` (counts): `{"epoch", "gather": "count", "ranks": [{"rank", "steps", "samples",
   "head", "tail", "head_workers", "tail_workers", "sizes", "workers", "order_hash",
   "ascending", "repeats", "repeats_total", "out_of_range", "remainder"}], "coverage": {...}}`:
   per-sample counts reduced on the main rank, each rank's first and last batches and its
-  order hash (counting.walk_and_count).
+  order hash (rank.recorder.Recorder with how="count").
 
 docs/architecture.md describes both field by field. This module imports nothing of
-sharddemo's, so that the rank side (torch) and the analysis (pure Python) both read it without
-importing each other.
+sharddemo's, so that the rank side (torch, sharddemo.rank) and the analysis (pure Python) both
+read it without importing each other.
 """
 
 from __future__ import annotations

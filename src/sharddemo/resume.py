@@ -73,7 +73,8 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
     """One phase on this rank. Returns the phase's trace on the main process."""
     from sharddemo.audit import build_loader, id_reader, load_factory, set_epoch
     from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
-    from sharddemo.walk import agree_on_fingerprint, is_prepared, walk_epoch
+    from sharddemo.rank.describe import agree_on_fingerprint, is_prepared
+    from sharddemo.rank.walk import EpochWalker
 
     factory = load_factory(opts.target)
     accelerator = make_accelerator(device, opts.timeout)
@@ -90,19 +91,13 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
                              f"(state_dict); {opts.target} returns a {type(loader).__name__}: "
                              "prepare it (sharddemo sets use_stateful_dataloader) or return a "
                              "torchdata StatefulDataLoader")
-        records: list[Any] = []
-
-        def walk(epoch: int, source, max_steps: Optional[int] = None) -> None:
-            if opts.set_epoch:
-                set_epoch(loader, epoch)
-            try:
-                records.append(walk_epoch(accelerator, source, read_ids, epoch=epoch,
-                                          strategy=opts.gather, max_steps=max_steps))
-            except (UsageError, RunFailed):
-                raise
-            except Exception as exc:
-                raise RunFailed(f"{phase} launch, epoch {epoch}: {type(exc).__name__}: "
-                                f"{exc}") from exc
+        # (no N: the comparison needs every id, so `auto` never takes the count path)
+        walker = EpochWalker(accelerator, loader, read_ids, strategy=opts.gather,
+                             before_epoch=(lambda epoch: set_epoch(loader, epoch))
+                             if opts.set_epoch else None,
+                             failure=lambda epoch, exc: f"{phase} launch, epoch {epoch}: "
+                                                        f"{type(exc).__name__}: {exc}")
+        walk = walker.walk
 
         if phase == "stop":
             length = _length(loader)
@@ -111,8 +106,8 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
                                  f"has {length} steps per rank (0..{length - 1}); stop at an "
                                  f"earlier step, or at {plan.epoch + 1}:0 for the next epoch")
             for epoch in range(plan.epoch):
-                walk(epoch, loader)
-            walk(plan.epoch, loader, max_steps=plan.step)
+                walk(epoch)
+            walk(plan.epoch, max_steps=plan.step)
             _save(accelerator, loader, prepared, checkpoint)
         else:
             _load(accelerator, loader, prepared, checkpoint)
@@ -120,12 +115,12 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
                 walk(plan.epoch, accelerator.skip_first_batches(loader, plan.step)
                      if plan.step else loader)
             else:  # stateful: the loader continues by itself; restart: from the start
-                walk(plan.epoch, loader)
-            walk(plan.epoch + 1, loader)
+                walk(plan.epoch)
+            walk(plan.epoch + 1)
         if not accelerator.is_main_process:
             return None
         trace = {"phase": phase, "world_size": accelerator.num_processes,
-                 "epochs": [r.to_dict() for r in records]}
+                 "epochs": walker.records}
         if trace_out:
             write_trace(trace, trace_out)
         return trace
@@ -305,7 +300,7 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
 
     from sharddemo.sources import batch_ids
     from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
-    from sharddemo.walk import walk_epoch
+    from sharddemo.rank.walk import EpochWalker
 
     first = make_accelerator(device, opts.timeout)
     out: dict[str, Any] = {}
@@ -313,8 +308,8 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
     def read(batch, tag):
         return batch_ids(batch)
 
-    def walk(acc, source, epoch, max_steps=None):
-        return walk_epoch(acc, source, read, epoch=epoch, strategy="batch", max_steps=max_steps)
+    def walker(acc, loader) -> EpochWalker:
+        return EpochWalker(acc, loader, read, strategy="batch")
 
     def fresh():
         # Another Accelerator on the same process group: its own list of prepared loaders.
@@ -329,8 +324,10 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
                     acc = fresh()
                     loader = _demo_loader(acc, opts, workers, stateful)
                     steps = len(loader)
-                    out[f"w{workers}-{'stateful' if stateful else 'plain'}"] = [
-                        walk(acc, loader, epoch) for epoch in range(3)]
+                    walk = walker(acc, loader)
+                    for epoch in range(3):
+                        walk.walk(epoch)
+                    out[f"w{workers}-{'stateful' if stateful else 'plain'}"] = walk.records
         else:
             acc0 = fresh()
             steps = len(_demo_loader(acc0, opts, 0, False))
@@ -343,29 +340,27 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
                 stateful = sc["strategy"] == "stateful"
                 loader = _demo_loader(acc, opts, sc["workers"], stateful)
                 folder = os.path.join(checkpoint, f"scenario-{k}")
-                records = []
+                walk = walker(acc, loader)
                 if phase == "stop":
                     for epoch in range(sc["epoch"]):
-                        records.append(walk(acc, loader, epoch))
-                    records.append(walk(acc, loader, sc["epoch"], max_steps=sc["step"]))
+                        walk.walk(epoch)
+                    walk.walk(sc["epoch"], max_steps=sc["step"])
                     _save(acc, loader, True, folder)
                 else:
                     _load(acc, loader, True, folder)
                     if sc["strategy"] == "skip" and sc["step"]:
-                        records.append(walk(acc, acc.skip_first_batches(loader, sc["step"]),
-                                            sc["epoch"]))
+                        walk.walk(sc["epoch"], source=acc.skip_first_batches(loader, sc["step"]))
                     else:
-                        records.append(walk(acc, loader, sc["epoch"]))
-                    records.append(walk(acc, loader, sc["epoch"] + 1))
-                out[str(k)] = records
+                        walk.walk(sc["epoch"])
+                    walk.walk(sc["epoch"] + 1)
+                out[str(k)] = walk.records
         if not first.is_main_process:
             return None
         trace = {"phase": phase, "world_size": first.num_processes, "steps": steps,
                  "backend": getattr(first.state, "backend", None) or "none",
                  "distributed_type": first.state.distributed_type.value,
                  "device": first.device.type,
-                 "results": {key: [r.to_dict() for r in records]
-                             for key, records in out.items()}}
+                 "results": out}
         if trace_out:
             write_trace(trace, trace_out)
         return trace

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from sharddemo.walk import unshift
+from sharddemo.rank.ids import unshift
 
 
 class ToyDataset(Dataset):

@@ -25,10 +25,11 @@ import torch
 from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
 from sharddemo.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
+from sharddemo.options import (EXPECT_ENV, NODE_ENV, STATUS_ENV,
                                RunOptions, mode_description)
-from sharddemo.walk import (agree_on_fingerprint, choose_gather, describe_loader,
-                            progress_reporter, tag_batches, walk_epoch)
+from sharddemo.rank.describe import agree_on_fingerprint, describe_loader
+from sharddemo.rank.tagging import tag_batches
+from sharddemo.rank.walk import EpochWalker
 
 TRACE_SCHEMA = "sharddemo.trace/1"
 
@@ -138,27 +139,21 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     agreed = agree_on_fingerprint(accelerator, plan.loader, stop=False,
                                   description=description)
     tag_batches(plan.loader, record_indices=False)  # which worker made each batch
-    # once for all epochs: the exchange it takes is not repeated every epoch
-    how = choose_gather(accelerator, plan.loader, opts.gather, opts.dataset_size)
-    epochs = []
+
+    def failure(epoch: int, exc: BaseException) -> str:
+        done = ("" if not epoch else "; its epoch 0 completed" if epoch == 1
+                else f"; its epochs 0-{epoch - 1} completed")
+        return f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}"
+
+    walker = EpochWalker(accelerator, plan.loader, _source_ids, strategy=opts.gather,
+                         n=opts.dataset_size, label=mode, failure=failure,
+                         before_epoch=plan.sampler.set_epoch if plan.sampler is not None
+                         else None)
     for epoch in range(opts.epochs):
-        if plan.sampler is not None:
-            plan.sampler.set_epoch(epoch)
-        try:
-            record = walk_epoch(accelerator, plan.loader, _source_ids, epoch=epoch,
-                                strategy=how, n=opts.dataset_size,
-                                progress=progress_reporter(accelerator, f"{mode}:epoch{epoch}",
-                                                           PROGRESS_ENV))
-        except (UsageError, RunFailed):
-            raise
-        except Exception as exc:
-            done = ("" if not epoch else "; its epoch 0 completed" if epoch == 1
-                    else f"; its epochs 0-{epoch - 1} completed")
-            raise RunFailed(f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}") from exc
-        if record is not None:
-            epochs.append(record if isinstance(record, dict) else record.to_dict())
-            if on_epoch is not None:
-                on_epoch(epochs[-1])
+        record = walker.walk(epoch)
+        if record is not None and on_epoch is not None:
+            on_epoch(record)
+    epochs = walker.records
     if not accelerator.is_main_process:
         return {}
     out = {"description": mode_description(mode, opts.shuffle, opts.source),

@@ -51,7 +51,7 @@ def settings(trainer) -> dict:
 def trainer_loaders(accelerator, factory, opts) -> list[Audited]:
     from transformers import Trainer
 
-    from sharddemo.audit import tagging_prepare
+    from sharddemo.rank.tagging import tagging_prepare
 
     trainer = call_factory(factory, opts.target)
     if not isinstance(trainer, Trainer):

@@ -23,13 +23,12 @@ duplicated ids and their totals. Memory: the counter (N bytes) on every rank, an
 ranks on the wider code beside it (options.counter_bytes), plus what the loader itself holds
 (a DistributedSampler keeps its whole index list).
 
-Every rank calls `walk_and_count` together (it is a collective), as `walk_epoch` is called.
+Every rank calls `Counts.finish` together (it is a collective); rank.recorder.Recorder feeds it.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -38,15 +37,20 @@ import xxhash
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
+from sharddemo.rank.describe import index_domain, is_prepared
+from sharddemo.rank.ids import unshift
 from sharddemo.record import LIST_CAP, loader_share
-from sharddemo.walk import is_prepared, unshift
 
 # First and last batches each rank keeps in full (at least; one per DataLoader worker where
 # there are more workers, so that every worker's first and last batch is kept).
 KEEP_BATCHES = 3
+
+
 # Counters are recoded, reduced and read this many samples at a time (no temporary of N
 # elements, and a bounded copy where the code goes wider than it is or to a device).
 CHUNK = 1 << 22
+
+
 # A rank may receive one sample at most this many times in an epoch (the uint8 counter).
 MAX_COPIES = 255
 
@@ -55,130 +59,132 @@ class TooManyCopies(RuntimeError):
     pass
 
 
-def walk_and_count(accelerator, loader, read, *, epoch: int, n: int, progress=None,
-                   max_steps: Optional[int] = None, safe_len=None) -> Optional[dict]:
-    """Walk one epoch of `loader` on this rank and count it (see the module). `read(batch)`
-    -> (values tensor, worker, shift): the batch's ids are values - shift, subtracted here a
-    flush at a time. Returns the counted record on the main process, None elsewhere."""
-    counts = np.zeros(max(int(n), 1), dtype=np.uint8)
-    counter = torch.from_numpy(counts)  # the same memory: torch's index_add_ counts fast
-    ones = torch.ones(1, dtype=torch.uint8)
-    state = _Running(counter, ones, n)
-    sizes: list[list[int]] = []  # run-length: [size, times]
-    made: dict[int, list[int]] = {}  # worker -> [batches, samples]
-    keep = max(KEEP_BATCHES, int(getattr(loader, "num_workers", 0) or 0))
-    head: list[tuple[torch.Tensor, int]] = []  # (ids, the worker that made the batch)
-    tail: collections.deque = collections.deque(maxlen=keep)
-    pending: list[torch.Tensor] = []  # values, all with the shift `shift_now`
-    pending_ids, shift_now = 0, 0
-    samples = 0
-    steps = 0
-    # The current run of equal batch sizes and of batches from one worker, in locals (a
-    # batch's bookkeeping is a few additions; the runs are stored when they end).
-    size_now, size_run = -1, 0
-    worker_now, worker_batches, worker_samples = None, 0, 0
-    total = safe_len(loader) if safe_len else None
-    iterator = iter(loader)
-    if max_steps is not None:
-        iterator = itertools.islice(iterator, max_steps)  # takes no batch past max_steps
-    # Per batch only bookkeeping; the ids are counted, hashed and checked FLUSH_IDS at a time
-    # (one index_add_, one hash update, one comparison), which is what keeps the walk close
-    # to the bare loop's speed.
-    for batch in iterator:
-        ids, worker, shift = read(batch)
+class Counts:
+    """The count path's log of one epoch on this rank (see the module): fed batch after batch
+    by a Recorder, then `finish` exchanges it (a collective) and returns the counted record on
+    the main process. Per batch only bookkeeping; the ids are counted, hashed and checked
+    FLUSH_IDS at a time (one index_add_, one hash update, one comparison), which is what keeps
+    the walk close to the bare loop's speed."""
+
+    def __init__(self, n: int, keep: int = KEEP_BATCHES) -> None:
+        self.n = int(n)
+        self.counts = np.zeros(max(self.n, 1), dtype=np.uint8)
+        # the same memory: torch's index_add_ counts fast
+        self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
+                              self.n)
+        self.keep = keep
+        self.sizes: list[list[int]] = []  # run-length: [size, times]
+        self.made: dict[int, list[int]] = {}  # worker -> [batches, samples]
+        self.head: list[tuple[torch.Tensor, int]] = []  # (ids, the worker that made the batch)
+        self.tail: collections.deque = collections.deque(maxlen=keep)
+        self.pending: list[torch.Tensor] = []  # values, all with the shift `shift_now`
+        self.pending_ids = self.shift_now = 0
+        self.samples = self.steps = 0
+        # The current run of equal batch sizes and of batches from one worker (a batch's
+        # bookkeeping is a few additions; the runs are stored when they end).
+        self.size_now, self.size_run = -1, 0
+        self.worker_now, self.worker_batches, self.worker_samples = None, 0, 0
+
+    def add(self, ids: torch.Tensor, worker: int, shift: int) -> None:
+        """One batch: its ids are `ids` - `shift`, made by `worker`."""
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         if ids.dtype is not torch.int64 or not ids.is_cpu:
             ids = ids.to("cpu", torch.int64)
         size = ids.shape[0]
-        if size == size_now:
-            size_run += 1
+        if size == self.size_now:
+            self.size_run += 1
         else:
-            if size_run:
-                sizes.append([size_now, size_run])
-            size_now, size_run = size, 1
-        if worker == worker_now:
-            worker_batches += 1
-            worker_samples += size
+            if self.size_run:
+                self.sizes.append([self.size_now, self.size_run])
+            self.size_now, self.size_run = size, 1
+        if worker == self.worker_now:
+            self.worker_batches += 1
+            self.worker_samples += size
         else:
-            if worker_batches:
-                _add_made(made, worker_now, worker_batches, worker_samples)
-            worker_now, worker_batches, worker_samples = worker, 1, size
-        if shift != shift_now:  # a reader that changes its shift: flush under the old one
-            state.add(pending, shift_now)
-            pending, pending_ids, shift_now = [], 0, shift
-        if steps < keep:
-            head.append((unshift(ids, shift), worker))
+            if self.worker_batches:
+                _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
+            self.worker_now, self.worker_batches, self.worker_samples = worker, 1, size
+        if shift != self.shift_now:  # a reader that changes its shift: flush under the old one
+            self.state.add(self.pending, self.shift_now)
+            self.pending, self.pending_ids, self.shift_now = [], 0, shift
+        if self.steps < self.keep:
+            self.head.append((unshift(ids, shift), worker))
         else:
-            tail.append((ids, shift, worker))
-        pending.append(ids)
-        pending_ids += size
-        if pending_ids >= FLUSH_IDS:
-            state.add(pending, shift_now)
-            pending, pending_ids = [], 0
-        samples += size
-        steps += 1
-        if progress is not None:
-            progress(steps, total, samples)
-    if size_run:
-        sizes.append([size_now, size_run])
-    if worker_batches:
-        _add_made(made, worker_now, worker_batches, worker_samples)
-    state.add(pending, shift_now)
-    del pending
-    order, ascending = state.order, state.ascending
-    outside, outside_total = state.outside, state.outside_total
-    head = [(t.tolist(), worker) for t, worker in head]
-    tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in tail]
-    inside_total = samples - outside_total
-    distinct = int(np.count_nonzero(counts))
-    # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
-    # sum is `distinct` and nothing repeats (a max and a count, 0.1 ms at 10^6, instead of a
-    # sum and a scan).
-    once = int(counts.max()) <= 1
-    # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
-    wrapped = (distinct if once else int(counts.sum(dtype=np.int64))) != inside_total
-    # The ids this rank received more than once: how many, and the first LIST_CAP (a chunk at
-    # a time: no N-sized temporary, and no N-sized index list where a loader replicates).
-    repeats_total, repeats = 0, []
-    for lo in range(0, 0 if once else counts.size, CHUNK):
-        hit = np.flatnonzero(counts[lo:lo + CHUNK] > 1)
-        repeats_total += int(hit.size)
-        if len(repeats) < LIST_CAP:
-            repeats += (hit[:LIST_CAP - len(repeats)] + lo).tolist()
-    # Per-rank detail, gathered ragged: sizes (RLE), workers, head, tail, repeats, outside,
-    # the order hash. Its length travels with the other figures: one exchange, not two.
-    mine = _pack(sizes, made, head, tail, repeats, counts[repeats],
-                 sorted(outside)[:LIST_CAP], order.digest())
-    # One reduce (sum) of a code per sample onto the main process: ranks that received it
-    # (low part) and ranks that received it more than once (high part); see code_layout.
-    # Started first, so that it runs while the two small exchanges below go on; from here
-    # on `counts` is the reduce's until reduced() returns.
-    world = accelerator.num_processes
-    code, shift = encode(counts, world)
-    reduced = reduce_to_main(accelerator, code) if world > 1 else (lambda: None)
-    heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total, distinct,
-                                        outside_total, len(sizes), len(made), _remainder(loader),
-                                        int(ascending), int(mine.numel())])
-    if any(h[0] for h in heads):
-        reduced()  # every rank started it: finished, not left in flight
-        bad = [r for r, h in enumerate(heads) if h[0]]
-        raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} times in "
-                            f"epoch {epoch}: too many for the count path; use --gather epoch")
-    parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
-    reduced()
-    if not accelerator.is_main_process:
-        return None
-    ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
-    record = _summarise(epoch, code[:n], shift, ranks)
-    from sharddemo.walk import index_domain
+            self.tail.append((ids, shift, worker))
+        self.pending.append(ids)
+        self.pending_ids += size
+        if self.pending_ids >= FLUSH_IDS:
+            self.state.add(self.pending, self.shift_now)
+            self.pending, self.pending_ids = [], 0
+        self.samples += size
+        self.steps += 1
 
-    # (gather_for_metrics is accelerate's: only a prepared loader has one to check)
-    share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
-    record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks, record["coverage"],
-                                                     n, share)
-    return record
+    def finish(self, accelerator, loader, epoch: int) -> Optional[dict]:
+        """The epoch's end, a collective: every rank's counter reduced onto the main process and
+        its detail gathered. The counted record on the main process, None elsewhere."""
+        n, counts, state = self.n, self.counts, self.state
+        if self.size_run:
+            self.sizes.append([self.size_now, self.size_run])
+        if self.worker_batches:
+            _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
+        state.add(self.pending, self.shift_now)
+        self.pending = []
+        samples, steps, sizes, made = self.samples, self.steps, self.sizes, self.made
+        order, ascending = state.order, state.ascending
+        outside, outside_total = state.outside, state.outside_total
+        head = [(t.tolist(), worker) for t, worker in self.head]
+        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        inside_total = samples - outside_total
+        distinct = int(np.count_nonzero(counts))
+        # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
+        # sum is `distinct` and nothing repeats (a max and a count, 0.1 ms at 10^6, instead of
+        # a sum and a scan).
+        once = int(counts.max()) <= 1
+        # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
+        wrapped = (distinct if once else int(counts.sum(dtype=np.int64))) != inside_total
+        # The ids this rank received more than once: how many, and the first LIST_CAP (a chunk
+        # at a time: no N-sized temporary, and no N-sized index list where a loader
+        # replicates).
+        repeats_total, repeats = 0, []
+        for lo in range(0, 0 if once else counts.size, CHUNK):
+            hit = np.flatnonzero(counts[lo:lo + CHUNK] > 1)
+            repeats_total += int(hit.size)
+            if len(repeats) < LIST_CAP:
+                repeats += (hit[:LIST_CAP - len(repeats)] + lo).tolist()
+        # Per-rank detail, gathered ragged: sizes (RLE), workers, head, tail, repeats, outside,
+        # the order hash. Its length travels with the other figures: one exchange, not two.
+        mine = _pack(sizes, made, head, tail, repeats, counts[repeats],
+                     sorted(outside)[:LIST_CAP], order.digest())
+        # One reduce (sum) of a code per sample onto the main process: ranks that received it
+        # (low part) and ranks that received it more than once (high part); see code_layout.
+        # Started first, so that it runs while the two small exchanges below go on; from here
+        # on `counts` is the reduce's until reduced() returns.
+        world = accelerator.num_processes
+        code, shift = encode(counts, world)
+        reduced = reduce_to_main(accelerator, code) if world > 1 else (lambda: None)
+        heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total,
+                                            distinct, outside_total, len(sizes), len(made),
+                                            _remainder(loader), int(ascending),
+                                            int(mine.numel())])
+        if any(h[0] for h in heads):
+            reduced()  # every rank started it: finished, not left in flight
+            bad = [r for r, h in enumerate(heads) if h[0]]
+            raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} "
+                                f"times in epoch {epoch}: too many for the count path; use "
+                                "--gather epoch")
+        parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
+        reduced()
+        if not accelerator.is_main_process:
+            return None
+        ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
+        record = _summarise(epoch, code[:n], shift, ranks)
+        # (gather_for_metrics is accelerate's: only a prepared loader has one to check)
+        share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
+        record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks,
+                                                         record["coverage"], n, share)
+        return record
 
 
 def code_layout(world: int) -> tuple[int, type]:
@@ -335,7 +341,7 @@ class _Running:
 
 
 def _remainder(loader) -> int:
-    if not is_prepared(loader):
+    if loader is None or not is_prepared(loader):
         return -2
     value = getattr(loader, "remainder", -1)
     return -1 if value is None else int(value)

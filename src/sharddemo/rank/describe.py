@@ -1,118 +1,15 @@
-"""Drive any loader on a rank exactly as a training loop does and record the ids it yields.
-
-The public interface, used by `sharddemo run`/`compare` (script.py) and `audit` alike:
-
-    record = walk_epoch(accelerator, loader, read_ids, epoch=0, strategy="auto")
-
-On the main process `record` is the epoch as every rank saw it (plain data, see
-`EpochRecord`); elsewhere it is None. Two ways to move the ids, chosen identically on every
-rank from exchanged loader lengths:
-
-- per batch (the reference's way, and what a training loop does): every step, each rank says
-  whether it still has a batch and how long it is, then the batch goes through
-  `accelerator.gather` (padded to the longest, trimmed back) and, for prepared loaders,
-  through `accelerator.gather_for_metrics` as well. The ranks walk in lockstep until EVERY
-  rank is exhausted, so a rank with fewer steps keeps answering with "no batch" instead of
-  leaving its peers in a collective it never joins. Where a training loop would hang (one rank
-  out of batches while another still steps) this is recorded, not suffered.
-- per epoch (large runs): each rank keeps its ids and one ragged gather brings them over at
-  the end; gloo's per-call cost would otherwise dominate a toy step.
-
-Recording never changes what the loader yields: `read_ids` only reads a batch.
-"""
+"""What a loader is made of, read from its objects without iterating it: the classes along
+loader -> batch sampler -> sampler -> dataset, the settings that decide what a rank receives
+(describe_loader), the ids it can deal (index_domain), and the fingerprint every rank must
+agree on before anything is walked (agree_on_fingerprint)."""
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import xxhash
-
-from sharddemo.collect import collective, exchange_ints, gather_ragged, narrowest_dtype
-
-# Up to this many steps per rank and epoch, every batch is gathered as it comes. Beyond it,
-# ids stay on the rank and are gathered once at the end of the epoch: a small gather costs
-# 0.3-1.5 ms on gloo here, more than a whole step of a toy loader (docs/benchmarks.md).
-PER_BATCH_GATHER_LIMIT = 100
-
-Progress = Callable[..., None]  # (step, total, samples, scope): see progress_reporter
-# read_ids(batch, tag) -> the batch's 0-based ids: `batch` is the loader's own batch, `tag` what
-# sharddemo attached to it (see tag_batches below; None when untagged). It may instead return
-# (values, shift), the ids being values - shift (sources.batch_values: the toy sources hold
-# id + 1); the walk then subtracts where it is cheapest (the count path: once per flush).
-ReadIds = Callable[[Any, Optional[dict]], Any]
-UNKNOWN_WORKER = -2
-
-
-def unshift(values: torch.Tensor, shift: int) -> torch.Tensor:
-    """The ids held as `values` = ids + shift (ReadIds): values - shift, or `values` itself
-    (no copy) where the shift is 0."""
-    return values - shift if shift else values
-
-
-def _read(read_ids: ReadIds, batch, known: Optional[int] = None) -> tuple[torch.Tensor, int]:
-    """(the batch's 0-based ids, the worker that made it)."""
-    values, worker, shift = _read_values(read_ids, batch, known)
-    return unshift(values, shift), worker
-
-
-def _read_values(read_ids: ReadIds, batch,
-                 known: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
-    """(values, the worker that made the batch, shift): its ids are values - shift. `known`:
-    the worker of every batch where the loader says it (known_worker); else read from the
-    batch's tag (a few microseconds a batch), UNKNOWN_WORKER without one."""
-    inner, tag = unwrap(batch)
-    got = read_ids(inner, tag)
-    values, shift = got if type(got) is tuple else (got, 0)
-    if known is not None:
-        return values, known, shift
-    worker = UNKNOWN_WORKER
-    if tag is not None and len(tag["worker"]):
-        worker = int(tag["worker"][0])
-    return values, worker, shift
-
-
-def known_worker(loader) -> Optional[int]:
-    """MAIN_PROCESS where the loader's torch DataLoader has no worker processes: the process
-    that iterates it makes every batch (with dispatch_batches, rank 0's main process makes
-    them all), so no batch needs a tag to say so. None where workers make them (or the
-    loader is not a DataLoader): each batch's tag says which."""
-    workers = getattr(base_loader(loader), "num_workers", None)
-    return MAIN_PROCESS if workers == 0 else None
-
-
-@dataclass
-class EpochRecord:
-    """One epoch as every rank saw it, on the main process.
-
-    `ranks[r]` is rank r's batches, each a list of ids, in the order it received them.
-    `for_metrics` is what `accelerator.gather_for_metrics` returned, step after step, on a
-    prepared loader walked per batch (None: not called, or not reachable because a rank ran
-    out of batches first). `remainder[r]` is accelerate's `gradient_state.remainder` for rank
-    r's prepared loader (None when not prepared): what gather_for_metrics keeps of the last
-    step, read from accelerate rather than computed here.
-    """
-
-    epoch: int
-    gather: str  # "batch" or "epoch"
-    ranks: list[list[list[int]]]
-    for_metrics: Optional[list[int]] = None
-    remainder: list[Optional[int]] = field(default_factory=list)
-    # workers[r][k]: the DataLoader worker that made rank r's batch k (-1: the main process,
-    # -2: not known, the loader's batches could not be tagged).
-    workers: list[list[int]] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "gather": self.gather,
-                "ranks": [{"rank": r, "batches": b, "workers": w}
-                          for r, (b, w) in enumerate(zip(self.ranks, self.workers))],
-                "gathered_for_metrics": self.for_metrics, "remainder": self.remainder}
-
 
 def safe_len(loader) -> Optional[int]:
     try:
@@ -126,192 +23,9 @@ def is_prepared(loader) -> bool:
     return hasattr(loader, "gradient_state") and hasattr(loader, "end_of_dataloader")
 
 
-def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -> str:
-    """`batch`, `epoch` or `count`, the same on every rank (for `auto` a collective: the
-    lengths are exchanged). auto: counted from COUNT_FROM samples on, where every rank knows
-    the same dataset length, however few the steps (a few huge batches of a large dataset
-    gathered as they came would put every id on the main process, which the count path
-    exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps per rank; else once
-    per epoch. `count` without a known length falls back to `epoch`. Callers that walk one
-    loader for several epochs choose once, before the first: every strategy reports an epoch
-    right (only its cost and how much it lists differ), so a loader whose length changes
-    between epochs is still reported right."""
-    from sharddemo.options import COUNT_FROM
-
-    if strategy == "batch" or strategy == "epoch":
-        return strategy
-    if strategy == "count":
-        return "count" if n is not None else "epoch"
-    length = safe_len(loader)
-    rows = exchange_ints(accelerator, [-1 if length is None else length, -1 if n is None else n])
-    if n is not None and n >= COUNT_FROM and all(row[1] == n for row in rows):
-        return "count"
-    lengths = [row[0] for row in rows]
-    if all(k >= 0 for k in lengths) and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT:
-        return "batch"
-    return "epoch"
-
-
-def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
-               strategy: str = "auto", progress: Optional[Progress] = None,
-               max_steps: Optional[int] = None, n: Optional[int] = None):
-    """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
-    `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
-    (the loader is left where it stopped). `n`: the dataset's length where known (ids are
-    0..n-1), which the count path needs. Returns an EpochRecord, or for the count path a
-    counted record (a dict, see counting.py), on the main process; None elsewhere."""
-    how = choose_gather(accelerator, loader, strategy, n)
-    known = known_worker(loader)
-    if how == "count":
-        from sharddemo.counting import walk_and_count
-
-        return walk_and_count(accelerator, loader,
-                              lambda batch: _read_values(read_ids, batch, known),
-                              epoch=epoch, n=int(n), progress=progress, max_steps=max_steps,
-                              safe_len=safe_len)
-    if how == "batch":
-        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps, known)
-    return _walk_then_gather(accelerator, loader, read_ids, epoch, progress, max_steps, known)
-
-
-_END = object()
-
-
-def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
-                    max_steps: Optional[int] = None,
-                    known: Optional[int] = None) -> Optional[EpochRecord]:
-    main = accelerator.is_main_process
-    world = accelerator.num_processes
-    prepared = is_prepared(loader)
-    total = safe_len(loader)
-    ranks: list[list[list[int]]] = [[] for _ in range(world)]
-    workers: list[list[int]] = [[] for _ in range(world)]
-    for_metrics: Optional[list[int]] = [] if prepared else None
-    iterator = iter(loader)
-    alive, step, received = True, 0, 0
-    while True:
-        if max_steps is not None and step >= max_steps:
-            alive = False
-        batch = next(iterator, _END) if alive else _END
-        alive = batch is not _END
-        ids, worker = (_read(read_ids, batch, known) if alive
-                       else (torch.empty(0, dtype=torch.int64), UNKNOWN_WORKER))
-        heads = exchange_ints(accelerator, [int(alive), ids.numel(), worker])
-        has = [h[0] for h in heads]
-        if not any(has):
-            break
-        received += sum(h[1] for h in heads)
-        sizes = [h[1] for h in heads]
-        parts = gather_ragged(accelerator, ids, sizes)  # accelerator.gather, padded + trimmed
-        if main:
-            for r in range(world):
-                if has[r]:
-                    ranks[r].append(parts[r].tolist())
-                    workers[r].append(heads[r][2])
-        if for_metrics is not None:
-            if all(has):
-                got = _gather_for_metrics(accelerator, ids, sizes)
-                if main:
-                    for_metrics.extend(got)
-            else:
-                # A training loop would hang here: this rank's gather_for_metrics (or its
-                # backward's all-reduce) would wait for ranks that have left the loop.
-                for_metrics = None
-        step += 1
-        if progress is not None and alive:
-            progress(step, total, received, "all")
-    remainders = _remainders(accelerator, loader) if prepared else [None] * world
-    if not main:
-        return None
-    return EpochRecord(epoch, "batch", ranks, for_metrics, remainders, workers)
-
-
-def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> list[int]:
-    """accelerate's own gather_for_metrics on this step's batch, called as a user would:
-    tensors when every rank's batch has the same shape, objects (`use_gather_object`) when
-    they differ, since a tensor gather of unequal shapes aborts on gloo."""
-    if max(sizes) == 0:
-        return []
-    if len(set(sizes)) == 1:
-        got = collective(accelerator.gather_for_metrics, ids.to(accelerator.device))
-        return got.to("cpu").tolist()
-    got = collective(accelerator.gather_for_metrics, ids.tolist(), use_gather_object=True)
-    return [int(i) for i in got]
-
-
-def _remainders(accelerator, loader) -> list[Optional[int]]:
-    """Every rank's `remainder` (accelerate's count of real samples in the last global batch;
-    -1 when it does not know). A collective."""
-    mine = getattr(loader, "remainder", -1)
-    mine = -1 if mine is None else int(mine)
-    return [row[0] for row in exchange_ints(accelerator, [mine])]
-
-
-def _walk_then_gather(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
-                      max_steps: Optional[int] = None,
-                      known: Optional[int] = None) -> Optional[EpochRecord]:
-    local: list[torch.Tensor] = []
-    made_by: list[int] = []
-    total = safe_len(loader)
-    received = 0
-    iterator = iter(loader)
-    while max_steps is None or len(local) < max_steps:  # never fetch past a stop
-        batch = next(iterator, _END)
-        if batch is _END:
-            break
-        ids, worker = _read(read_ids, batch, known)
-        local.append(ids)
-        made_by.append(worker)
-        received += ids.numel()
-        if progress is not None:
-            progress(len(local), total, received)
-    prepared = is_prepared(loader)
-    remainder = int(getattr(loader, "remainder", -1)) if prepared else -2
-    ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
-    top = int(ids.abs().max()) if ids.numel() else 0
-    heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder])
-    # One tensor per rank: the batch sizes, the batches' workers, then the ids. int32 when
-    # every id fits.
-    dtype = narrowest_dtype(max(h[2] for h in heads))
-    sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
-    packed = torch.cat([sizes, torch.tensor(made_by, dtype=torch.int64), ids]).to(dtype)
-    parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads])
-    if not accelerator.is_main_process:
-        return None
-    ranks, workers = [], []
-    for (n_batches, _, _, _), part in zip(heads, parts):
-        part = part.to(torch.int64)
-        cuts = part[:n_batches].tolist()
-        workers.append(part[n_batches:2 * n_batches].tolist())
-        flat = part[2 * n_batches:].tolist()
-        batches, start = [], 0
-        for size in cuts:
-            batches.append(flat[start:start + size])
-            start += size
-        ranks.append(batches)
-    remainders = [None if h[3] == -2 else h[3] for h in heads]
-    return EpochRecord(epoch, "epoch", ranks, None, remainders, workers)
-
-
-def progress_reporter(accelerator, label: str,
-                      env_var: str = "SHARDDEMO_PROGRESS") -> Optional[Progress]:
-    """On the main rank, when the launcher asked for it (`env_var` = 1): a line on stdout at
-    most twice a second, `sharddemo-progress LABEL STEP TOTAL SAMPLES SCOPE`, turned into one
-    bar there. SAMPLES counts what every rank received so far (SCOPE `all`, known where the
-    walk exchanges each batch's size) or what the main rank received (`rank0`)."""
-    if not accelerator.is_main_process or os.environ.get(env_var) != "1":
-        return None
-    last = [0.0]
-
-    def report(step: int, total: Optional[int], samples: int = 0, scope: str = "rank0") -> None:
-        now = time.monotonic()
-        if now - last[0] >= 0.5:
-            last[0] = now
-            sys.stdout.write(f"sharddemo-progress {label} {step} {total or '?'} {samples} "
-                             f"{scope}\n")
-            sys.stdout.flush()
-
-    return report
+def base_loader(loader):
+    """The torch DataLoader inside accelerate's wrappers (they delegate to base_dataloader)."""
+    return getattr(loader, "__dict__", {}).get("base_dataloader", loader)
 
 
 def describe_loader(loader) -> dict:
@@ -472,7 +186,7 @@ def under_subsets(dataset) -> tuple[Any, list]:
     indices, outermost first)."""
     chain = []
     for _ in range(16):
-        if isinstance(dataset, IndexedDataset):
+        if getattr(type(dataset), "notes_indices", False):  # rank.tagging.IndexedDataset
             dataset = dataset._inner
         elif isinstance(dataset, torch.utils.data.Subset):
             chain.append(dataset.indices)
@@ -546,21 +260,6 @@ def _wrapped_sampler(sampler):
             except TypeError:
                 return None
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Provenance: which indices each batch was made of, and which DataLoader worker made it.
-#
-# A DataLoader fetches a batch's samples and collates them in one process: the main process
-# with num_workers=0, else one worker. So sharddemo wraps, in the rank process and before any
-# worker starts, (1) the dataset, to note each index it is asked for, and (2) the collate
-# function, which runs right after in the same process, to attach those indices and the worker
-# id to the batch. The loader still draws the same indices in the same order (nothing consumes
-# an RNG), and only the walk sees the wrapped batch: `unwrap` gives back the user's batch.
-# Batches sliced by accelerate (dispatch_batches) carry per-sample tags, so slices stay right.
-
-TAG = "__sharddemo__"
-MAIN_PROCESS = -1  # the worker id of a batch made without workers
 
 
 def hf_rows(dataset):
@@ -638,115 +337,6 @@ def _plain(value, depth: int = 0) -> bool:
     if value is None or type(value) in (int, float, bool, str, bytes):
         return True
     return depth == 0 and type(value) is tuple and all(_plain(v, 1) for v in value)
-
-
-class IndexedDataset(torch.utils.data.Dataset):
-    """Stands in for a map-style dataset: returns what it returns, and notes each index (the
-    table row, for a datasets.Dataset view with an indices mapping: hf_rows)."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self._rows = hf_rows(inner)
-        self._fetched: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getitem__(self, index):
-        if isinstance(index, (list, tuple)) or getattr(index, "ndim", 0):
-            # a batch of indices in one call: a DataLoader with batch_size=None over a
-            # sampler that yields lists (a BatchSampler as `sampler`), the dataset fetching
-            # the whole batch at once
-            rows = self._rows
-            self._fetched.extend(int(i) if rows is None else int(rows[i]) for i in index)
-        else:
-            self._fetched.append(int(index) if self._rows is None else int(self._rows[index]))
-        return self._inner[index]
-
-    def __getitems__(self, indices):
-        rows = self._rows
-        self._fetched.extend(int(i) if rows is None else int(rows[i]) for i in indices)
-        batched = getattr(self._inner, "__getitems__", None)
-        return batched(indices) if batched else [self._inner[i] for i in indices]
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["_inner"], name)
-
-    def take(self) -> list[int]:
-        out, self._fetched = self._fetched, []
-        return out
-
-
-class TaggingCollate:
-    """Wraps a collate function: the user's batch plus, per sample, its worker and (for an
-    IndexedDataset) its index."""
-
-    def __init__(self, inner: Callable, indexed: Optional[IndexedDataset],
-                 auto: bool = True) -> None:
-        self.inner = inner
-        self.indexed = indexed
-        # auto-collation (a batch_size or batch_sampler): `samples` is the list of samples;
-        # without it (batch_size=None) it is what one fetch returned, a sample or a batch
-        self.auto = auto
-
-    def __call__(self, samples):
-        batch = self.inner(samples)
-        info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else MAIN_PROCESS
-        indices = self.indexed.take() if self.indexed is not None else None
-        n = len(samples) if self.auto else (len(indices) if indices else 1)
-        tag = {"worker": torch.full((n,), worker, dtype=torch.int64)}
-        if indices is not None and len(indices) == n:
-            tag["index"] = torch.tensor(indices, dtype=torch.int64)
-        return {"batch": batch, TAG: tag}
-
-
-def base_loader(loader):
-    """The torch DataLoader inside accelerate's wrappers (they delegate to base_dataloader)."""
-    return getattr(loader, "__dict__", {}).get("base_dataloader", loader)
-
-
-def tag_batches(loader, record_indices: bool) -> bool:
-    """Make every batch of `loader` carry its worker id (and, for map-style datasets when
-    `record_indices`, the indices fetched). False when the loader is not a DataLoader whose
-    collate function can be wrapped (the walk then reads batches as they are), and when there
-    is nothing to record: no indices asked for and no workers (the walk knows the main
-    process made every batch, known_worker). A tag costs a tensor and a dict per batch, which
-    accelerate's send_to_device then walks through, and reading it back a few microseconds:
-    on a toy loader as much as the rest of the walk."""
-    if not record_indices and known_worker(loader) == MAIN_PROCESS:
-        return False
-    base = base_loader(loader)
-    collate = getattr(base, "collate_fn", None)
-    if collate is None or isinstance(collate, TaggingCollate) or not hasattr(base, "dataset"):
-        return False
-    if getattr(base, "_iterator", None) is not None:
-        return False  # an iterator (and its workers) already runs with the loader as it was
-    indexed = None
-    dataset = base.dataset
-    if record_indices and not isinstance(dataset, torch.utils.data.IterableDataset) \
-            and hasattr(dataset, "__getitem__"):
-        # Indices into a Subset are not sample ids: note them where the Subset (or a chain of
-        # them) asks its own dataset, so the ids are the root dataset's indices.
-        holder, attr = base, "dataset"
-        while isinstance(getattr(holder, attr), torch.utils.data.Subset):
-            holder, attr = getattr(holder, attr), "dataset"
-        indexed = IndexedDataset(getattr(holder, attr))
-        # DataLoader refuses to have its dataset set after construction: set it underneath.
-        object.__setattr__(holder, attr, indexed)
-    base.collate_fn = TaggingCollate(collate, indexed, getattr(base, "_auto_collation", True))
-    return True
-
-
-def is_tagged(loader) -> bool:
-    return isinstance(getattr(base_loader(loader), "collate_fn", None), TaggingCollate)
-
-
-def unwrap(batch) -> tuple[Any, Optional[dict]]:
-    """A tagged batch -> (the user's batch, its tag); an untagged one -> (batch, None)."""
-    if isinstance(batch, dict) and TAG in batch and "batch" in batch:
-        return batch["batch"], batch[TAG]
-    return batch, None
 
 
 # ---------------------------------------------------------------------------------------------

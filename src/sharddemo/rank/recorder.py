@@ -1,0 +1,159 @@
+"""The recorder: what a loader hands the training loop on this rank, recorded as the loop
+iterates it, and exchanged once at the end of each epoch.
+
+    recorder = Recorder(accelerator, read_ids, n=len(dataset), how="count", loader=loader)
+    for batch in loader:
+        recorder.add(batch)        # local: no collective, no host sync beyond reading the ids
+        ...                        # the training step
+    record = recorder.finish(epoch)   # a collective: every rank calls it once per epoch
+
+`record` is the epoch as every rank saw it, on the main process (None elsewhere), in the shape
+sharddemo.record describes and sharddemo.analysis reads:
+
+- `how="epoch"` keeps every id this rank received (an IdLog) and one ragged gather brings them
+  to the main process: each rank's batches, whole;
+- `how="count"` keeps one byte per sample (rank.counting.Counts) and one reduce sums the
+  counts on the main process: coverage, repeats, each rank's order hash, steps, batch sizes,
+  workers and its first and last batches, at any N.
+
+Two ranks, N = 8, a DistributedSampler (shuffle=False) and batches of 2: rank 0 adds [0, 2]
+and [4, 6], rank 1 adds [1, 3] and [5, 7]; `finish(0)` on the main process returns, with
+`how="epoch"`, `ranks` = [[[0, 2], [4, 6]], [[1, 3], [5, 7]]] (rank.walk.walk_epoch walks a
+loader this way for `compare`, `audit` and the resume audit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
+from sharddemo.rank.counting import KEEP_BATCHES, Counts
+from sharddemo.rank.describe import base_loader, is_prepared
+from sharddemo.rank.ids import ReadIds, read_values, unshift
+from sharddemo.rank.tagging import known_worker
+
+
+def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
+                 workers: list[list[int]], remainders: list[Optional[int]],
+                 for_metrics: Optional[list[int]] = None) -> dict:
+    """An id record (sharddemo.record): `ranks[r]` rank r's batches, `workers[r][k]` the
+    DataLoader worker that made rank r's batch k (-1: the main process, -2: not known),
+    `remainders[r]` accelerate's `gradient_state.remainder` for rank r's prepared loader (None
+    when not prepared), `for_metrics` what gather_for_metrics returned step after step (None:
+    not called, or no loop could reach the last step)."""
+    return {"epoch": epoch, "gather": gather,
+            "ranks": [{"rank": r, "batches": b, "workers": w}
+                      for r, (b, w) in enumerate(zip(ranks, workers))],
+            "gathered_for_metrics": for_metrics, "remainder": remainders}
+
+
+class IdLog:
+    """Every id of one epoch on this rank, batch by batch, and the worker of each batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.workers: list[int] = []
+        self.samples = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.batches)
+
+    def add(self, values: torch.Tensor, worker: int, shift: int) -> None:
+        ids = unshift(values, shift)
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
+        self.batches.append(ids.to("cpu", torch.int64))
+        self.workers.append(worker)
+        self.samples += ids.numel()
+
+    def finish(self, accelerator, loader, epoch: int) -> Optional[dict]:
+        """A collective: the lengths exchanged, then one ragged gather of one tensor per rank
+        (the batch sizes, the batches' workers, then the ids; int32 when every id fits)."""
+        local = self.batches
+        remainder = -2
+        if loader is not None and is_prepared(loader):
+            remainder = getattr(loader, "remainder", -1)
+            remainder = -1 if remainder is None else int(remainder)
+        ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
+        top = int(ids.abs().max()) if ids.numel() else 0
+        heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder])
+        dtype = narrowest_dtype(max(h[2] for h in heads))
+        sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
+        packed = torch.cat([sizes, torch.tensor(self.workers, dtype=torch.int64), ids]).to(dtype)
+        parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads])
+        if not accelerator.is_main_process:
+            return None
+        ranks, workers = [], []
+        for (n_batches, _, _, _), part in zip(heads, parts):
+            part = part.to(torch.int64)
+            cuts = part[:n_batches].tolist()
+            workers.append(part[n_batches:2 * n_batches].tolist())
+            flat = part[2 * n_batches:].tolist()
+            batches, start = [], 0
+            for size in cuts:
+                batches.append(flat[start:start + size])
+                start += size
+            ranks.append(batches)
+        remainders = [None if h[3] == -2 else h[3] for h in heads]
+        return epoch_record(epoch, "epoch", ranks, workers, remainders)
+
+
+class Recorder:
+    """Records, on this rank, what a loader hands the training loop, one epoch at a time.
+
+    `accelerator`: the rank's Accelerator (its collectives carry the exchange; any object with
+    `num_processes`, `is_main_process`, `device` and accelerate's `gather` works).
+    `read_ids(batch, tag)`: the batch's 0-based sample ids (rank.ids.ReadIds). `how`: "epoch"
+    (every id) or "count" (one byte per sample; needs `n`, the dataset's length).
+    `loader`: the loader walked, read for its worker count and, at the end of an epoch, for
+    what accelerate's gather_for_metrics keeps of the last step (`remainder`).
+
+    `add(batch)` is local and costs a few microseconds a batch; `finish(epoch)` is a collective
+    every rank calls once per epoch, and starts the next epoch empty.
+    """
+
+    def __init__(self, accelerator, read_ids: ReadIds, *, how: str = "epoch",
+                 n: Optional[int] = None, loader: Any = None) -> None:
+        if how not in ("epoch", "count"):
+            raise ValueError(f"how must be 'epoch' or 'count', got {how!r}")
+        if how == "count" and n is None:
+            raise ValueError("the count path needs n, the dataset's length")
+        self.accelerator = accelerator
+        self.read_ids = read_ids
+        self.how = how
+        self.n = n
+        self.loader = loader
+        # the worker of every batch where the loader says it (no tag to read)
+        self.known = known_worker(loader) if loader is not None else None
+        workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
+                   if loader is not None else 0)
+        self.keep = max(KEEP_BATCHES, workers)
+        self.log = self._new_log()
+
+    def _new_log(self):
+        return Counts(int(self.n), self.keep) if self.how == "count" else IdLog()
+
+    @property
+    def steps(self) -> int:
+        """Batches added this epoch."""
+        return self.log.steps
+
+    @property
+    def samples(self) -> int:
+        """Samples added this epoch."""
+        return self.log.samples
+
+    def add(self, batch) -> None:
+        """One batch, as the loader yielded it (tagged or not)."""
+        values, worker, shift = read_values(self.read_ids, batch, self.known)
+        self.log.add(values, worker, shift)
+
+    def finish(self, epoch: int, loader: Any = None) -> Optional[dict]:
+        """The epoch's end, a collective: the record on the main process, None elsewhere.
+        `loader`: the loader the epoch was walked from, where it is not the one given (a
+        skip_first_batches loader)."""
+        log, self.log = self.log, self._new_log()
+        return log.finish(self.accelerator, loader if loader is not None else self.loader, epoch)

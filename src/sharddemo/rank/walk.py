@@ -1,0 +1,250 @@
+"""Drive any loader on a rank exactly as a training loop does and record the ids it yields.
+
+The public interface, used by `sharddemo run`/`compare` (script.py) and `audit` alike:
+
+    record = walk_epoch(accelerator, loader, read_ids, epoch=0, strategy="auto")
+
+On the main process `record` is the epoch as every rank saw it (plain data, see
+sharddemo.record); elsewhere it is None. `EpochWalker` walks one loader epoch after epoch (the
+one epoch loop of `run`, `compare`, `audit` and the resume audit). The ids move in one of
+three ways, chosen identically on every rank from exchanged loader lengths:
+
+- per batch (the reference's way, and what a training loop does): every step, each rank says
+  whether it still has a batch and how long it is, then the batch goes through
+  `accelerator.gather` (padded to the longest, trimmed back) and, for prepared loaders,
+  through `accelerator.gather_for_metrics` as well. The ranks walk in lockstep until EVERY
+  rank is exhausted, so a rank with fewer steps keeps answering with "no batch" instead of
+  leaving its peers in a collective it never joins. Where a training loop would hang (one rank
+  out of batches while another still steps) this is recorded, not suffered.
+- per epoch (large runs): each rank records its ids (rank.recorder.Recorder) and one ragged
+  gather brings them over at the end; gloo's per-call cost would otherwise dominate a toy step.
+- counted (from 1,000,000 samples): the Recorder keeps one byte per sample, and one reduce
+  sums the counts (rank.counting).
+
+Recording never changes what the loader yields: `read_ids` only reads a batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from sharddemo.collect import collective, exchange_ints, gather_ragged
+from sharddemo.errors import RunFailed, UsageError
+from sharddemo.rank.describe import is_prepared, safe_len
+from sharddemo.rank.ids import ReadIds, read_values, unshift
+from sharddemo.rank.recorder import Recorder, epoch_record
+from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
+
+# Up to this many steps per rank and epoch, every batch is gathered as it comes. Beyond it,
+# ids stay on the rank and are gathered once at the end of the epoch: a small gather costs
+# 0.3-1.5 ms on gloo here, more than a whole step of a toy loader (docs/benchmarks.md).
+PER_BATCH_GATHER_LIMIT = 100
+
+
+Progress = Callable[..., None]  # (step, total, samples, scope): see progress_reporter
+
+
+def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -> str:
+    """`batch`, `epoch` or `count`, the same on every rank (for `auto` a collective: the
+    lengths are exchanged). auto: counted from COUNT_FROM samples on, where every rank knows
+    the same dataset length, however few the steps (a few huge batches of a large dataset
+    gathered as they came would put every id on the main process, which the count path
+    exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps per rank; else once
+    per epoch. `count` without a known length falls back to `epoch`. Callers that walk one
+    loader for several epochs choose once, before the first: every strategy reports an epoch
+    right (only its cost and how much it lists differ), so a loader whose length changes
+    between epochs is still reported right."""
+    from sharddemo.options import COUNT_FROM
+
+    if strategy == "batch" or strategy == "epoch":
+        return strategy
+    if strategy == "count":
+        return "count" if n is not None else "epoch"
+    length = safe_len(loader)
+    rows = exchange_ints(accelerator, [-1 if length is None else length, -1 if n is None else n])
+    if n is not None and n >= COUNT_FROM and all(row[1] == n for row in rows):
+        return "count"
+    lengths = [row[0] for row in rows]
+    if all(k >= 0 for k in lengths) and max(lengths, default=0) <= PER_BATCH_GATHER_LIMIT:
+        return "batch"
+    return "epoch"
+
+
+def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
+               strategy: str = "auto", progress: Optional[Progress] = None,
+               max_steps: Optional[int] = None, n: Optional[int] = None) -> Optional[dict]:
+    """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
+    `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
+    (the loader is left where it stopped). `n`: the dataset's length where known (ids are
+    0..n-1), which the count path needs. Returns the epoch record (sharddemo.record) on the
+    main process; None elsewhere."""
+    how = choose_gather(accelerator, loader, strategy, n)
+    if how == "batch":
+        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
+    recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader)
+    total = safe_len(loader) if progress is not None else None
+    batches = iter(loader)
+    if max_steps is not None:
+        batches = itertools.islice(batches, max_steps)  # takes no batch past max_steps
+    for batch in batches:
+        recorder.add(batch)
+        if progress is not None:
+            progress(recorder.steps, total, recorder.samples)
+    return recorder.finish(epoch)
+
+
+class EpochWalker:
+    """The one epoch loop on a rank: walk `loader` epoch after epoch as a training loop does.
+
+    The gather strategy is chosen once, before the first epoch (choose_gather: every
+    strategy reports an epoch right, so a loader whose length changes between epochs is still
+    reported right). Before each epoch `before_epoch(epoch)` runs where given (set_epoch, as
+    the loop calls it). `label`: the progress line's name (None: no progress). An exception of
+    the loader's becomes a RunFailed worded by `failure(epoch, exc)`.
+
+    `walk(epoch)` returns the record on the main process (None elsewhere) and keeps it in
+    `records`; `walk(epoch, source=..., max_steps=...)` walks another loader over the same data
+    for that epoch (accelerator.skip_first_batches) or stops after max_steps batches."""
+
+    def __init__(self, accelerator, loader, read_ids: ReadIds, *, strategy: str = "auto",
+                 n: Optional[int] = None, before_epoch: Optional[Callable[[int], None]] = None,
+                 label: Optional[str] = None,
+                 failure: Optional[Callable[[int, BaseException], str]] = None) -> None:
+        from sharddemo.options import PROGRESS_ENV
+
+        self.accelerator, self.loader, self.read_ids = accelerator, loader, read_ids
+        self.n = n
+        self.before_epoch = before_epoch
+        self.label = label
+        self.progress_env = PROGRESS_ENV
+        self.failure = failure or (lambda epoch, exc: f"epoch {epoch}: {type(exc).__name__}: "
+                                                      f"{exc}")
+        self.how = choose_gather(accelerator, loader, strategy, n)
+        self.records: list[dict] = []
+
+    def walk(self, epoch: int, source: Any = None,
+             max_steps: Optional[int] = None) -> Optional[dict]:
+        if self.before_epoch is not None:
+            self.before_epoch(epoch)
+        progress = (progress_reporter(self.accelerator, f"{self.label}:epoch{epoch}",
+                                      self.progress_env) if self.label else None)
+        try:
+            record = walk_epoch(self.accelerator, self.loader if source is None else source,
+                                self.read_ids, epoch=epoch, strategy=self.how, n=self.n,
+                                progress=progress, max_steps=max_steps)
+        except (UsageError, RunFailed):
+            raise
+        except Exception as exc:
+            raise RunFailed(self.failure(epoch, exc)) from exc
+        if record is not None:
+            self.records.append(record)
+        return record
+
+
+_END = object()
+
+
+def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
+                    max_steps: Optional[int] = None) -> Optional[dict]:
+    """The reference's way, for small runs: every step each rank says whether it still has a
+    batch and how long it is, then the batch goes through `accelerator.gather` (padded to the
+    longest, trimmed back) and, for prepared loaders, `accelerator.gather_for_metrics`. The
+    ranks walk in lockstep until EVERY rank is exhausted (a rank with fewer steps answers "no
+    batch"), so where a training loop would hang this is recorded, not suffered. The record
+    is what the gathers returned."""
+    known = known_worker(loader)
+    main = accelerator.is_main_process
+    world = accelerator.num_processes
+    prepared = is_prepared(loader)
+    total = safe_len(loader)
+    ranks: list[list[list[int]]] = [[] for _ in range(world)]
+    workers: list[list[int]] = [[] for _ in range(world)]
+    for_metrics: Optional[list[int]] = [] if prepared else None
+    iterator = iter(loader)
+    alive, step, received = True, 0, 0
+    while True:
+        if max_steps is not None and step >= max_steps:
+            alive = False
+        batch = next(iterator, _END) if alive else _END
+        alive = batch is not _END
+        if alive:
+            values, worker, shift = read_values(read_ids, batch, known)
+            ids = unshift(values, shift)
+        else:
+            ids, worker = torch.empty(0, dtype=torch.int64), UNKNOWN_WORKER
+        heads = exchange_ints(accelerator, [int(alive), ids.numel(), worker])
+        has = [h[0] for h in heads]
+        if not any(has):
+            break
+        received += sum(h[1] for h in heads)
+        sizes = [h[1] for h in heads]
+        parts = gather_ragged(accelerator, ids, sizes)  # accelerator.gather, padded + trimmed
+        if main:
+            for r in range(world):
+                if has[r]:
+                    ranks[r].append(parts[r].tolist())
+                    workers[r].append(heads[r][2])
+        if for_metrics is not None:
+            if all(has):
+                got = _gather_for_metrics(accelerator, ids, sizes)
+                if main:
+                    for_metrics.extend(got)
+            else:
+                # A training loop would hang here: this rank's gather_for_metrics (or its
+                # backward's all-reduce) would wait for ranks that have left the loop.
+                for_metrics = None
+        step += 1
+        if progress is not None and alive:
+            progress(step, total, received, "all")
+    remainders = _remainders(accelerator, loader) if prepared else [None] * world
+    if not main:
+        return None
+    return epoch_record(epoch, "batch", ranks, workers, remainders, for_metrics)
+
+
+def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> list[int]:
+    """accelerate's own gather_for_metrics on this step's batch, called as a user would:
+    tensors when every rank's batch has the same shape, objects (`use_gather_object`) when
+    they differ, since a tensor gather of unequal shapes aborts on gloo."""
+    if max(sizes) == 0:
+        return []
+    if len(set(sizes)) == 1:
+        got = collective(accelerator.gather_for_metrics, ids.to(accelerator.device))
+        return got.to("cpu").tolist()
+    got = collective(accelerator.gather_for_metrics, ids.tolist(), use_gather_object=True)
+    return [int(i) for i in got]
+
+
+def _remainders(accelerator, loader) -> list[Optional[int]]:
+    """Every rank's `remainder` (accelerate's count of real samples in the last global batch;
+    -1 when it does not know). A collective."""
+    mine = getattr(loader, "remainder", -1)
+    mine = -1 if mine is None else int(mine)
+    return [row[0] for row in exchange_ints(accelerator, [mine])]
+
+
+def progress_reporter(accelerator, label: str,
+                      env_var: str = "SHARDDEMO_PROGRESS") -> Optional[Progress]:
+    """On the main rank, when the launcher asked for it (`env_var` = 1): a line on stdout at
+    most twice a second, `sharddemo-progress LABEL STEP TOTAL SAMPLES SCOPE`, turned into one
+    bar there. SAMPLES counts what every rank received so far (SCOPE `all`, known where the
+    walk exchanges each batch's size) or what the main rank received (`rank0`)."""
+    if not accelerator.is_main_process or os.environ.get(env_var) != "1":
+        return None
+    last = [0.0]
+
+    def report(step: int, total: Optional[int], samples: int = 0, scope: str = "rank0") -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5:
+            last[0] = now
+            sys.stdout.write(f"sharddemo-progress {label} {step} {total or '?'} {samples} "
+                             f"{scope}\n")
+            sys.stdout.flush()
+
+    return report
