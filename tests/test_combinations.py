@@ -132,7 +132,8 @@ def trace_of(case: Case, gather: str, audit: bool) -> dict:
 def resume_of(trace: dict, mode: str) -> dict:
     """A resume object (resume.compare_resume) where the run stopped after one step of epoch 0
     and the resumed launch dealt the rest: read from the same library batches."""
-    from sharddemo.resume import ResumePlan, compare_resume, explain
+    from sharddemo.analysis.resume import compare_resume, explain
+    from sharddemo.options import ResumePlan
 
     epochs = trace["modes"][mode]["epochs"]
     stop = {"world_size": trace["world_size"],
@@ -215,7 +216,7 @@ def test_a_million_samples_through_every_format(gather):
 
 def test_the_resume_demo_renders_in_every_format():
     """`compare --modes resume` reports rows, not modes: every format shows each row."""
-    from sharddemo.resume import demo_scenarios
+    from sharddemo.options import demo_scenarios
 
     case = Case(mode="prepared", n=16, b=4, world=2, seed=1)
     trace = trace_of(case, "batch", audit=True)

@@ -253,7 +253,7 @@ def test_a_port_taken_before_the_launcher_binds_it_is_retried_once(tmp_path, mon
     """free_port() picks a port; another job can take it before torchrun binds it. The first
     launch here is a stand-in that fails as torchrun does then; the retry is the real one."""
     from sharddemo import launch as launch_module
-    from sharddemo.compare import compare_run
+    from sharddemo.commands.compare import compare_run
     from sharddemo.options import RunOptions
 
     fake = tmp_path / "python"

@@ -506,7 +506,7 @@ def test_an_audit_whose_ids_are_not_positions_stops_with_one_error(monkeypatch):
     Id 4 lies outside the positions 0..3 and id 0 never comes, so the report would call
     sample 0 missing for no reason; `audit` stops with one Error line instead (the launch is
     replaced by this trace: only the parent's side is under test here)."""
-    import sharddemo.compare as C
+    import sharddemo.commands.audit as C
     from sharddemo.audit import AuditOptions
     from sharddemo.errors import UsageError
 

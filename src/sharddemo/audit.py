@@ -10,7 +10,6 @@ what the loader yields (workers included: indices are drawn in the main process)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -248,32 +247,6 @@ def _as_ids(values, id_field: str):
     return ids
 
 
-@contextlib.contextmanager
-def tagging_prepare(accelerator, record_indices: bool):
-    """While the user's factory runs: every DataLoader it passes to `accelerator.prepare` is
-    tagged (walk.tag_batches) on its way in, so the loader accelerate builds from it carries
-    the tags from its very first iterator. (A stateful loader starts its iterator, and its
-    workers, inside prepare; tagging afterwards would miss that epoch, and replacing the
-    iterator would change what it yields.) Nothing else about prepare changes."""
-    from torch.utils.data import DataLoader
-
-    from sharddemo.rank.tagging import tag_batches
-
-    original = accelerator.prepare
-
-    def prepare(*objects, **kwargs):
-        for obj in objects:
-            if isinstance(obj, DataLoader):
-                tag_batches(obj, record_indices=record_indices)
-        return original(*objects, **kwargs)
-
-    accelerator.prepare = prepare
-    try:
-        yield
-    finally:
-        del accelerator.prepare  # the bound method again
-
-
 def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: bool = False):
     """The user's loader on this rank, as their script builds it: the factory called with the
     rank's Accelerator (with use_stateful_dataloader set first when `stateful`), every
@@ -282,6 +255,8 @@ def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: b
         # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
         accelerator.dataloader_config.use_stateful_dataloader = True
     from sharddemo.adapters import call_factory
+
+    from sharddemo.rank.tagging import tagging_prepare
 
     with tagging_prepare(accelerator, record_indices=opts.id_field is None):
         return call_factory(factory, opts.target, accelerator)

@@ -325,7 +325,7 @@ def _show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = N
     if not result:
         click.echo("This node ran its ranks; machine rank 0 prints and writes the report.")
         return False
-    from sharddemo.compare import write_report
+    from sharddemo.render import write_report
     from sharddemo.render import render
 
     click.echo(render(result, fmt), nl=False)
@@ -404,7 +404,7 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
 
             raise UsageError(NO_EPOCHS_TO_PLOT)
         _refuse_counted_plot(opts.gather, opts.dataset_size)
-    from sharddemo.compare import compare_run
+    from sharddemo.commands.compare import compare_run
 
     result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))
     if not _show(result, fmt, output, plot):
@@ -509,7 +509,7 @@ def _audit_options(kw: dict) -> "AuditOptions":
 
 
 def _resume_plan(kw: dict, epochs: int):
-    from sharddemo.resume import ResumePlan
+    from sharddemo.options import ResumePlan
 
     return ResumePlan.parse(kw["resume_at"], kw["resume_strategy"], epochs,
                             kw.get("resume_num_processes"))
@@ -588,11 +588,11 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
         if resume_num_processes is not None or keep_checkpoint is not None:
             raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "
                              "EPOCH:STEP")
-        from sharddemo.compare import audit_run
+        from sharddemo.commands.audit import audit_run
 
         result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))
     else:
-        from sharddemo.compare import resume_audit_run
+        from sharddemo.commands.resume import resume_audit_run
 
         if opts.gather == "count":
             raise UsageError("--resume-at compares every id of the stopped, the resumed and the "
@@ -707,7 +707,7 @@ def trap(num_processes: int, dataset_size: int, batch_size: int) -> None:
 
         sharddemo trap --num-processes 2
     """
-    from sharddemo.compare import trap_run
+    from sharddemo.commands.compare import trap_run
 
     if num_processes < 2:
         raise UsageError(f"--num-processes must be at least 2 to show the trap, got {num_processes}")

@@ -19,8 +19,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV, RunOptions
 
@@ -500,3 +501,40 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
         return "; ".join(dict.fromkeys(causes)), False
     tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
     return f"the launch exited with code {code}: " + (" | ".join(tail) or "no output"), False
+
+
+def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "run",
+                check: Optional[Callable[[int], object]] = None) -> Launch:
+    """Settings from the command line + the config file -> the launch to run."""
+    path = settings.config_file or default_config_path()
+    config = load_config(path)
+    if settings.num_processes is not None and settings.num_processes < 1:
+        raise UsageError(f"--num-processes must be at least 1, got {settings.num_processes}")
+    world = settings.num_processes or config.num_processes
+    machines = settings.num_machines or config.num_machines
+    rank = settings.machine_rank if settings.machine_rank is not None else int(
+        config.raw.get("machine_rank", 0) or 0)
+    ip, port = settings.main_process_ip, settings.main_process_port
+    if machines > 1:
+        # Every machine must agree: take the config's address and port unless given.
+        ip = ip or config.raw.get("main_process_ip")
+        port = port or config.raw.get("main_process_port")
+        if not ip or not port:
+            raise UsageError("a multi-node launch needs --main-process-ip and "
+                             "--main-process-port, the same on every machine")
+        if not 0 <= rank < machines:
+            raise UsageError(f"--machine-rank must be 0..{machines - 1}, got {rank}")
+        if world % machines:
+            raise UsageError(f"--num-processes counts every rank on every machine: {world} does "
+                             f"not divide by {machines} machines")
+    elif rank:
+        raise UsageError(f"--machine-rank {rank} needs a multi-node launch: pass --num-machines")
+    if port is not None and not 0 < int(port) < 65536:
+        raise UsageError(f"--main-process-port must be 1..65535, got {port}")
+    if check is not None:
+        check(world)
+    # A config that says use_cpu stays on CPU even where GPUs are visible.
+    device = "cpu" if config.raw.get("use_cpu") else "auto"
+    return Launch(config_file=path, num_processes=world, run_args=run_args, device=device,
+                  port=int(port) if port else None, command=command, num_machines=machines,
+                  machine_rank=rank, main_process_ip=ip)

@@ -248,3 +248,48 @@ class RunOptions:
         if self.timeout != DEFAULT_TIMEOUT:
             args += ["--timeout", f"{self.timeout:g}"]
         return args
+
+
+# --resume-at: where a run stops, how it resumes (sharddemo audit; the resume demo's scenarios)
+STRATEGIES = ("skip", "stateful", "restart")
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    epoch: int
+    step: int
+    strategy: str = "skip"
+    num_processes: Optional[int] = None  # launch 2's world size (None: the same)
+
+    @staticmethod
+    def parse(text: str, strategy: str, epochs: int,
+              num_processes: Optional[int]) -> "ResumePlan":
+        epoch_text, sep, step_text = text.partition(":")
+        try:
+            epoch, step = int(epoch_text), int(step_text)
+        except ValueError:
+            epoch, step, sep = -1, -1, ""
+        if not sep or epoch < 0 or step < 0:
+            raise UsageError(f"--resume-at {text!r} is not EPOCH:STEP (0-based, STEP = batches "
+                             "per rank completed before the stop), e.g. --resume-at 0:3")
+        if epoch >= epochs:
+            raise UsageError(f"--resume-at {text} stops in epoch {epoch}, beyond --epochs "
+                             f"{epochs} (epochs 0..{epochs - 1}); pass --epochs {epoch + 1} or "
+                             "an earlier epoch")
+        if strategy not in STRATEGIES:
+            raise UsageError(f"--resume-strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"got {strategy!r}")
+        if num_processes is not None and num_processes < 1:
+            raise UsageError(f"--resume-num-processes must be at least 1, got {num_processes}")
+        return ResumePlan(epoch, step, strategy, num_processes)
+
+
+DEMO_WORKERS = (0, 2)
+
+
+def demo_scenarios(steps: int) -> list[dict]:
+    """The 12 scenarios for an epoch of `steps` steps per rank: stop in the middle of epoch 0
+    and at the start of epoch 1; skip, stateful, restart; 0 and 2 workers."""
+    stops = [(0, steps // 2), (1, 0)]
+    return [{"workers": w, "epoch": e, "step": s, "strategy": strategy}
+            for w in DEMO_WORKERS for e, s in stops for strategy in STRATEGIES]

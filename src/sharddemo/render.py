@@ -362,3 +362,9 @@ RENDERERS = {"table": render_table, "json": render_json, "markdown": render_mark
 
 def render(report: dict, fmt: str) -> str:
     return RENDERERS[fmt](report)
+
+
+def write_report(report: dict, path: str) -> None:
+    from sharddemo.fileio import write_atomic
+
+    write_atomic(path, render_json(report))

@@ -1,4 +1,6 @@
-"""`sharddemo audit FACTORY --resume-at EPOCH:STEP`: stop training, restart it, and compare.
+"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP` (stop training, restart
+it, and compare: commands/resume.py launches, analysis/resume.py compares) and of `compare
+--modes resume`.
 
 Three real launches of the user's factory, each in fresh processes:
 
@@ -25,47 +27,13 @@ and the verdict `resume-exact`.
 from __future__ import annotations
 
 import os
-from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from sharddemo.errors import RunFailed, UsageError
+from sharddemo.options import DEMO_WORKERS, ResumePlan, demo_scenarios
 
-STRATEGIES = ("skip", "stateful", "restart")
 PHASES = ("stop", "resume")
-# Above this many ids, `repeated` and `skipped` list the first ones and count all.
-ID_LIST_CAP = 1000
 STATE_FILE = "sharddemo_loader_state_{rank}.pt"
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    epoch: int
-    step: int
-    strategy: str = "skip"
-    num_processes: Optional[int] = None  # launch 2's world size (None: the same)
-
-    @staticmethod
-    def parse(text: str, strategy: str, epochs: int,
-              num_processes: Optional[int]) -> "ResumePlan":
-        epoch_text, sep, step_text = text.partition(":")
-        try:
-            epoch, step = int(epoch_text), int(step_text)
-        except ValueError:
-            epoch, step, sep = -1, -1, ""
-        if not sep or epoch < 0 or step < 0:
-            raise UsageError(f"--resume-at {text!r} is not EPOCH:STEP (0-based, STEP = batches "
-                             "per rank completed before the stop), e.g. --resume-at 0:3")
-        if epoch >= epochs:
-            raise UsageError(f"--resume-at {text} stops in epoch {epoch}, beyond --epochs "
-                             f"{epochs} (epochs 0..{epochs - 1}); pass --epochs {epoch + 1} or "
-                             "an earlier epoch")
-        if strategy not in STRATEGIES:
-            raise UsageError(f"--resume-strategy must be one of {', '.join(STRATEGIES)}, "
-                             f"got {strategy!r}")
-        if num_processes is not None and num_processes < 1:
-            raise UsageError(f"--resume-num-processes must be at least 1, got {num_processes}")
-        return ResumePlan(epoch, step, strategy, num_processes)
 
 
 def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: str = "auto",
@@ -172,109 +140,9 @@ def _load(accelerator, loader, prepared: bool, checkpoint: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The comparison (pure: the three traces in, the `resume` report object out)
-
-
-def _flat(batches: list[list[int]]) -> list[int]:
-    return [i for batch in batches for i in batch]
-
-
-def _capped(counter: Counter) -> dict:
-    ids = sorted(i for i, c in counter.items() for _ in range(c))
-    return {"count": len(ids), "ids": ids[:ID_LIST_CAP], "capped": len(ids) > ID_LIST_CAP}
-
-
-def compare_resume(plan: ResumePlan, reference: dict, stop: dict, resumed: dict) -> dict:
-    """The `resume` object of the report: per epoch EPOCH and EPOCH+1, the ids repeated and
-    skipped against the uninterrupted run, whether each rank's order is unchanged, and the
-    verdict."""
-    before = [r["batches"] for r in stop["epochs"][plan.epoch]["ranks"]]
-    same_world = stop["world_size"] == resumed["world_size"]
-    # Deterministic across launches: the stop launch saw exactly what the reference saw
-    # before the stop (earlier epochs, and this epoch's first steps).
-    deterministic = all(
-        [r["batches"] for r in stop["epochs"][k]["ranks"]]
-        == [r["batches"][:len(s["batches"])] for r, s in zip(reference["epochs"][k]["ranks"],
-                                                               stop["epochs"][k]["ranks"])]
-        for k in range(plan.epoch + 1))
-    epochs = []
-    for offset, epoch in enumerate((plan.epoch, plan.epoch + 1)):
-        ref_ranks = [r["batches"] for r in reference["epochs"][epoch]["ranks"]]
-        got_ranks = [r["batches"] for r in resumed["epochs"][offset]["ranks"]]
-        if offset == 0:  # the stopped launch's part of the epoch, then the resumed part
-            if same_world:
-                got_ranks = [b + g for b, g in zip(before, got_ranks)]
-            else:
-                got_ranks = before + got_ranks
-        ref_ids = Counter(i for batches in ref_ranks for i in _flat(batches))
-        got_ids = Counter(i for batches in got_ranks for i in _flat(batches))
-        repeated, skipped = got_ids - ref_ids, ref_ids - got_ids
-        order = (None if not (same_world and deterministic)
-                 else [_flat(b) for b in got_ranks] == [_flat(b) for b in ref_ranks])
-        exact = not repeated and not skipped and order is not False
-        small = sum(got_ids.values()) <= 10 * ID_LIST_CAP
-        epochs.append({"epoch": epoch, "repeated": _capped(repeated), "skipped": _capped(skipped),
-                       "order_equal": order, "resume_exact": exact,
-                       "seen": sum(got_ids.values()), "reference_seen": sum(ref_ids.values()),
-                       # what the resumed run's ranks received (stopped part first), small runs
-                       "ranks": [{"rank": r, "batches": b} for r, b in enumerate(got_ranks)]
-                       if small and same_world else None})
-    return {"at": {"epoch": plan.epoch, "step": plan.step}, "strategy": plan.strategy,
-            "world_sizes": [stop["world_size"], resumed["world_size"]],
-            "deterministic": deterministic, "epochs": epochs,
-            "resume_exact": all(e["resume_exact"] for e in epochs),
-            "stopped": {"steps_per_rank": [len(b) for b in before]}}
-
-
-def explain(resume: dict) -> str:
-    """One paragraph in plain words."""
-    at, strategy = resume["at"], resume["strategy"]
-    w0, w1 = resume["world_sizes"]
-    head = (f"Stopped after {at['step']} step(s) of epoch {at['epoch']} on {w0} rank(s), resumed "
-            f"on {w1} with --resume-strategy {strategy}")
-    parts = []
-    for e in resume["epochs"]:
-        rep, skip = e["repeated"]["count"], e["skipped"]["count"]
-        if e["resume_exact"]:
-            parts.append(f"epoch {e['epoch']}: exactly the uninterrupted run's samples"
-                         + (" in its order" if e["order_equal"] else ""))
-        else:
-            text = f"epoch {e['epoch']}: {rep} sample(s) repeated, {skip} skipped"
-            if e["order_equal"] is False:
-                text += ", and the order differs from the uninterrupted run"
-            parts.append(text)
-    tail = ""
-    if not resume["deterministic"]:
-        tail = (" The loader gave a different order in each launch (no common seed), so orders "
-                "are not compared and a resumed epoch is a new permutation.")
-    elif w0 != w1:
-        tail = (f" The world size changed ({w0} -> {w1}): the checkpoint's loader position is "
-                "per rank, so the resumed ranks deal the epoch anew from a different split, and "
-                "the loader's own padding differs too; per-rank orders are not compared.")
-    if resume["deterministic"] and w0 == w1 and at["step"] == 0 and any(
-            e["order_equal"] is False and not e["repeated"]["count"] for e in resume["epochs"]):
-        tail += (" The resumed epochs hold the right samples in another order: a fresh loader "
-                 "counts its epochs from 0 again, so it replays an earlier epoch's order (call "
-                 "set_epoch with the real epoch, or resume the loader's state).")
-    verdict = "resume-exact: yes" if resume["resume_exact"] else "resume-exact: NO"
-    return f"{head}. " + "; ".join(parts) + f".{tail} {verdict}."
-
-
-# ---------------------------------------------------------------------------------------------
 # `compare --modes resume`: every strategy, two stop points, 0 and 2 workers, on the demo data,
 # in three launches (stop, reference, resume) instead of three per scenario. Each scenario gets
 # its own Accelerator instance (so save_state holds only its loader) and its own checkpoint.
-
-DEMO_WORKERS = (0, 2)
-
-
-def demo_scenarios(steps: int) -> list[dict]:
-    """The 12 scenarios for an epoch of `steps` steps per rank: stop in the middle of epoch 0
-    and at the start of epoch 1; skip, stateful, restart; 0 and 2 workers."""
-    stops = [(0, steps // 2), (1, 0)]
-    return [{"workers": w, "epoch": e, "step": s, "strategy": strategy}
-            for w in DEMO_WORKERS for e, s in stops for strategy in STRATEGIES]
-
 
 def _demo_loader(accelerator, opts, workers: int, stateful: bool):
     """The demo's `prepared` loader, built as compare builds it (seeded with --seed first)."""
@@ -366,19 +234,3 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
         return trace
     finally:
         teardown(first)
-
-
-def demo_report(reference: dict, stop: dict, resumed: dict) -> list[dict]:
-    """Every scenario's `resume` object, with its workers."""
-    rows = []
-    for k, sc in enumerate(demo_scenarios(stop["steps"])):
-        plan = ResumePlan(sc["epoch"], sc["step"], sc["strategy"])
-        key = f"w{sc['workers']}-{'stateful' if sc['strategy'] == 'stateful' else 'plain'}"
-        result = compare_resume(
-            plan, {"world_size": reference["world_size"], "epochs": reference["results"][key]},
-            {"world_size": stop["world_size"], "epochs": stop["results"][str(k)]},
-            {"world_size": resumed["world_size"], "epochs": resumed["results"][str(k)]})
-        result["workers"] = sc["workers"]
-        result["explanation"] = explain(result)
-        rows.append(result)
-    return rows

@@ -42,7 +42,7 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
     `framework="trainer"` or `"lightning"`: the factory is make_trainer() / make_datamodule(),
     as `audit --trainer` / `--lightning`. Raises sharddemo.errors.ShardDemoError when the
     factory cannot be run."""
-    from sharddemo.compare import audit_run
+    from sharddemo.commands.audit import audit_run
     from sharddemo.config import CPU_CONFIG, shipped_config_path
     from sharddemo.launch import LaunchSettings
 

@@ -1,0 +1,17 @@
+"""The parent side of each command: one module per command's orchestration (compare,
+audit, resume). Each parses nothing (cli.py does), starts the launches (launch.py), turns
+traces into reports (sharddemo.analysis) and hands them back to the CLI to render."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sharddemo.analysis import build_report
+from sharddemo.launch import Launch
+
+
+def report_of(launch: Launch, trace: Optional[dict]) -> dict:
+    """The trace -> the report; {} on a node whose machine rank 0 reports instead."""
+    if not trace:
+        return {}
+    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)

@@ -1,0 +1,122 @@
+"""`sharddemo audit --resume-at` and `sharddemo compare --modes resume`: the launches that
+stop and save, run uninterrupted, and load and resume; then the comparison
+(sharddemo.analysis.resume)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sharddemo.commands import report_of
+from sharddemo.commands.audit import refuse_ids_outside
+from sharddemo.errors import UsageError
+from sharddemo.launch import LaunchSettings, make_launch, run_launch
+from sharddemo.options import RunOptions
+
+def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
+                     keep_checkpoint: Optional[str] = None, debug: bool = False,
+                     progress: bool = False) -> dict:
+    """`sharddemo audit --resume-at`: the uninterrupted audit, a launch that stops and saves,
+    and a fresh launch that loads and resumes; the audit report with a `resume` object and
+    the `resume-exact` verdict. The checkpoint goes to a temporary folder removed afterwards
+    (`keep_checkpoint` keeps it); no launch leaves processes behind (run_launch)."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from sharddemo.audit import precheck_target
+    from sharddemo.analysis.resume import compare_resume, explain
+
+    precheck_target(opts.target, opts.framework)
+    if keep_checkpoint:
+        _check_checkpoint_dir(keep_checkpoint)
+    checkpoint = keep_checkpoint or tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
+    stateful = plan.strategy == "stateful"
+    reference_opts = dataclasses.replace(opts, epochs=max(opts.epochs, plan.epoch + 2),
+                                         stateful=stateful)
+    limits = RunOptions(epochs=reference_opts.epochs, timeout=opts.timeout)
+    try:
+        # The stopping launch first: a STEP past the epoch's end or a loader that cannot save
+        # its state fails there, after one launch.
+        phase_args = [*dataclasses.replace(opts, stateful=False).to_run_args(),
+                      "--resume-at", f"{plan.epoch}:{plan.step}",
+                      "--resume-strategy", plan.strategy, "--checkpoint", checkpoint]
+        stop = run_launch(make_launch(settings, [*phase_args, "--phase", "stop"],
+                                      command="resume-rank"),
+                          limits, debug=debug, timeout=opts.max_time)
+        launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
+        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
+                               progress=progress)
+        after = dataclasses.replace(settings, num_processes=plan.num_processes
+                                    or settings.num_processes)
+        resumed = run_launch(make_launch(after, [*phase_args, "--phase", "resume"],
+                                         command="resume-rank"),
+                             limits, debug=debug, timeout=opts.max_time)
+    finally:
+        if not keep_checkpoint:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+    report = report_of(launch, reference)
+    if not report:
+        return report
+    refuse_ids_outside(report, opts.id_field)
+    audit = report["modes"]["audit"]
+    resume = compare_resume(plan, {"world_size": reference["world_size"],
+                                   "epochs": reference["modes"]["audit"]["epochs"]},
+                            stop, resumed)
+    resume["explanation"] = explain(resume)
+    audit["resume"] = resume
+    ok = resume["resume_exact"]
+    detail = "" if ok else resume["explanation"]
+    audit["verdicts"].append({"verdict": "resume-exact", "epoch": plan.epoch, "ok": ok,
+                              "detail": detail})
+    if not ok:
+        broken = f"resume-exact (epoch {plan.epoch}): {detail}"
+        audit["broken_promises"].append(broken)
+        report["broken_promises"].append(broken)
+    return report
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--keep-checkpoint {path} is a file; pass a folder for the checkpoint")
+    parent = path if os.path.isdir(path) else (os.path.dirname(os.path.abspath(path)) or ".")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise UsageError(f"--keep-checkpoint {path} cannot be written (the folder "
+                         f"{parent} is missing or not writable); pick another folder")
+
+
+def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
+                    debug: bool = False) -> dict:
+    """`compare --modes resume`: three launches (stop and save, uninterrupted, load and
+    resume) run every scenario of resume.demo_scenarios; a report with a `resume` list."""
+    import shutil
+    import tempfile
+
+    from sharddemo.analysis import REPORT_SCHEMA
+    from sharddemo.analysis.resume import demo_report
+
+    checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
+    # A resume launch also runs epochs 0..2 for 12 scenarios: more work than one mode.
+    limits = RunOptions(epochs=3 * 12, dataset_size=opts.dataset_size, timeout=opts.timeout)
+    traces = {}
+    try:
+        for phase in ("stop", "reference", "resume"):
+            launch = make_launch(settings, [*opts.to_run_args(), "--phase", phase,
+                                            "--checkpoint", checkpoint],
+                                 command="resume-demo-rank", check=opts.check_world)
+            traces[phase] = run_launch(launch, limits, debug=debug)
+    finally:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    if not traces.get("resume"):
+        return {}
+    ref = traces["reference"]
+    return {"schema": REPORT_SCHEMA, "world_size": ref["world_size"],
+            "backend": ref.get("backend", "gloo"), "distributed_type": ref.get("distributed_type"),
+            "device": ref.get("device"), "dataset_size": opts.dataset_size,
+            "batch_size": opts.batch_size,
+            "global_batch": opts.per_rank_batch(ref["world_size"]) * ref["world_size"],
+            "epochs": 3, "seed": opts.seed, "source": opts.source, "options": opts.to_dict(),
+            "config_file": launch.config_file, "launch_command": None, "modes": {},
+            "broken_promises": [],
+            "resume": demo_report(ref, traces["stop"], traces["resume"])}
