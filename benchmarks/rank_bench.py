@@ -71,7 +71,7 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
     for mode in ("prepared", "sampler"):
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
         plan = build_loader(mode, accelerator, ToyDataset(n), opts)
-        # as compare's trace_mode does; with no workers it tags nothing (walk.tag_batches), so
+        # as compare's trace_mode does; with no workers it tags nothing (rank.tagging.tag_batches), so
         # the bare and the traced loop walk the very same loader
         assert not tag_batches(plan.loader, record_indices=False)
         # chosen once per mode, before its epochs, as compare does (trace.trace_mode)

@@ -32,7 +32,12 @@ N_VAL_UNEVEN = 7
 
 
 def _lightning():
-    import lightning.pytorch as pl
+    """Lightning as you have it: `pytorch_lightning` (package pytorch-lightning, the one most
+    users install) or `lightning.pytorch` (package lightning); sharddemo audits either."""
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        import lightning.pytorch as pl
 
     return pl
 

@@ -3,6 +3,7 @@ and every rank's output shown when a launch fails."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -84,3 +85,50 @@ def verdicts(proc):
     for v in report["modes"]["audit"]["verdicts"]:
         out[v["verdict"]] = out.get(v["verdict"], True) and v["ok"]
     return report, out
+
+
+# -- the `ranks` marker: tests that start processes (real ranks, the CLI, an install) ----------
+# `python -m pytest -m "not ranks"` is the fast subset (one process, about a minute). A test is
+# marked where its own code, or a fixture it uses, calls one of these.
+STARTS_PROCESSES = ("accelerate_launch(", "sharddemo(", "audit(", "run_cmd(", "subprocess.",
+                    "Popen(", "debug_launcher(")
+
+
+def _starts_processes(func, fixtures: dict, seen: set) -> bool:
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    if any(word in source for word in STARTS_PROCESSES):
+        return True
+    # the helpers it calls that the tests define (a module's own launch helper)
+    names = set(getattr(getattr(func, "__code__", None), "co_names", ()))
+    for code in getattr(getattr(func, "__code__", None), "co_consts", ()):
+        names |= set(getattr(code, "co_names", ()))  # a lambda's or an inner function's
+    for name in names:
+        helper = getattr(func, "__globals__", {}).get(name)
+        if inspect.isfunction(helper) and "tests" in Path(inspect.getfile(helper)).parts \
+                and id(helper) not in seen:
+            seen.add(id(helper))
+            if _starts_processes(helper, fixtures, seen):
+                return True
+    for name in inspect.signature(func).parameters:
+        for definition in fixtures.get(name, ()):
+            if id(definition) not in seen:
+                seen.add(id(definition))
+                if _starts_processes(definition.func, fixtures, seen):
+                    return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ranks: starts processes (real ranks, the CLI, pip); "
+                                       "-m 'not ranks' runs the rest in about a minute")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = dict(info.name2fixturedefs) if info is not None else {}
+        if _starts_processes(item.function, fixtures, set()):
+            item.add_marker(pytest.mark.ranks)

@@ -3,7 +3,7 @@
 Most of it runs in one process: hypothesis draws a loader (mode x N x B x W x shuffle x
 drop_last x even_batches x split_batches x epochs), the libraries' own objects deal every rank's
 batches (tests/oracle.py: torch's DistributedSampler, accelerate's prepare_data_loader), the
-batches become an epoch record as the ranks write it (ids, or counts as counting.py reduces
+batches become an epoch record as the ranks write it (ids, or counts as rank/counting.py reduces
 them), and every renderer and the plot read the report, with an audit's verdicts and a resume
 beside. The properties: the JSON validates against docs/report.schema.json, the table and the
 markdown show every mode and epoch asked for, the PNG is drawn or refused with one UsageError
@@ -101,7 +101,7 @@ def loaders(draw):
 
 
 def loader_description(case: Case) -> dict:
-    """What walk.describe_loader says of the case's loader, written from the case (the fields
+    """What rank.describe.describe_loader says of the case's loader, written from the case (the fields
     the analysis reads)."""
     prepared = case.mode in ("prepared", "double-split", "unseeded")
     return {"prepared": prepared, "distributed_sampler": case.mode in ("sampler", "double-split"),

@@ -138,7 +138,7 @@ def test_the_walk_knows_the_worker_without_a_tag_only_where_torch_has_no_workers
 
 
 def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
-    """walk.index_domain against torch's objects: the distinct ids a Subset chain or a
+    """rank.describe.index_domain against torch's objects: the distinct ids a Subset chain or a
     SubsetRandomSampler leaves, and the draw of a sampler that does not deal each id once,
     read from each loader as built and as accelerate's prepare_data_loader rebuilds it."""
     import torch
@@ -197,7 +197,7 @@ def test_index_domain_reads_what_the_loaders_own_objects_can_deal():
 
 
 def test_shuffled_is_what_the_loaders_own_sampler_says():
-    """walk.describe_loader's `shuffled`, for loaders built here with a known sampler (the
+    """rank.describe.describe_loader's `shuffled`, for loaders built here with a known sampler (the
     expected values are how each was built), as built and as accelerate's prepare_data_loader
     rebuilds it (it keeps a SequentialSampler, puts a SeedableRandomSampler, a RandomSampler,
     in a RandomSampler's place, and keeps any other sampler)."""

@@ -81,8 +81,9 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     result = CliRunner().invoke(cli, ["compare", "--plot", str(tmp_path / "x.png")])
     assert result.exit_code == 2
-    assert result.output.strip() == ("Error: --plot needs matplotlib, which is not installed: "
-                                     "pip install 'sharddemo[plot]'")
+    assert result.output.strip() == ("Error: --plot needs matplotlib, which is not installed; "
+                                     "install the extra: pip install 'sharddemo[plot]' (from a "
+                                     "checkout: pip install -e '.[plot]')")
 
 
 def test_no_progress_when_output_is_not_a_terminal(small_report):

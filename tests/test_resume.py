@@ -1,7 +1,7 @@
 """Issue "Resume audit" on real gloo ranks: `audit --resume-at` really stops, saves, restarts
-in fresh processes and resumes. Every expected value comes from the uninterrupted reference
-run (a real launch of the same loader: the library's own behaviour), or from literals worked
-out by hand."""
+in fresh processes and resumes. Expected values come from accelerate's own objects in this
+process (prepare_data_loader, skip_first_batches, the StatefulDataLoader's state_dict and
+load_state_dict: `library_resume` below), or from literals worked out by hand."""
 
 from __future__ import annotations
 
@@ -33,6 +33,48 @@ def reference_batches(report, epoch):
     return [r["batches"] for r in report["modes"]["audit"]["epochs"][epoch]["ranks"]]
 
 
+def library_resume(world: int, stateful: bool, stop: int = 3) -> list:
+    """[epoch][rank] -> batches of `seeded_40` (tests/factories.py) stopped after `stop` steps
+    of epoch 0 and resumed, as accelerate's own objects deal them for each rank in this
+    process: the loader built again the same way (set_seed(0), prepare_data_loader with the
+    rng handling an Accelerator uses), then `skip_first_batches(loader, stop)`, or the
+    StatefulDataLoader's `state_dict()` at the stop given to the new loader's
+    `load_state_dict()`; then epoch 1 of the new loader. No sharddemo code."""
+    import torch
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from accelerate.utils import set_seed
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ensure_accelerator_state()
+
+    def build(rank):
+        set_seed(0)
+        return prepare_data_loader(DataLoader(TensorDataset(torch.arange(40)), batch_size=4,
+                                              shuffle=True), num_processes=world,
+                                   process_index=rank, put_on_device=False,
+                                   rng_types=list(ACCELERATOR_RNG_TYPES),
+                                   use_stateful_dataloader=stateful)
+
+    def ids(batch):
+        return batch[0].tolist()
+
+    out = [[], []]
+    for rank in range(world):
+        first = build(rank)
+        walk = iter(first)
+        before = [ids(next(walk)) for _ in range(stop)]
+        again = build(rank)
+        if stateful:
+            again.load_state_dict(first.state_dict())
+            rest = [ids(b) for b in again]
+        else:
+            rest = [ids(b) for b in skip_first_batches(again, stop)]
+        out[0].append(before + rest)
+        out[1].append([ids(b) for b in again])
+    return out
+
+
 def test_stateful_with_a_seed_resumes_exactly_and_keep_checkpoint_keeps_it(tmp_path):
     pytest.importorskip("torchdata")
     keep = tmp_path / "ckpt"
@@ -41,10 +83,22 @@ def test_stateful_with_a_seed_resumes_exactly_and_keep_checkpoint_keeps_it(tmp_p
     resume = report["modes"]["audit"]["resume"]
     assert resume["resume_exact"], resume["explanation"]
     assert resume["world_sizes"] == [2, 2] and resume["deterministic"]
+    library = library_resume(2, stateful=True)
     for e in resume["epochs"]:
-        # the resumed run's batches are the uninterrupted run's, rank by rank
+        # the resumed run's batches are what accelerate's stateful loader resumes to, rank by
+        # rank, and the uninterrupted run's
+        assert [r["batches"] for r in e["ranks"]] == library[e["epoch"]]
         assert [r["batches"] for r in e["ranks"]] == reference_batches(report, e["epoch"])
     assert any(keep.iterdir())  # accelerate's save_state files, kept
+
+
+def test_skip_with_a_seed_resumes_to_what_accelerate_skips_to():
+    proc, report = resume_audit("seeded_40", "--resume-at", "0:3")
+    resume = report["modes"]["audit"]["resume"]
+    assert resume["resume_exact"] and proc.returncode == 0, resume["explanation"]
+    library = library_resume(2, stateful=False)
+    for e in resume["epochs"]:
+        assert [r["batches"] for r in e["ranks"]] == library[e["epoch"]], e["epoch"]
 
 
 def test_skip_without_a_seed_repeats_and_skips_in_the_resumed_epoch():

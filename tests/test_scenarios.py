@@ -404,6 +404,16 @@ def test_the_count_path_gives_the_same_report(scenarios, name):
     assert all(e["gather"] == "count" for e in case["counted"]["epochs"])
     full = report_of(case, world, validate=True)
     counted = report_of(_with_counted(case), world, validate=True)
+    if name in SIMULATED:
+        # the count path against the libraries' own answer, not only against the id path
+        n = case["options"]["dataset_size"]
+        for e, ranks in zip(counted["epochs"], simulated(case, world), strict=True):
+            ids = [i for batches in ranks for b in batches for i in b]
+            copies = Counter(ids)
+            assert (e["seen"], e["unique"], e["missing_count"], e["duplicate_count"]) == (
+                len(ids), len(copies), n - len(copies), sum(c > 1 for c in copies.values()))
+            assert [r["steps"] for r in e["ranks"]] == [len(b) for b in ranks]
+            assert e["most_copies"] == max(copies.values(), default=0)
     assert counted["conclusion"] == full["conclusion"]
     assert counted["broken_promises"] == full["broken_promises"]
     for a, b in zip(full["epochs"], counted["epochs"], strict=True):

@@ -169,7 +169,7 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
 
 def id_reader(loader, id_field: Optional[str]) -> Callable:
     """read_ids(batch, tag) for the walk: the 0-based sample ids of a batch, by id field, or
-    by the indices the dataset was really asked for (walk.tag_batches records them in whatever
+    by the indices the dataset was really asked for (rank.tagging.tag_batches records them in whatever
     process fetched the batch, so workers, stateful loaders, prefetching and accelerate's
     dispatch are all covered)."""
     import torch

@@ -594,6 +594,10 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     else:
         from sharddemo.commands.resume import resume_audit_run
 
+        if resume_strategy == "stateful":
+            from sharddemo.extras import require
+
+            require("torchdata", "--resume-strategy stateful")
         if opts.gather == "count":
             raise UsageError("--resume-at compares every id of the stopped, the resumed and the "
                              "uninterrupted run, and --gather count keeps none: pass --gather "
@@ -627,12 +631,15 @@ def _failed_verdicts(report: dict) -> list[str]:
 @click.option("--modes", "--mode", "modes", default="resume")
 @loader_options
 @click.option("--phase", type=click.Choice(["reference", "stop", "resume"]), required=True)
+@click.option("--without-stateful", is_flag=True,
+              help="Leave out the scenarios that need torchdata (the parent found it absent).")
 @click.option("--checkpoint", required=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--trace-out", type=click.Path(dir_okay=False))
 @click.option("--quiet", is_flag=True)
 def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: str,
-                             trace_out: Optional[str], quiet: bool, **kw: Any) -> None:
+                             trace_out: Optional[str], quiet: bool, without_stateful: bool,
+                             **kw: Any) -> None:
     """The rank side of `sharddemo compare --modes resume`, started through accelerate launch.
 
     Example:
@@ -641,7 +648,8 @@ def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: st
     """
     from sharddemo.resume import demo_rank
 
-    demo_rank(_options(modes, kw), phase, checkpoint, device=device, trace_out=trace_out)
+    demo_rank(_options(modes, kw), phase, checkpoint, device=device, trace_out=trace_out,
+              stateful=not without_stateful)
 
 
 @cli.command("resume-rank", hidden=True)

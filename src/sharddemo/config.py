@@ -60,13 +60,20 @@ def visible_gpus() -> int:
 
 
 def default_config_path() -> str:
-    """accelerate_configs/NAME in the working directory when there is one (a checkout: the
-    copy people read and edit), else the installed copy."""
+    """The installed config NAME (cpu2.yaml, or 2gpu.yaml where two GPUs are visible). Shown
+    as accelerate_configs/NAME where the working directory holds that very file (a checkout of
+    this repository: a shorter command to rerun by hand); a file of that name with other
+    content is the user's own and is not used unless passed with --config-file."""
     name = GPU_CONFIG if visible_gpus() >= 2 else CPU_CONFIG
+    shipped = shipped_config_path(name)
     local = os.path.join(os.getcwd(), "accelerate_configs", name)
-    if os.path.isfile(local):
-        return _display(local)
-    return shipped_config_path(name)
+    try:
+        with open(local, "rb") as mine, open(shipped, "rb") as ours:
+            if mine.read() == ours.read():
+                return _display(local)
+    except OSError:
+        pass
+    return shipped
 
 
 def _display(path: str) -> str:

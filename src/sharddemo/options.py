@@ -63,13 +63,13 @@ DEFAULT_EPOCHS = 2
 DEFAULT_SEED = 42
 DEFAULT_TIMEOUT = 60.0
 GATHER_STRATEGIES = ("auto", "batch", "epoch", "count")
-# `auto` takes the count path (counting.py) from this many samples on. Here, torch-free, so the
+# `auto` takes the count path (rank/counting.py) from this many samples on. Here, torch-free, so the
 # command line can decide before any rank starts.
 COUNT_FROM = 1_000_000
 
 
 def counted(gather: str, n: Optional[int]) -> bool:
-    """Whether a walk of n samples takes the count path (walk.choose_gather decides the same on
+    """Whether a walk of n samples takes the count path (rank.walk.choose_gather decides the same on
     the ranks)."""
     return n is not None and (gather == "count" or (gather == "auto" and n >= COUNT_FROM))
 
@@ -150,7 +150,7 @@ class RunOptions:
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
     # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), not at
-    # all (`count`), or `auto`: as walk.choose_gather decides.
+    # all (`count`), or `auto`: as rank.walk.choose_gather decides.
     gather: str = "auto"
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = DEFAULT_TIMEOUT
@@ -287,9 +287,11 @@ class ResumePlan:
 DEMO_WORKERS = (0, 2)
 
 
-def demo_scenarios(steps: int) -> list[dict]:
+def demo_scenarios(steps: int, stateful: bool = True) -> list[dict]:
     """The 12 scenarios for an epoch of `steps` steps per rank: stop in the middle of epoch 0
-    and at the start of epoch 1; skip, stateful, restart; 0 and 2 workers."""
+    and at the start of epoch 1; skip, stateful, restart; 0 and 2 workers. Without `stateful`
+    (torchdata not installed) the 8 that need no StatefulDataLoader."""
     stops = [(0, steps // 2), (1, 0)]
+    strategies = [s for s in STRATEGIES if stateful or s != "stateful"]
     return [{"workers": w, "epoch": e, "step": s, "strategy": strategy}
-            for w in DEMO_WORKERS for e, s in stops for strategy in STRATEGIES]
+            for w in DEMO_WORKERS for e, s in stops for strategy in strategies]

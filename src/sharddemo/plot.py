@@ -50,11 +50,14 @@ def grid_lines(report: dict, epoch: dict) -> list[str]:
 
 
 def _pyplot():
+    from sharddemo.extras import require
+
+    require("matplotlib", "--plot")
     try:
         import matplotlib
-    except ImportError:
-        raise UsageError("--plot needs matplotlib, which is not installed: "
-                         "pip install 'sharddemo[plot]'") from None
+    except ImportError as exc:  # present but broken at import
+        raise UsageError(f"--plot needs matplotlib, which fails to import ({exc}); reinstall "
+                         "it: pip install 'sharddemo[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

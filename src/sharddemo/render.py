@@ -206,6 +206,8 @@ def render_table(report: dict) -> str:
     if report.get("resume"):
         out += ["", "== resume: " + RESUME_TITLE]
         out += ["  " + line for line in resume_demo_lines(report["resume"])]
+        if report.get("resume_left_out"):
+            out.append(f"  left out: {report['resume_left_out']}")
     for mode, data in report["modes"].items():
         out.append("")
         out.append(f"== {mode}: {data['description']}")
@@ -321,6 +323,8 @@ def render_markdown(report: dict) -> str:
     if report.get("resume"):
         out += ["## resume", "", RESUME_TITLE[0].upper() + RESUME_TITLE[1:] + ".", ""]
         out += [f"- {line}" for line in resume_demo_lines(report["resume"])] + [""]
+        if report.get("resume_left_out"):
+            out += [f"Left out: {report['resume_left_out']}", ""]
     for mode, data in report["modes"].items():
         out += [f"## {mode}", "", data["description"], "",
                 *[line for note in _notes(data) for line in (f"Note: {note}", "")],

@@ -161,9 +161,10 @@ def _demo_loader(accelerator, opts, workers: int, stateful: bool):
 
 
 def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
-              trace_out: Optional[str] = None) -> Optional[dict]:
+              trace_out: Optional[str] = None, stateful: bool = True) -> Optional[dict]:
     """One phase of the demo on this rank: `reference` (per workers x stateful, three epochs),
-    `stop` or `resume` (per scenario). Returns {key: epochs} on the main process."""
+    `stop` or `resume` (per scenario; without `stateful`, torchdata not installed, the
+    scenarios that need no StatefulDataLoader). Returns {key: epochs} on the main process."""
     from accelerate import Accelerator
 
     from sharddemo.sources import batch_ids
@@ -188,14 +189,14 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
         steps = None
         if phase == "reference":
             for workers in DEMO_WORKERS:
-                for stateful in (False, True):
+                for kind in (False, True) if stateful else (False,):
                     acc = fresh()
-                    loader = _demo_loader(acc, opts, workers, stateful)
+                    loader = _demo_loader(acc, opts, workers, kind)
                     steps = len(loader)
                     walk = walker(acc, loader)
                     for epoch in range(3):
                         walk.walk(epoch)
-                    out[f"w{workers}-{'stateful' if stateful else 'plain'}"] = walk.records
+                    out[f"w{workers}-{'stateful' if kind else 'plain'}"] = walk.records
         else:
             acc0 = fresh()
             steps = len(_demo_loader(acc0, opts, 0, False))
@@ -203,10 +204,9 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
                 raise UsageError(f"--modes resume stops in the middle of an epoch, but an epoch "
                                  f"here has {steps} step per rank; pass a larger --dataset-size "
                                  "(e.g. --dataset-size 40 --batch-size 4)")
-            for k, sc in enumerate(demo_scenarios(steps)):
+            for k, sc in enumerate(demo_scenarios(steps, stateful)):
                 acc = fresh()
-                stateful = sc["strategy"] == "stateful"
-                loader = _demo_loader(acc, opts, sc["workers"], stateful)
+                loader = _demo_loader(acc, opts, sc["workers"], sc["strategy"] == "stateful")
                 folder = os.path.join(checkpoint, f"scenario-{k}")
                 walk = walker(acc, loader)
                 if phase == "stop":

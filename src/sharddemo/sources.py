@@ -87,7 +87,6 @@ def hf_stream(length: int, shards: int):
     launch's own temporary folder, removed with it (launch.run_launch sets TMPDIR: a rank ends
     with os._exit, which skips atexit); in a process of its own it is removed at exit.
     """
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from datasets import load_dataset
 
     folder = tempfile.mkdtemp(prefix="sharddemo-stream-")

@@ -47,10 +47,11 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
     from sharddemo.launch import LaunchSettings
 
     if framework is not None:
-        from sharddemo.adapters import EXTRAS, require_extra
+        from sharddemo.adapters import FRAMEWORKS, require_extra
 
-        if framework not in EXTRAS:
-            raise ValueError(f"framework must be one of {', '.join(EXTRAS)}, got {framework!r}")
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, "
+                             f"got {framework!r}")
         require_extra(framework)
     opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
                         set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,

@@ -7,7 +7,7 @@ Launch it with accelerate, for example
 Every rank builds one Accelerator, then, for each mode, the DataLoader that mode describes
 (see loaders.py) and walks it for the requested epochs. Each batch is moved to the
 accelerator's device and gathered with `accelerator.gather`, as the reference's
-`all_gather` does (walk.py: lengths exchanged first, padded, trimmed, so ranks with unequal
+`all_gather` does (rank/walk.py: lengths exchanged first, padded, trimmed, so ranks with unequal
 batches or step counts never meet in a collective of unequal shapes). Only the main process
 prints.
 """

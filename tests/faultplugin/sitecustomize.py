@@ -14,11 +14,12 @@ if SPEC and "RANK" in os.environ:
     import signal
     import time
 
+    import sharddemo.rank.walk as _walk
     import sharddemo.trace as _trace
 
     how, want_rank, want_mode, want_epoch = SPEC.split(":")
     _current = {"mode": None}
-    _trace_mode, _walk_epoch = _trace.trace_mode, _trace.walk_epoch
+    _trace_mode, _walk_epoch = _trace.trace_mode, _walk.walk_epoch
 
     def trace_mode(accelerator, mode, *args, **kwargs):
         _current["mode"] = mode
@@ -35,4 +36,5 @@ if SPEC and "RANK" in os.environ:
                 time.sleep(3600)
         return _walk_epoch(accelerator, loader, read_ids, epoch=epoch, **kwargs)
 
-    _trace.trace_mode, _trace.walk_epoch = trace_mode, walk_epoch
+    # (the one epoch loop, rank.walk.EpochWalker, calls rank.walk.walk_epoch)
+    _trace.trace_mode, _walk.walk_epoch = trace_mode, walk_epoch

@@ -10,14 +10,13 @@ own call.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from sharddemo.errors import UsageError
 
-# --trainer / --lightning: (the module that must import, the extra that installs it)
-EXTRAS = {"trainer": ("transformers", "hf"), "lightning": ("lightning", "lightning")}
+# --trainer / --lightning: the optional package each needs (sharddemo.extras)
+FRAMEWORKS = {"trainer": "transformers", "lightning": "lightning"}
 
 
 @dataclass
@@ -37,11 +36,9 @@ class Audited:
 
 def require_extra(kind: str) -> None:
     """One Error line, before any rank starts, when the framework is not installed."""
-    module, extra = EXTRAS[kind]
-    if importlib.util.find_spec(module) is None:
-        raise UsageError(f"--{kind} needs the {module} package, which is not installed; install "
-                         f"the extra: pip install 'sharddemo[{extra}]' (from a checkout: pip "
-                         f"install -e '.[{extra}]')")
+    from sharddemo.extras import require
+
+    require(FRAMEWORKS[kind], f"--{kind}")
 
 
 def call_factory(factory: Callable, target: str, *args: Any) -> Any:

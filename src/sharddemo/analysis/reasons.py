@@ -1,5 +1,5 @@
 """Why samples repeat or go missing: the reason codes, their words, and the functions that
-find a reason in an epoch view (analysis.views) and the loader's description (walk.describe_loader).
+find a reason in an epoch view (analysis.views) and the loader's description (rank.describe.describe_loader).
 
 A reason is named only where the mechanism that causes it is really in the loader (a
 DistributedSampler pads, accelerate's BatchSamplerShard fills, IterableDatasetShard loops

@@ -97,10 +97,11 @@ def explain(resume: dict) -> str:
     return f"{head}. " + "; ".join(parts) + f".{tail} {verdict}."
 
 
-def demo_report(reference: dict, stop: dict, resumed: dict) -> list[dict]:
-    """Every scenario's `resume` object, with its workers."""
+def demo_report(reference: dict, stop: dict, resumed: dict, stateful: bool = True) -> list[dict]:
+    """Every scenario's `resume` object, with its workers (`stateful`: as the ranks ran them,
+    options.demo_scenarios)."""
     rows = []
-    for k, sc in enumerate(demo_scenarios(stop["steps"])):
+    for k, sc in enumerate(demo_scenarios(stop["steps"], stateful)):
         plan = ResumePlan(sc["epoch"], sc["step"], sc["strategy"])
         key = f"w{sc['workers']}-{'stateful' if sc['strategy'] == 'stateful' else 'plain'}"
         result = compare_resume(

@@ -93,7 +93,7 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
                    set_epoch_called: bool = False) -> list[dict]:
     """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]. An eval loader
     (role "eval") also gets eval-counts-each-sample-once. `loader`: its description
-    (walk.describe_loader), whose `shuffled` says whether a new order is due each epoch.
+    (rank.describe.describe_loader), whose `shuffled` says whether a new order is due each epoch.
     `set_epoch_called`: the walk called set_epoch before each epoch, as the loop does."""
     w = trace["world_size"]
     promised = expect(trace)
@@ -160,7 +160,7 @@ def _most_copies(e: dict) -> str:
 
 def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] = None) -> str:
     """One sentence in plain words, with the arithmetic stated. `loader`: its description
-    (walk.describe_loader), where it deals only part of the data."""
+    (rank.describe.describe_loader), where it deals only part of the data."""
     n, w = trace["dataset_size"], trace["world_size"]
     g = global_batch(trace)
     b = g // max(w, 1)

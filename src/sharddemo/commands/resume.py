@@ -96,6 +96,11 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
     from sharddemo.analysis import REPORT_SCHEMA
     from sharddemo.analysis.resume import demo_report
 
+    from sharddemo.extras import available, install_hint
+
+    # the stateful strategy needs torchdata's StatefulDataLoader: without it, the others
+    stateful = available("torchdata")
+    extra = [] if stateful else ["--without-stateful"]
     checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
     # A resume launch also runs epochs 0..2 for 12 scenarios: more work than one mode.
     limits = RunOptions(epochs=3 * 12, dataset_size=opts.dataset_size, timeout=opts.timeout)
@@ -103,7 +108,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
     try:
         for phase in ("stop", "reference", "resume"):
             launch = make_launch(settings, [*opts.to_run_args(), "--phase", phase,
-                                            "--checkpoint", checkpoint],
+                                            "--checkpoint", checkpoint, *extra],
                                  command="resume-demo-rank", check=opts.check_world)
             traces[phase] = run_launch(launch, limits, debug=debug)
     finally:
@@ -119,4 +124,8 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
             "epochs": 3, "seed": opts.seed, "source": opts.source, "options": opts.to_dict(),
             "config_file": launch.config_file, "launch_command": None, "modes": {},
             "broken_promises": [],
-            "resume": demo_report(ref, traces["stop"], traces["resume"])}
+            "resume": demo_report(ref, traces["stop"], traces["resume"], stateful),
+            "resume_left_out": None if stateful else (
+                "the stateful strategy (use_stateful_dataloader) needs torchdata's "
+                "StatefulDataLoader, which is not installed; its 4 scenarios were left out: "
+                + install_hint("torchdata"))}

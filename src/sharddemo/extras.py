@@ -1,0 +1,49 @@
+"""The optional packages, as users install them: each command that can use one works without it
+or says, in one `Error:` line before any rank starts, which extra to install.
+
+Checked without importing the package (importlib.util.find_spec), so that a check costs nothing
+and a package that is present but hidden (or broken at import) counts as absent. The extras are
+those of setup.cfg: `hf`, `lightning`, `stateful`, `plot`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from sharddemo.errors import UsageError
+
+# what -> (the modules any one of which will do, the extra that installs one, what it is)
+EXTRAS = {
+    "transformers": (("transformers",), "hf", "the transformers package"),
+    # users import Lightning as `pytorch_lightning` (package pytorch-lightning) or as
+    # `lightning.pytorch` (package lightning): either does
+    "lightning": (("pytorch_lightning", "lightning"), "lightning",
+                  "Lightning (the pytorch-lightning or the lightning package)"),
+    "torchdata": (("torchdata",), "stateful", "torchdata's StatefulDataLoader"),
+    "matplotlib": (("matplotlib",), "plot", "matplotlib"),
+}
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available(what: str) -> bool:
+    """Whether one of the modules `what` can use is installed."""
+    return any(installed(m) for m in EXTRAS[what][0])
+
+
+def install_hint(what: str) -> str:
+    extra = EXTRAS[what][1]
+    return (f"pip install 'sharddemo[{extra}]' (from a checkout: pip install -e "
+            f"'.[{extra}]')")
+
+
+def require(what: str, needed_by: str) -> None:
+    """One Error line when `what` is not installed: `needed_by` needs it, and the extra."""
+    if not available(what):
+        raise UsageError(f"{needed_by} needs {EXTRAS[what][2]}, which is not installed; "
+                         f"install the extra: {install_hint(what)}")
