@@ -297,17 +297,20 @@ def test_bad_framework_input_is_one_error_line(args, message):
     assert lines[0].startswith("Error: ") and message in lines[0], lines
 
 
-@pytest.mark.parametrize("flag,module,extra", [("--trainer", "transformers", "hf"),
-                                               ("--lightning", "lightning", "lightning")])
-def test_a_missing_extra_is_named_before_any_rank_starts(flag, module, extra):
+@pytest.mark.parametrize("flag,modules,extra", [
+    ("--trainer", ["transformers"], "hf"),
+    # either Lightning package will do: both absent
+    ("--lightning", ["lightning", "pytorch_lightning"], "lightning")])
+def test_a_missing_extra_is_named_before_any_rank_starts(flag, modules, extra):
     # The package hidden as if not installed (importlib finds no spec for a None module).
-    code = (f"import sys; sys.modules[{module!r}] = None; from sharddemo.cli import main; "
+    hide = "; ".join(f"sys.modules[{m!r}] = None" for m in modules)
+    code = (f"import sys; {hide}; from sharddemo.cli import main; "
             f"sys.argv = ['sharddemo', 'audit', {flag!r}, 'examples/trainer_example.py:f']; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, env=launch_env(), timeout=60)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert f"pip install 'sharddemo[{extra}]'" in lines[0] and module in lines[0]
+    assert f"pip install 'sharddemo[{extra}]'" in lines[0] and modules[0] in lines[0]
 
 
 def test_a_factory_that_returns_something_else_is_a_usage_error():

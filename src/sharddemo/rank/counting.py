@@ -66,8 +66,13 @@ class Counts:
     FLUSH_IDS at a time (one index_add_, one hash update, one comparison), which is what keeps
     the walk close to the bare loop's speed."""
 
-    def __init__(self, n: int, keep: int = KEEP_BATCHES) -> None:
+    def __init__(self, n: int, keep: int = KEEP_BATCHES, background: bool = True) -> None:
         self.n = int(n)
+        # the reduce in gloo's background thread while the small exchanges go on (sharddemo's
+        # own ranks); False in a user's process (sharddemo.watch): a gloo process group that
+        # ran async work and is left to the interpreter's teardown can abort the process at
+        # exit ("terminate called without an active exception", 2 exits in 6 here)
+        self.background = background
         self.counts = np.zeros(max(self.n, 1), dtype=np.uint8)
         # the same memory: torch's index_add_ counts fast
         self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
@@ -163,7 +168,8 @@ class Counts:
         # on `counts` is the reduce's until reduced() returns.
         world = accelerator.num_processes
         code, shift = encode(counts, world)
-        reduced = reduce_to_main(accelerator, code) if world > 1 else (lambda: None)
+        reduced = (reduce_to_main(accelerator, code, self.background) if world > 1
+                   else (lambda: None))
         heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total,
                                             distinct, outside_total, len(sizes), len(made),
                                             _remainder(loader), int(ascending),
@@ -199,7 +205,8 @@ _WIRE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int32,
          np.dtype(np.uint32): torch.int64}
 
 
-def reduce_to_main(accelerator, code: np.ndarray) -> Callable[[], None]:
+def reduce_to_main(accelerator, code: np.ndarray,
+                   background: bool = True) -> Callable[[], None]:
     """Start summing `code` over the ranks into the main process's `code` (in place; the other
     ranks' arrays are left as they were) and return `wait`, which returns once the sums are
     there. A reduce, not an all-reduce: only the main process reads the sums, and on gloo a
@@ -220,7 +227,7 @@ def reduce_to_main(accelerator, code: np.ndarray) -> Callable[[], None]:
     works = []
     for lo in range(0, code.size, CHUNK):
         part = torch.from_numpy(code[lo:lo + CHUNK])
-        if wire == part.dtype and device.type == "cpu":
+        if background and wire == part.dtype and device.type == "cpu":
             works.append(collective(dist.reduce, part, dst=0, op=dist.ReduceOp.SUM,
                                     async_op=True))
             continue

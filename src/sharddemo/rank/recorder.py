@@ -32,7 +32,7 @@ from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
 from sharddemo.rank.counting import KEEP_BATCHES, Counts
 from sharddemo.rank.describe import base_loader, is_prepared
 from sharddemo.rank.ids import ReadIds, read_values, unshift
-from sharddemo.rank.tagging import known_worker
+from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
 
 
 def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
@@ -112,11 +112,13 @@ class Recorder:
     what accelerate's gather_for_metrics keeps of the last step (`remainder`).
 
     `add(batch)` is local and costs a few microseconds a batch; `finish(epoch)` is a collective
-    every rank calls once per epoch, and starts the next epoch empty.
+    every rank calls once per epoch, and starts the next epoch empty. `background=False`
+    keeps every collective synchronous (for a process that exits through the interpreter's
+    teardown: a user's training script).
     """
 
-    def __init__(self, accelerator, read_ids: ReadIds, *, how: str = "epoch",
-                 n: Optional[int] = None, loader: Any = None) -> None:
+    def __init__(self, accelerator, read_ids: Optional[ReadIds] = None, *, how: str = "epoch",
+                 n: Optional[int] = None, loader: Any = None, background: bool = True) -> None:
         if how not in ("epoch", "count"):
             raise ValueError(f"how must be 'epoch' or 'count', got {how!r}")
         if how == "count" and n is None:
@@ -126,6 +128,7 @@ class Recorder:
         self.how = how
         self.n = n
         self.loader = loader
+        self.background = background  # rank.counting.Counts: the reduce in gloo's thread
         # the worker of every batch where the loader says it (no tag to read)
         self.known = known_worker(loader) if loader is not None else None
         workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
@@ -134,7 +137,8 @@ class Recorder:
         self.log = self._new_log()
 
     def _new_log(self):
-        return Counts(int(self.n), self.keep) if self.how == "count" else IdLog()
+        return (Counts(int(self.n), self.keep, self.background) if self.how == "count"
+                else IdLog())
 
     @property
     def steps(self) -> int:
@@ -150,6 +154,11 @@ class Recorder:
         """One batch, as the loader yielded it (tagged or not)."""
         values, worker, shift = read_values(self.read_ids, batch, self.known)
         self.log.add(values, worker, shift)
+
+    def add_ids(self, ids: torch.Tensor, worker: int = UNKNOWN_WORKER) -> None:
+        """One batch given by its 0-based ids (a 1-D integer tensor), where the caller read
+        them itself (sharddemo.watch)."""
+        self.log.add(ids, worker, 0)
 
     def finish(self, epoch: int, loader: Any = None) -> Optional[dict]:
         """The epoch's end, a collective: the record on the main process, None elsewhere.

@@ -1,0 +1,147 @@
+"""What sharddemo.watch costs a real training loop (docs/benchmarks.md, "watch").
+
+    python benchmarks/watch_overhead.py --pairs 6          # step time, 2 CPU ranks
+    python benchmarks/watch_overhead.py --per-batch        # recording cost per batch, 1 process
+
+Step time: the same script (an MLP 32-256-256-1, batch 64, a prepared shuffled DataLoader,
+1,000 steps per rank, 2 gloo ranks, one epoch after a warm-up epoch) launched with and without
+`watch(loader, accelerator)`, the two alternating launch by launch so that the machine's drift
+hits both alike. Each launch reports the main rank's mean step time over the timed epoch
+(the watch's end-of-epoch exchange included). Printed: every pair, the median ratio and the
+step time.
+
+Per batch: `watch` on a DataLoader over a map-style dataset of 10^6 samples, batches of 64, in
+one process, against the same loader unwatched: the difference per batch in microseconds (the
+note of the sampler's indices, the count, the flushes), median of several passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "accelerate_configs", "cpu2.yaml")
+STEPS, BATCH, WIDTH = 1000, 64, 256
+
+
+def rank_main(watched: bool, out: str) -> None:
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    world = accelerator.num_processes
+    n = STEPS * BATCH * world
+    data = TensorDataset(torch.arange(n), torch.randn(n, 32), torch.randn(n, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(32, WIDTH), torch.nn.ReLU(),
+                                torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
+                                torch.nn.Linear(WIDTH, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    if watched:
+        from sharddemo import watch
+
+        loader = watch(loader, accelerator, report=None)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    times = []
+    for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
+        accelerator.wait_for_everyone()
+        start = time.perf_counter()
+        steps = 0
+        for _, x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+        times.append((time.perf_counter() - start) / steps)
+    if accelerator.is_main_process:
+        with open(out, "w") as handle:
+            json.dump({"step_s": times[1], "steps": steps}, handle)
+    accelerator.end_training()
+
+
+def launch(watched: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
+               "--num_processes", "2", __file__, "--rank", "1" if watched else "0", "--out", out]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=600)
+        with open(out) as handle:
+            return json.load(handle)
+
+
+def per_batch(passes: int) -> dict:
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from sharddemo import watch
+
+    class Ids(Dataset):  # batched fetch: the loader's own cost stays small and steady
+        def __len__(self):
+            return 1_000_000
+
+        def __getitems__(self, indices):
+            return torch.tensor(indices)
+
+        def __getitem__(self, i):
+            return i
+
+    def loader():
+        return DataLoader(Ids(), batch_size=BATCH, shuffle=True, collate_fn=lambda b: b)
+
+    plain, watched = [], []
+    for _ in range(passes):
+        for kind, into in ((False, plain), (True, watched)):
+            made = watch(loader(), report=None) if kind else loader()
+            start = time.perf_counter()
+            count = 0
+            for _ in made:
+                count += 1
+            into.append((time.perf_counter() - start) / count)
+    return {"batches": count, "plain_us": statistics.median(plain) * 1e6,
+            "watched_us": statistics.median(watched) * 1e6,
+            "per_batch_us": (statistics.median(watched) - statistics.median(plain)) * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--per-batch", action="store_true")
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--rank", choices=["0", "1"])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.rank is not None:
+        rank_main(args.rank == "1", args.out)
+        return
+    if args.per_batch:
+        print(json.dumps(per_batch(args.passes), indent=1))
+        return
+    ratios, plain_steps = [], []
+    for pair in range(args.pairs):
+        # alternate which goes first, so neither always runs on a warmer machine
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        got = {watched: launch(watched) for watched in order}
+        ratio = got[True]["step_s"] / got[False]["step_s"]
+        ratios.append(ratio)
+        plain_steps.append(got[False]["step_s"])
+        print(f"pair {pair}: plain {got[False]['step_s'] * 1e3:.3f} ms/step, watched "
+              f"{got[True]['step_s'] * 1e3:.3f} ms/step, ratio {ratio:.4f}", flush=True)
+    print(json.dumps({"pairs": args.pairs, "steps_per_rank": STEPS, "batch": BATCH,
+                      "median_ratio": statistics.median(ratios),
+                      "ratios": [round(r, 4) for r in ratios],
+                      "median_step_ms": statistics.median(plain_steps) * 1e3}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

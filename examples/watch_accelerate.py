@@ -1,0 +1,74 @@
+"""A plain accelerate training loop, checked as it trains with one line: sharddemo.watch.
+
+    accelerate launch --config_file accelerate_configs/cpu2.yaml examples/watch_accelerate.py
+    accelerate launch --config_file accelerate_configs/cpu2.yaml examples/watch_accelerate.py --pitfall replicated
+
+At the end of each epoch the main process prints one line per watched loader and appends one
+JSON object to sharddemo-watch.jsonl (docs/watch.md). `--pitfall` builds the loader the way
+users get it wrong: `replicated` (not prepared, no sampler: every rank walks all of it),
+`no-set-epoch` (a DistributedSampler whose set_epoch is never called: the same order every
+epoch), `skip` (epoch 0 resumes with accelerator.skip_first_batches(loader, 3): the skipped
+batches never reach the loop). `--on-violation raise` stops every rank at the failing epoch's
+end with ShardingViolation.
+"""
+
+import argparse
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from sharddemo import watch
+
+N, BATCH = 40, 4
+
+
+def get_dataloader(accelerator, pitfall: str, workers: int):
+    dataset = TensorDataset(torch.arange(N), torch.randn(N, 8))
+    if pitfall == "replicated":
+        return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers), None
+    if pitfall == "no-set-epoch":
+        sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
+                                     rank=accelerator.process_index, shuffle=True, seed=0)
+        return DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers), None
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
+    return loader, "prepare"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pitfall", choices=["none", "replicated", "no-set-epoch", "skip"],
+                        default="none")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--report", default="sharddemo-watch.jsonl")
+    parser.add_argument("--on-violation", choices=["warn", "raise", "ignore"], default="warn")
+    args = parser.parse_args()
+
+    # On a machine without GPUs the ranks run on the CPU (gloo): cpu2.yaml starts 2 of them.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader, how = get_dataloader(accelerator, args.pitfall, args.workers)
+    # watch before prepare: given the accelerator, the loader prepare returns is watched too
+    loader = watch(loader, accelerator, report=args.report, on_violation=args.on_violation)
+    if how == "prepare":
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+    for epoch in range(args.epochs):
+        batches = loader
+        if args.pitfall == "skip" and epoch == 0:
+            batches = accelerator.skip_first_batches(loader, 3)  # as a resumed run does
+        for ids, x in batches:
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

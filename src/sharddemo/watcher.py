@@ -1,0 +1,460 @@
+"""`sharddemo.watch` (this module: sharddemo.watcher): check the real training run's sharding, epoch by epoch, as it trains.
+
+    from sharddemo import watch
+
+    loader = watch(loader, accelerator)          # one line in your script
+    for epoch in range(epochs):
+        for batch in loader:                     # your batches, untouched
+            ...
+    # at the end of each epoch the main process prints one line, e.g.
+    # sharddemo: epoch 1 train: 40 of 40 samples once across 2 ranks, 5 steps each, order changed: ok
+    # and appends one JSON object to sharddemo-watch.jsonl (docs/watch.md)
+
+It is the recorder of `sharddemo audit` (rank.recorder.Recorder) inside your own loop, and the
+report's analysis (sharddemo.analysis) at the end of each epoch: the same reasons, words and
+verdicts as `audit`.
+
+How it sees the ids without touching a batch: for a map-style dataset, the indices that the
+loader's own index sampler (its batch sampler, or its sampler with batch_size=None) hands out
+on this rank are noted in the main process as the loader's iterator asks for them, and each
+batch the loop receives takes the oldest noted indices (a DataLoader yields its batches in the
+order their indices were drawn, workers or not). A Subset's indices are mapped to the root
+dataset's. With `id_field`, the ids are read from each batch instead (any dataset, streams
+included). Each rank counts what reached its loop (one byte per sample where the dataset's
+length is known, else the ids), and at the end of the epoch one exchange brings it together:
+no collective and no host sync per step.
+
+It follows the loader where accelerate makes a new one from it: `accelerator.prepare(loader)`
+and `accelerator.skip_first_batches(loader, k)` return watched loaders when `accelerator` was
+given to `watch` (the skipped batches never reach the loop, and are not counted).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from sharddemo.errors import ShardDemoError
+
+ON_VIOLATION = ("warn", "raise", "ignore")
+WATCH_SCHEMA = "sharddemo.watch/1"
+
+
+class ShardingViolation(ShardDemoError):
+    """Raised on every rank, at the same point (the end of the epoch's exchange), when a
+    watched epoch fails a verdict and `on_violation="raise"`."""
+
+    def __init__(self, message: str, entry: dict) -> None:
+        super().__init__(message)
+        self.entry = entry
+
+
+# -- the ranks, with or without accelerate ----------------------------------------------------
+
+class _TorchRanks:
+    """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
+    srun) or a single process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.num_processes = self.dist.get_world_size() if self.dist else 1
+        self.process_index = self.dist.get_rank() if self.dist else 0
+        self.is_main_process = self.process_index == 0
+        backend = self.dist.get_backend() if self.dist else "none"
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if backend == "nccl" else torch.device("cpu"))
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.new_empty((self.num_processes * tensor.numel(),))
+        self.dist.all_gather_into_tensor(out, tensor.contiguous())
+        return out
+
+
+def _ranks(accelerator):
+    return accelerator if accelerator is not None else _TorchRanks()
+
+
+# -- noting the indices the loader's own index sampler hands out ------------------------------
+
+class _Tap:
+    """The indices a loader's index sampler handed out, oldest first, noted while that loader
+    (not another built over the same sampler) is being iterated."""
+
+    def __init__(self) -> None:
+        self.fifo: collections.deque = collections.deque()
+        self.active = False
+
+
+class _TapIter:
+    """The index sampler's iterator, noting what it yields; its state (a stateful sampler's,
+    for torchdata's StatefulDataLoader) passes through."""
+
+    def __init__(self, inner, tap: _Tap) -> None:
+        self._inner, self._tap = inner, tap
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = next(self._inner)
+        if self._tap.active:
+            self._tap.fifo.append(index)
+        return index
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_inner"], name)
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._inner.load_state_dict(state)
+
+
+def _set_class(obj, cls) -> None:
+    """obj.__class__ = cls, also where a class answers __class__ with a property of its own
+    (accelerate's DataLoaderShard names the DataLoader it wraps)."""
+    object.__dict__["__class__"].__set__(obj, cls)
+
+
+def _rebuild(cls, state: dict):
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _as_plain(cls, *ours: str):
+    """__reduce_ex__ of a watched object: it pickles (accelerate's save_state pickles a
+    sampler; a spawned worker, a dataset) as the plain object it was, without the watch."""
+    def __reduce_ex__(self, protocol):
+        state = {k: v for k, v in self.__dict__.items() if k not in ours}
+        return _rebuild, (cls, state)
+
+    return __reduce_ex__
+
+
+def _tap(sampler) -> _Tap:
+    """Give `sampler` (the loader's batch sampler, or its sampler) a tap, keeping its class
+    for isinstance and every attribute (set_epoch, batch_size, state_dict) as it was."""
+    tap = sampler.__dict__.get("_sharddemo_tap")
+    if tap is not None:
+        return tap
+    cls = type(sampler)
+
+    def __iter__(self):
+        return _TapIter(iter(cls.__iter__(self)), self.__dict__["_sharddemo_tap"])
+
+    tapped = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "__reduce_ex__": _as_plain(cls, "_sharddemo_tap")})
+    tap = _Tap()
+    sampler.__dict__["_sharddemo_tap"] = tap
+    _set_class(sampler, tapped)
+    return tap
+
+
+# -- the watch ---------------------------------------------------------------------------------
+
+class _Watch:
+    """One watched loader (and the loaders accelerate makes from it): its recorder, the epoch
+    count, the last epoch's record (for the order), and where the report goes."""
+
+    def __init__(self, accelerator, name: str, report: Optional[str], id_field,
+                 on_violation: str) -> None:
+        self.accelerator = accelerator
+        self.ranks = None  # resolved at the first epoch's end: the process group exists then
+        self.name = name
+        self.report = report
+        self.id_field = id_field
+        self.on_violation = on_violation
+        self.epoch = 0
+        self.recorder = None
+        self.previous: Optional[dict] = None
+        self.description: Optional[dict] = None
+        self.n: Optional[int] = None
+        self.mapping = None  # Subset positions -> root ids
+        self.batch_size: Optional[int] = None
+        self.entries: list[dict] = []
+
+    # -- set-up, once per loader attached
+    def describe(self, loader) -> None:
+        from sharddemo.rank.describe import base_loader, describe_loader, root_length
+
+        base = base_loader(loader)
+        # the loader that runs now (prepare and skip_first_batches make new ones)
+        self.description = describe_loader(loader)
+        self.batch_size = (getattr(base, "batch_size", None)
+                           or getattr(getattr(base, "batch_sampler", None), "batch_size", None))
+        dataset = getattr(base, "dataset", None)
+        if self.n is None:
+            self.n = root_length(dataset)
+        if self.id_field is None and self.mapping is None:
+            self.mapping = _subset_mapping(dataset)
+
+    def new_recorder(self):
+        from sharddemo.rank.recorder import Recorder
+
+        if self.ranks is None:
+            self.ranks = _ranks(self.accelerator)
+        how = "count" if self.n is not None else "epoch"
+        return Recorder(self.ranks, how=how, n=self.n, background=False)
+
+    def add(self, batch, tap: Optional[_Tap]) -> None:
+        if self.recorder is None:
+            self.recorder = self.new_recorder()
+        if self.id_field is not None:
+            ids = _read_field(batch, self.id_field)
+        else:
+            index = tap.fifo.popleft()
+            ids = torch.as_tensor(index if isinstance(index, (list, tuple)) else [index],
+                                  dtype=torch.int64)
+            if self.mapping is not None:
+                ids = self.mapping[ids]
+        self.recorder.add_ids(ids)
+
+    def end_epoch(self) -> Optional[dict]:
+        """The epoch's end on every rank: one exchange, then the verdict on the main process,
+        the line and the report; ShardingViolation on every rank where asked."""
+        from sharddemo.collect import exchange_ints
+
+        if self.recorder is None:
+            self.recorder = self.new_recorder()
+        record = self.recorder.finish(self.epoch)
+        self.recorder = None
+        entry = None
+        if self.ranks.is_main_process:
+            entry = self.judge(record)
+            self.previous = record
+            self.entries.append(entry)
+            _say(entry["line"])
+            if self.report:
+                _append(self.report, entry)
+        self.epoch += 1
+        if self.on_violation != "raise":
+            return entry
+        ok = exchange_ints(self.ranks, [int(entry["ok"]) if entry is not None else 0])[0][0]
+        if not ok:
+            raise ShardingViolation(entry["line"] if entry else
+                                    f"sharddemo: epoch {self.epoch - 1} {self.name}: a sharding "
+                                    "verdict failed (the main process printed it)",
+                                    entry or {})
+        return entry
+
+    def judge(self, record: dict) -> dict:
+        """The record -> the report's epoch and verdicts (sharddemo.analysis, as `audit`)."""
+        from sharddemo.analysis import build_report
+        from sharddemo.record import loader_share
+
+        world = self.ranks.num_processes
+        n = self.n if self.n is not None else _largest_id(record) + 1
+        per_rank = self.batch_size or 1
+        records = [r for r in (self.previous, record) if r is not None]
+        trace = {"world_size": world, "backend": "gloo", "dataset_size": n,
+                 "batch_size": per_rank, "global_batch": per_rank * world,
+                 "epochs": len(records), "seed": 0,
+                 "options": {"audit": {"expect": "sharded"},
+                             "drop_last": bool(self.description.get("drop_last"))},
+                 "modes": {"audit": {"description": self.name, "epochs": records,
+                                     "loader": self.description,
+                                     "prepared": bool(self.description.get("prepared"))}}}
+        report = build_report(trace)["modes"]["audit"]
+        e = report["epochs"][-1]
+        verdicts = [v for v in report["verdicts"] if v["epoch"] == self.epoch]
+        failed = [v for v in verdicts if not v["ok"]]
+        entry = {
+            "schema": WATCH_SCHEMA, "loader": self.name, "epoch": self.epoch,
+            "world_size": world, "dataset_size": n,
+            "deals": loader_share(self.description, n),
+            "seen": e["seen"], "unique": e["unique"],
+            "missing": {"count": e["missing_count"], "ids": e["missing"][:100],
+                        "reason": e["missing_reason"]},
+            "duplicated": {"count": e["duplicate_count"],
+                           "ids": [d["id"] for d in e["duplicates"]][:100],
+                           "reasons": sorted({d["reason"] for d in e["duplicates"]} - {None})},
+            "steps": [r["steps"] for r in e["ranks"]],
+            "order_changed": e["order_changed"],
+            "verdicts": verdicts, "ok": not failed,
+            "reasons": e["reasons"],
+        }
+        entry["line"] = _line(entry, failed)
+        return entry
+
+
+def _subset_mapping(dataset) -> Optional[torch.Tensor]:
+    """Positions in a (chain of) torch Subset -> the root dataset's ids; None without one."""
+    mapping = None
+    while isinstance(dataset, torch.utils.data.Subset):
+        level = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
+        mapping = level if mapping is None else level[mapping]
+        dataset = dataset.dataset
+    return mapping
+
+
+def _read_field(batch, field) -> torch.Tensor:
+    if field == ".":
+        values = batch
+    elif isinstance(batch, dict):
+        values = batch[field]
+    else:
+        values = batch[int(field)]
+    values = torch.as_tensor(values)
+    if values.is_floating_point() or values.dtype is torch.bool:
+        raise ValueError(f"sharddemo.watch: id_field {field!r} holds {values.dtype} values; "
+                         "it must hold each sample's integer id 0..N-1")
+    return values.reshape(-1)
+
+
+def _largest_id(record: dict) -> int:
+    top = -1
+    for rank in record["ranks"]:
+        for batch in rank.get("batches", ()):
+            top = max([top, *batch])
+    return top
+
+
+def _line(entry: dict, failed: list[dict]) -> str:
+    n, world, deals = entry["dataset_size"], entry["world_size"], entry["deals"]
+    steps = entry["steps"]
+    each = (f"{steps[0]} steps each" if len(set(steps)) == 1 else f"steps per rank {steps}")
+    once = ("once" if entry["seen"] == entry["unique"] else
+            f"{entry['seen'] - entry['unique']} repeated")
+    order = {True: "yes", False: "NO", None: "-"}[entry["order_changed"]]
+    part = f"{deals} (a part of {n})" if deals < n else f"{n}"
+    text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']} of {part} "
+            f"samples {once} across {world} rank{'s' if world != 1 else ''}, {each}, order "
+            f"changed: {order}")
+    if not failed:
+        return text + ": ok"
+    from sharddemo.analysis.reasons import REASON_LABEL
+
+    reasons = [REASON_LABEL.get(r, r) for r in
+               [entry["missing"]["reason"], *entry["duplicated"]["reasons"]] if r]
+    why = f" ({'; '.join(dict.fromkeys(reasons))})" if reasons else ""
+    return (text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
+            + why)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _append(path: str, entry: dict) -> None:
+    """One JSON object per line, written with one call (a reader never sees half a line)."""
+    data = json.dumps({k: v for k, v in entry.items() if k != "line"}) + "\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(data)
+        handle.flush()
+
+
+# -- attaching to a loader -----------------------------------------------------------------
+
+def _attach(loader, state: _Watch):
+    """Make `loader` (in place, its class kept for isinstance) hand its batches to `state` as
+    they reach the loop, and end the epoch when it is exhausted."""
+    from sharddemo.rank.describe import base_loader
+
+    if "_sharddemo_watch" in loader.__dict__:
+        loader.__dict__["_sharddemo_watch"] = state
+        return loader
+    state.describe(loader)
+    tap = None
+    if state.id_field is None:
+        base = base_loader(loader)
+        if isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset):
+            raise ValueError("sharddemo.watch: this loader reads an IterableDataset, whose "
+                             "samples have no index: pass id_field= (the batch's field that "
+                             "holds each sample's id, or '.' for a batch that is the ids)")
+        if state.description.get("dispatcher"):
+            raise ValueError("sharddemo.watch: this loader dispatches batches (rank 0 reads "
+                             "them all and slices them to the ranks), so a rank's own sampler "
+                             "does not say what reached it: pass id_field=")
+        # the loader's index sampler, as torch's iterator draws from it (_index_sampler)
+        tap = _tap(loader.batch_sampler if getattr(loader, "batch_sampler", None) is not None
+                   else loader.sampler)
+    cls = type(loader)
+
+    def __iter__(self):
+        watch_state = self.__dict__["_sharddemo_watch"]
+        my_tap = self.__dict__.get("_sharddemo_loader_tap")
+        if my_tap is not None:
+            my_tap.fifo.clear()
+            my_tap.active = True
+        try:
+            for batch in cls.__iter__(self):
+                watch_state.add(batch, my_tap)
+                yield batch
+        finally:
+            if my_tap is not None:
+                my_tap.active = False
+        watch_state.end_epoch()
+
+    watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "__reduce_ex__": _as_plain(cls, "_sharddemo_watch",
+                                                                     "_sharddemo_loader_tap")})
+    loader.__dict__["_sharddemo_watch"] = state
+    loader.__dict__["_sharddemo_loader_tap"] = tap
+    _set_class(loader, watched)
+    return loader
+
+
+def _follow(accelerator, state: _Watch) -> None:
+    """accelerator.prepare and accelerator.skip_first_batches return watched loaders for a
+    watched one (instance attributes: this Accelerator only, nothing global)."""
+    if accelerator.__dict__.get("_sharddemo_follows"):
+        return
+    prepare, skip = accelerator.prepare, accelerator.skip_first_batches
+
+    def watched_prepare(*objects, **kwargs):
+        out = prepare(*objects, **kwargs)
+        results = out if isinstance(out, tuple) else (out,)
+        for given, made in zip(objects, results):
+            mine = getattr(given, "__dict__", {}).get("_sharddemo_watch")
+            if mine is not None and made is not given:
+                _attach(made, mine)
+        return out
+
+    def watched_skip(loader, num_batches: int = 0):
+        made = skip(loader, num_batches)
+        mine = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
+        if mine is not None and made is not loader:
+            _attach(made, mine)
+        return made
+
+    accelerator.prepare = watched_prepare
+    accelerator.skip_first_batches = watched_skip
+    accelerator.__dict__["_sharddemo_follows"] = True
+
+
+def watch(loader, accelerator=None, *, name: str = "train",
+          report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
+          on_violation: str = "warn"):
+    """Watch `loader` in your own training loop; returns the same loader object.
+
+    `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
+    prepares or skips from this one stays watched); None under torch.distributed alone or in
+    one process. `name`: the loader's name in the line and the report. `report`: the JSON-lines
+    file the main process appends one object to per epoch (None: no file). `id_field`: the
+    batch's field (dict key, tuple position, or "." for a batch that is the ids) holding each
+    sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
+    `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
+    the epoch's end) or "ignore" (the report only)."""
+    if on_violation not in ON_VIOLATION:
+        raise ValueError(f"sharddemo.watch: on_violation must be one of "
+                         f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"sharddemo.watch: expected a DataLoader, got {type(loader).__name__}")
+    state = _Watch(accelerator, name, report, id_field, on_violation)
+    _attach(loader, state)
+    if accelerator is not None:
+        _follow(accelerator, state)
+    return loader
+
+
+__all__ = ["ShardingViolation", "watch"]

@@ -1,0 +1,193 @@
+"""sharddemo.watch inside a training loop: in one process (batches untouched, everything a
+loader does still works), then on real gloo ranks running examples/watch_accelerate.py, a plain
+accelerate loop, with each pitfall caught live. Expected values come from torch's and
+accelerate's own objects built in this process for each rank (prepare_data_loader,
+skip_first_batches, DistributedSampler), or from literals worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from conftest import ROOT, accelerate_launch
+from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, Subset,
+                              TensorDataset)
+
+from sharddemo import ShardingViolation, watch
+
+EXAMPLE = "examples/watch_accelerate.py"
+
+
+WATCH_SCHEMA = json.loads((ROOT / "docs" / "watch.schema.json").read_text())
+
+
+def entries(path) -> list[dict]:
+    """The report file's lines, each validated against docs/watch.schema.json."""
+    import jsonschema
+
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    for entry in out:
+        jsonschema.validate(entry, WATCH_SCHEMA)
+    return out
+
+
+# -- one process --------------------------------------------------------------------------------
+
+def test_batches_len_and_set_epoch_are_untouched(tmp_path, capsys):
+    """10 samples, batches of 4, one process: 3 steps, every sample once (by hand)."""
+    data = TensorDataset(torch.arange(10))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    plain_sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+    watched = watch(DataLoader(data, batch_size=4, sampler=sampler),
+                    report=str(tmp_path / "w.jsonl"))
+    plain = DataLoader(data, batch_size=4, sampler=plain_sampler)
+    assert isinstance(watched, DataLoader) and len(watched) == 3
+    for epoch in range(2):
+        watched.sampler.set_epoch(epoch)
+        plain_sampler.set_epoch(epoch)
+        got = [b[0].tolist() for b in watched]
+        assert got == [b[0].tolist() for b in plain]  # the same batches, as the loader made them
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sharddemo")]
+    assert lines == ["sharddemo: epoch 0 train: 10 of 10 samples once across 1 rank, 3 steps "
+                     "each, order changed: -: ok",
+                     "sharddemo: epoch 1 train: 10 of 10 samples once across 1 rank, 3 steps "
+                     "each, order changed: yes: ok"]
+    got = entries(tmp_path / "w.jsonl")
+    assert [(e["epoch"], e["seen"], e["unique"], e["steps"], e["ok"]) for e in got] == [
+        (0, 10, 10, [3], True), (1, 10, 10, [3], True)]
+    assert got[0]["schema"] == "sharddemo.watch/1" and got[0]["missing"]["count"] == 0
+    # a tapped sampler still pickles as the plain one (accelerate's save_state pickles some)
+    assert type(pickle.loads(pickle.dumps(watched.sampler))) is DistributedSampler
+
+
+def test_workers_a_subset_and_an_id_field(tmp_path):
+    report = tmp_path / "w.jsonl"
+    data = TensorDataset(torch.arange(12))
+    with_workers = watch(DataLoader(data, batch_size=5, num_workers=2), name="workers",
+                         report=str(report))
+    assert [b[0].tolist() for b in with_workers] == [list(range(5)), list(range(5, 10)),
+                                                      [10, 11]]
+    part = watch(DataLoader(Subset(data, [11, 3, 7]), batch_size=2), name="part",
+                 report=str(report))
+    assert [b[0].tolist() for b in part] == [[11, 3], [7]]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter({"id": i} for i in (0, 1, 1, 2))
+
+    stream = watch(DataLoader(Stream(), batch_size=2), name="stream", id_field="id",
+                   report=str(report))
+    assert [b["id"].tolist() for b in stream] == [[0, 1], [1, 2]]
+    got = {e["loader"]: e for e in entries(report)}
+    assert (got["workers"]["seen"], got["workers"]["steps"], got["workers"]["ok"]) == (12, [3],
+                                                                                      True)
+    # the Subset's positions are the root dataset's ids 11, 3, 7: 3 of the part of 3
+    assert (got["part"]["unique"], got["part"]["deals"], got["part"]["ok"]) == (3, 3, True)
+    assert got["stream"]["duplicated"]["ids"] == [1] and not got["stream"]["ok"]
+
+
+def test_bad_arguments_say_what_to_do():
+    data = TensorDataset(torch.arange(4))
+    with pytest.raises(ValueError, match="on_violation must be one of warn, raise, ignore"):
+        watch(DataLoader(data), on_violation="explode")
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(ValueError, match="pass id_field="):
+        watch(DataLoader(Stream()))
+
+
+def test_raise_in_one_process(tmp_path):
+    data = TensorDataset(torch.arange(6))
+
+    class Twice(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([0, 1, 2, 0, 1, 2])
+
+        def __len__(self):
+            return 6
+
+    loader = watch(DataLoader(data, batch_size=3, sampler=Twice()), report=None,
+                   on_violation="raise")
+    with pytest.raises(ShardingViolation, match="FAIL no-missing-samples") as caught:
+        list(loader)
+    assert caught.value.entry["missing"]["ids"] == [3, 4, 5]
+
+
+# -- real ranks -------------------------------------------------------------------------------
+
+def library_batches(world: int, pitfall: str, epoch: int) -> list[list[int]]:
+    """Every rank's ids of `epoch` for the example's loader (N=40, batch 4), from torch's and
+    accelerate's own objects in this process."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from oracle import ensure_accelerator_state
+
+    from oracle import ACCELERATOR_RNG_TYPES
+
+    data = TensorDataset(torch.arange(40))
+    out = []
+    for rank in range(world):
+        torch.manual_seed(0)  # every rank's process is seeded alike (the example's manual_seed)
+        if pitfall == "replicated":
+            loader = DataLoader(data, batch_size=4, shuffle=True)
+        elif pitfall == "no-set-epoch":
+            sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
+            loader = DataLoader(data, batch_size=4, sampler=sampler)  # set_epoch never called
+        else:
+            ensure_accelerator_state()
+            loader = prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True),
+                                         num_processes=world, process_index=rank,
+                                         put_on_device=False,
+                                         rng_types=list(ACCELERATOR_RNG_TYPES))
+            if pitfall == "skip" and epoch == 0:
+                loader = skip_first_batches(loader, 3)
+        out.append([i for batch in loader for i in batch[0].tolist()])
+    return out
+
+
+@pytest.mark.parametrize("pitfall,world,workers", [
+    ("none", 2, 0), ("none", 3, 2), ("replicated", 2, 0), ("no-set-epoch", 2, 0),
+    ("skip", 2, 0)])
+def test_a_plain_accelerate_loop_is_checked_as_it_trains(tmp_path, pitfall, world, workers):
+    report = tmp_path / "w.jsonl"
+    proc = accelerate_launch([EXAMPLE, "--pitfall", pitfall, "--report", str(report),
+                              "--workers", str(workers)], nproc=world)
+    got = entries(report)
+    assert [e["epoch"] for e in got] == [0, 1]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
+    assert len(lines) == 2  # the main process alone speaks, once per epoch
+    for e, line in zip(got, lines):
+        ranks = library_batches(world, pitfall, e["epoch"])
+        ids = [i for mine in ranks for i in mine]
+        assert (e["seen"], e["unique"], e["world_size"]) == (len(ids), len(set(ids)), world)
+        assert e["missing"]["count"] == 40 - len(set(ids))
+        assert line.endswith(": ok") == e["ok"]
+    failed = [{v["verdict"] for v in e["verdicts"] if not v["ok"]} for e in got]
+    if pitfall == "none":
+        assert failed == [set(), set()] and got[1]["order_changed"] is True
+    elif pitfall == "replicated":
+        assert all("no-silent-replication" in f for f in failed)
+        assert "replication" in lines[0]
+    elif pitfall == "no-set-epoch":
+        # torch's own sampler deals the same order twice without set_epoch
+        assert library_batches(world, pitfall, 0) == library_batches(world, pitfall, 1)
+        assert failed == [set(), {"order-changes-each-epoch"}]
+        assert got[1]["order_changed"] is False and "set_epoch is never called" in lines[1]
+    elif pitfall == "skip":
+        # what reached the loop: 2 of 5 steps per rank after skipping 3 (not what was skipped)
+        assert got[0]["steps"] == [2, 2] and failed[0] == {"no-missing-samples"}
+        assert failed[1] == set()
+
+
+def test_raise_stops_every_rank_at_the_same_point(tmp_path):
+    report = tmp_path / "w.jsonl"
+    proc = accelerate_launch([EXAMPLE, "--pitfall", "replicated", "--report", str(report),
+                              "--on-violation", "raise"], check=False)
+    assert proc.returncode != 0
+    # both ranks raised at the end of epoch 0 (neither was left waiting in a collective)
+    assert proc.stderr.count("ShardingViolation: sharddemo: epoch 0 train") == 2, proc.stderr
+    assert [e["epoch"] for e in entries(report)] == [0]
