@@ -11,7 +11,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import ROOT, accelerate_launch
+from conftest import ROOT, accelerate_launch, ended_or_aborted_at_teardown
 from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, Subset,
                               TensorDataset)
 
@@ -155,7 +155,8 @@ def library_batches(world: int, pitfall: str, epoch: int) -> list[list[int]]:
 def test_a_plain_accelerate_loop_is_checked_as_it_trains(tmp_path, pitfall, world, workers):
     report = tmp_path / "w.jsonl"
     proc = accelerate_launch([EXAMPLE, "--pitfall", pitfall, "--report", str(report),
-                              "--workers", str(workers)], nproc=world)
+                              "--workers", str(workers)], nproc=world, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
     got = entries(report)
     assert [e["epoch"] for e in got] == [0, 1]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]

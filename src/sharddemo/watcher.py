@@ -88,7 +88,7 @@ class _Tap:
 
     def __init__(self) -> None:
         self.fifo: collections.deque = collections.deque()
-        self.active = False
+        self.active = None  # the pass (a token) now iterating the loader; None: no pass
 
 
 class _TapIter:
@@ -165,8 +165,9 @@ class _Watch:
     count, the last epoch's record (for the order), and where the report goes."""
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
-                 on_violation: str) -> None:
+                 on_violation: str, role: str = "train") -> None:
         self.accelerator = accelerator
+        self.role = role  # "eval": each sample must be counted once (eval padding fails)
         self.ranks = None  # resolved at the first epoch's end: the process group exists then
         self.name = name
         self.report = report
@@ -180,6 +181,16 @@ class _Watch:
         self.mapping = None  # Subset positions -> root ids
         self.batch_size: Optional[int] = None
         self.entries: list[dict] = []
+        # the epoch was ended by the framework's epoch-end event (a loop that stops pulling at
+        # the epoch's last batch, as the Trainer does), not by the loader's exhaustion
+        self.closed = False
+        self.unattributed = 0  # batches of this epoch whose indices were not noted
+
+    def close_epoch(self, loader=None) -> None:
+        """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
+        framework's epoch-end event)."""
+        if not self.closed:
+            self.end_epoch(loader)
 
     # -- set-up, once per loader attached
     def describe(self, loader) -> None:
@@ -209,6 +220,11 @@ class _Watch:
             self.recorder = self.new_recorder()
         if self.id_field is not None:
             ids = _read_field(batch, self.id_field)
+        elif not tap.fifo:
+            # no index noted for this batch (a loader that yields batches its sampler did not
+            # draw): counted as unattributed, never a failure of the user's loop
+            self.unattributed += 1
+            return
         else:
             index = tap.fifo.popleft()
             ids = torch.as_tensor(index if isinstance(index, (list, tuple)) else [index],
@@ -217,15 +233,18 @@ class _Watch:
                 ids = self.mapping[ids]
         self.recorder.add_ids(ids)
 
-    def end_epoch(self) -> Optional[dict]:
+    def end_epoch(self, loader=None) -> Optional[dict]:
         """The epoch's end on every rank: one exchange, then the verdict on the main process,
-        the line and the report; ShardingViolation on every rank where asked."""
+        the line and the report; ShardingViolation on every rank where asked. `loader`: the
+        loader the epoch came from (what accelerate's gather_for_metrics keeps of its last
+        step is read from it)."""
         from sharddemo.collect import exchange_ints
 
         if self.recorder is None:
             self.recorder = self.new_recorder()
-        record = self.recorder.finish(self.epoch)
+        record = self.recorder.finish(self.epoch, loader)
         self.recorder = None
+        self.closed = True
         entry = None
         if self.ranks.is_main_process:
             entry = self.judge(record)
@@ -260,7 +279,7 @@ class _Watch:
                  "options": {"audit": {"expect": "sharded"},
                              "drop_last": bool(self.description.get("drop_last"))},
                  "modes": {"audit": {"description": self.name, "epochs": records,
-                                     "loader": self.description,
+                                     "loader": self.description, "role": self.role,
                                      "prepared": bool(self.description.get("prepared"))}}}
         report = build_report(trace)["modes"]["audit"]
         e = report["epochs"][-1]
@@ -281,6 +300,9 @@ class _Watch:
             "verdicts": verdicts, "ok": not failed,
             "reasons": e["reasons"],
         }
+        if self.unattributed:
+            entry["unattributed_batches"] = self.unattributed
+        self.unattributed = 0
         entry["line"] = _line(entry, failed)
         return entry
 
@@ -332,11 +354,11 @@ def _line(entry: dict, failed: list[dict]) -> str:
         return text + ": ok"
     from sharddemo.analysis.reasons import REASON_LABEL
 
+    details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
     reasons = [REASON_LABEL.get(r, r) for r in
                [entry["missing"]["reason"], *entry["duplicated"]["reasons"]] if r]
-    why = f" ({'; '.join(dict.fromkeys(reasons))})" if reasons else ""
-    return (text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
-            + why)
+    reasons = [r for r in dict.fromkeys(reasons) if r not in details]  # not said twice
+    return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")
 
 
 def _say(line: str) -> None:
@@ -383,17 +405,20 @@ def _attach(loader, state: _Watch):
     def __iter__(self):
         watch_state = self.__dict__["_sharddemo_watch"]
         my_tap = self.__dict__.get("_sharddemo_loader_tap")
+        this_pass = object()
         if my_tap is not None:
             my_tap.fifo.clear()
-            my_tap.active = True
+            my_tap.active = this_pass
+        watch_state.closed = False
         try:
             for batch in cls.__iter__(self):
                 watch_state.add(batch, my_tap)
                 yield batch
         finally:
-            if my_tap is not None:
-                my_tap.active = False
-        watch_state.end_epoch()
+            # (a pass left unfinished and collected late must not switch off a newer one)
+            if my_tap is not None and my_tap.active is this_pass:
+                my_tap.active = None
+        watch_state.close_epoch(self)
 
     watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                           "__reduce_ex__": _as_plain(cls, "_sharddemo_watch",
@@ -450,7 +475,18 @@ def watch(loader, accelerator=None, *, name: str = "train",
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"sharddemo.watch: expected a DataLoader, got {type(loader).__name__}")
-    state = _Watch(accelerator, name, report, id_field, on_violation)
+    return _watch(loader, accelerator, name=name, report=report, id_field=id_field,
+                  on_violation=on_violation)
+
+
+def _watch(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
+           on_violation: str = "warn", role: str = "train", start_epoch: int = 0):
+    """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
+    (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run)."""
+    if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
+        return loader  # watched already (a callback called twice)
+    state = _Watch(accelerator, name, report, id_field, on_violation, role)
+    state.epoch = start_epoch
     _attach(loader, state)
     if accelerator is not None:
         _follow(accelerator, state)

@@ -1,0 +1,98 @@
+"""LightningWatch: sharddemo.watch inside Lightning's `Trainer.fit()`.
+
+    Trainer(callbacks=[LightningWatch()])
+
+Works with `pytorch_lightning` and with `lightning` (the callback class is the one of the
+package your Trainer comes from). From `on_train_start` the DataLoaders Lightning built (with the
+DistributedSampler it injects) are watched in place, and any it builds anew at an epoch's
+start; the validation loaders carry the eval verdict (eval-counts-each-sample-once: Lightning pads them
+like any DistributedSampler). The report goes to `<default_root_dir>/sharddemo-watch.jsonl`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from sharddemo.watcher import _watch
+
+try:  # what most users have
+    from pytorch_lightning import Callback as _PLCallback
+except ImportError:  # pragma: no cover - the other package alone
+    _PLCallback = None
+try:
+    from lightning.pytorch import Callback as _LCallback
+except ImportError:  # pragma: no cover
+    _LCallback = None
+
+_BASES = tuple(b for b in (_PLCallback, _LCallback) if b is not None)
+
+
+def _loaders(combined) -> list:
+    """The DataLoaders inside what Lightning holds (a CombinedLoader, a list, one loader)."""
+    flat = getattr(combined, "flattened", None)
+    if flat is not None:
+        return list(flat)
+    if isinstance(combined, (list, tuple)):
+        return list(combined)
+    return [] if combined is None else [combined]
+
+
+class LightningWatch(*_BASES):
+    """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every
+    validation pass (docs/watch.md). `report`: the JSON-lines file (default
+    <default_root_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore"."""
+
+    def __init__(self, report: Optional[str] = None, on_violation: str = "warn") -> None:
+        super().__init__()
+        self.report = report
+        self.on_violation = on_violation
+
+    def _report(self, trainer) -> str:
+        return self.report or os.path.join(trainer.default_root_dir, "sharddemo-watch.jsonl")
+
+    def _watch_all(self, trainer, combined, name: str, role: str) -> None:
+        loaders = _loaders(combined)
+        for i, loader in enumerate(loaders):
+            _watch(loader, name=name if len(loaders) == 1 else f"{name}:{i}",
+                   report=self._report(trainer), on_violation=self.on_violation, role=role,
+                   start_epoch=trainer.current_epoch if role == "train" else 0)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning has built the loaders (its sampler injected) and iterates them from here:
+        # the first train epoch's iterator and every validation's are made before the
+        # epoch-start hooks run
+        self._watch_all(trainer, trainer.train_dataloader, "train", "train")
+        self._watch_all(trainer, trainer.val_dataloaders, "val", "eval")
+        # The fit loop made its first epoch's iterator before any hook ran (its setup_data):
+        # made again, it comes from the watched loaders. Nothing has been taken from it yet
+        # (a loader with a length is not prefetched), so the epoch is the same.
+        loop = trainer.fit_loop
+        fetcher = getattr(loop, "_data_fetcher", None)
+        if fetcher is not None and loop.epoch_loop.batch_progress.current.ready == 0 \
+                and not getattr(fetcher, "batches", None):
+            iter(fetcher)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # loaders built anew (reload_dataloaders_every_n_epochs); the others are watched already
+        self._watch_all(trainer, trainer.train_dataloader, "train", "train")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # the loaders' exhaustion ends their epoch; where the loop stopped short of it
+        # (limit_train_batches, max_steps) the epoch ends here, on every rank alike
+        for loader in _loaders(trainer.train_dataloader):
+            watched = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
+            if watched is not None:
+                watched.close_epoch(loader)
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._watch_all(trainer, trainer.val_dataloaders, "val", "eval")
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        # the validation loop takes exactly its batches and never asks for one more
+        if not trainer.sanity_checking:
+            for loader in _loaders(trainer.val_dataloaders):
+                watched = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
+                if watched is not None:
+                    watched.close_epoch(loader)

@@ -1,0 +1,102 @@
+"""TrainerWatch: sharddemo.watch inside `Trainer.train()` (transformers).
+
+    Trainer(..., callbacks=[TrainerWatch()])
+
+The train loader the Trainer prepares is watched from `on_train_begin` (every epoch, and the
+loader `skip_first_batches` makes on a resume), and every evaluation's loader as
+`get_eval_dataloader` returns it. The ids are the indices the loaders' own samplers hand out,
+so no id column is needed and the default `remove_unused_columns=True` stays. The report goes
+to `<output_dir>/sharddemo-watch.jsonl` unless `report=` says otherwise.
+
+transformers hands a callback no Trainer: TrainerWatch finds the Trainer that calls it on the
+call stack (the frame of the Trainer method that fires the event), once, to reach its
+`get_eval_dataloader` and `get_resumed_dataloader`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Optional
+
+from transformers import Trainer, TrainerCallback
+
+from sharddemo.watcher import _attach, _watch, _Watch
+
+
+def _calling_trainer() -> Optional[Trainer]:
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class TrainerWatch(TrainerCallback):
+    """Watch a transformers Trainer's train loader every epoch and its eval loader at every
+    evaluation (docs/watch.md). `report`: the JSON-lines file (default
+    <output_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore"."""
+
+    def __init__(self, report: Optional[str] = None, on_violation: str = "warn") -> None:
+        self.report = report
+        self.on_violation = on_violation
+        self.trainer: Optional[Trainer] = None
+        self.eval_state: Optional[_Watch] = None
+        self.train_loader = None
+
+    def _report(self, args) -> str:
+        return self.report or os.path.join(args.output_dir, "sharddemo-watch.jsonl")
+
+    def _hook(self, args) -> None:
+        """Once: the calling Trainer's eval and resumed loaders come back watched."""
+        if self.trainer is not None:
+            return
+        trainer = _calling_trainer()
+        if trainer is None:
+            return
+        self.trainer = trainer
+        get_eval, get_resumed = trainer.get_eval_dataloader, trainer.get_resumed_dataloader
+
+        def get_eval_dataloader(*a, **kw):
+            loader = get_eval(*a, **kw)
+            if self.eval_state is None:
+                _watch(loader, name="eval", report=self._report(args),
+                       on_violation=self.on_violation, role="eval")
+                self.eval_state = loader.__dict__["_sharddemo_watch"]
+            else:  # each evaluation is one more "epoch" of the same eval loader
+                _attach(loader, self.eval_state)
+            return loader
+
+        def get_resumed_dataloader(dataloader, num_batches):
+            made = get_resumed(dataloader, num_batches)
+            state = getattr(dataloader, "__dict__", {}).get("_sharddemo_watch")
+            if state is not None and made is not dataloader:
+                _attach(made, state)  # what the resumed epoch's loop receives
+            return made
+
+        trainer.get_eval_dataloader = get_eval_dataloader
+        trainer.get_resumed_dataloader = get_resumed_dataloader
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._hook(args)
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self._hook(args)
+        if train_dataloader is not None and train_dataloader is not self.train_loader:
+            self.train_loader = train_dataloader
+            _watch(train_dataloader, name="train", report=self._report(args),
+                   on_violation=self.on_violation, start_epoch=int(state.epoch or 0))
+
+    def on_epoch_end(self, args, state, control, train_dataloader=None, **kwargs):
+        # The Trainer takes exactly the epoch's steps and never asks the loader for one more,
+        # so the loader is not exhausted: the epoch ends here, on every rank alike.
+        watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
+        if watched is not None:
+            watched.close_epoch(train_dataloader)
+
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
+        if watched is not None and watched.recorder is None:
+            watched.epoch = int(state.epoch or 0)  # the Trainer's count (a resumed run's too)

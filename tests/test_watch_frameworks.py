@@ -1,0 +1,87 @@
+"""TrainerWatch and LightningWatch on 2 real ranks, 2 epochs each, as the examples train: the
+train loader every epoch and the eval / val loader at every evaluation. Expected values from
+the frameworks' own objects built in this process: the Trainer's get_train_dataloader() and
+get_eval_dataloader() dealt by accelerate's prepare_data_loader for each rank, and torch's
+DistributedSampler as Lightning injects it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import (ROOT, accelerate_launch, ended_or_aborted_at_teardown, launch_env,
+                      run_cmd)
+from test_frameworks import W, example, fresh_accelerate_state, trainer_for_rank  # noqa: F401
+from test_watch import entries
+
+pytest.importorskip("transformers")
+
+
+def test_trainer_watch_checks_train_and_eval_as_it_trains(tmp_path, monkeypatch,
+                                                          fresh_accelerate_state):  # noqa: F811
+    out = tmp_path / "run"
+    proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out)], nproc=W,
+                             check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    got = entries(out / "sharddemo-watch.jsonl")
+    train = [e for e in got if e["loader"] == "train"]
+    evals = [e for e in got if e["loader"] == "eval"]
+    assert [e["epoch"] for e in train] == [0, 1] and [e["epoch"] for e in evals] == [0, 1]
+    wt = example("watch_trainer")
+    steps, eval_ids = [], []
+    for rank in range(W):
+        trainer = trainer_for_rank(lambda: wt.make_trainer(str(tmp_path / "x"), 2), rank,
+                                   monkeypatch)
+        steps.append(len(trainer.get_train_dataloader()))
+        eval_ids += [int(i) for b in trainer.get_eval_dataloader() for i in b["x"][:, 0]]
+    for e in train:
+        assert (e["seen"], e["unique"], e["steps"], e["ok"]) == (40, 40, steps, True)
+    assert train[1]["order_changed"] is True  # the Trainer sets the epoch, as it trains
+    for e in evals:
+        # accelerate's fill makes the eval loader deal 8 ids for 7 samples; gather_for_metrics
+        # drops the copy, so the eval verdict holds
+        assert (e["seen"], e["unique"]) == (len(eval_ids), len(set(eval_ids))) == (8, 7)
+        assert e["ok"], e["verdicts"]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
+    assert len(lines) == 4 and all(line.endswith(": ok") for line in lines)
+
+
+def lightning_run(tmp_path, hide=None):
+    env = launch_env()
+    if hide:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "hideplugin"),
+                                                          env.get("PYTHONPATH")]))
+        env["SHARDDEMO_TEST_HIDE"] = hide
+    import sys
+
+    proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path)],
+                   env=env, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    return proc, entries(tmp_path / "sharddemo-watch.jsonl")
+
+
+@pytest.mark.parametrize("hide", [None, "pytorch_lightning"], ids=["pytorch_lightning",
+                                                                    "lightning.pytorch"])
+def test_lightning_watch_checks_train_and_val_as_it_fits(tmp_path, hide):
+    pytest.importorskip("lightning" if hide else "pytorch_lightning")
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    proc, got = lightning_run(tmp_path, hide)
+    train = [e for e in got if e["loader"] == "train"]
+    val = [e for e in got if e["loader"] == "val"]
+    assert [e["epoch"] for e in train] == [0, 1] and [e["epoch"] for e in val] == [0, 1]
+    # Lightning's samplers: shuffling for train (40 on 2 ranks: 20 each, 5 batches of 4),
+    # unshuffled for val (7 on 2 ranks: padded to 8, sample 0 twice)
+    train_sampler = [DistributedSampler(range(40), num_replicas=W, rank=r) for r in range(W)]
+    val_ids = [i for r in range(W) for i in DistributedSampler(range(7), num_replicas=W, rank=r,
+                                                                shuffle=False)]
+    for e in train:
+        assert e["seen"] == sum(len(s) for s in train_sampler) == 40 and e["ok"]
+        assert e["steps"] == [-(-len(s) // 4) for s in train_sampler]
+    for e in val:
+        assert (e["seen"], e["unique"]) == (len(val_ids), len(set(val_ids)))
+        assert e["duplicated"]["ids"] == sorted({i for i in val_ids if val_ids.count(i) > 1})
+        failed = {v["verdict"] for v in e["verdicts"] if not v["ok"]}
+        assert failed == {"eval-counts-each-sample-once"}
+    assert torch.__version__  # (torch imported for the sampler)
