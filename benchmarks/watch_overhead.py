@@ -75,7 +75,9 @@ def launch(watched: bool) -> dict:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
                "--num_processes", "2", __file__, "--rank", "1" if watched else "0", "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if not os.path.exists(out):  # (a rank that aborts in its teardown has written it)
+            raise RuntimeError(f"launch failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(out) as handle:
             return json.load(handle)
 

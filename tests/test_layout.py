@@ -60,5 +60,11 @@ def test_the_analysis_and_the_rank_side_never_import_each_other():
         if module.startswith("sharddemo.rank"):
             bad = {t for t in targets if t.startswith("sharddemo.analysis")}
             assert not bad, f"{module} imports {bad}"
+    # the rank side never climbs back to the parent's: no renderer, launcher, command or CLI
+    parent = ("sharddemo.render", "sharddemo.plot", "sharddemo.launch", "sharddemo.commands",
+              "sharddemo.cli")
+    for module in [m for m in edges if m.startswith("sharddemo.rank")] + ["sharddemo.trace"]:
+        bad = {t for t in edges[module] if t.startswith(parent)}
+        assert not bad, f"{module} imports {bad}"
     assert "sharddemo.record" in edges and not {
         t for t in edges["sharddemo.record"] if t.startswith("sharddemo")}

@@ -48,8 +48,10 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
     accelerator = make_accelerator(device, opts.timeout)
     try:
         check_world(accelerator.num_processes)
-        if plan.strategy == "stateful":
-            _need_torchdata()
+        if plan.strategy == "stateful":  # (the parent checked too, before the launch)
+            from sharddemo.extras import require
+
+            require("torchdata", "--resume-strategy stateful")
         loader = build_loader(accelerator, factory, opts, stateful=plan.strategy == "stateful")
         agree_on_fingerprint(accelerator, loader)
         read_ids = id_reader(loader, opts.id_field)
@@ -94,14 +96,6 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
         return trace
     finally:
         teardown(accelerator)
-
-
-def _need_torchdata() -> None:
-    try:
-        import torchdata  # noqa: F401
-    except ImportError:
-        raise UsageError("--resume-strategy stateful uses torchdata's StatefulDataLoader, which "
-                         "is not installed; pip install 'sharddemo[stateful]'") from None
 
 
 def _length(loader) -> Optional[int]:

@@ -129,7 +129,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         # whole --batch-size, not the run's slice of it (the report reads each mode's sizes)
         sizes = {"batch_size": opts.batch_size, "global_batch": opts.batch_size * world}
         if say is not None:
-            from sharddemo.render import own_sizes_line
+            from sharddemo.sizes import own_sizes_line
 
             run = {**arithmetic(world, opts), "options": {"split_batches": True}}
             say(own_sizes_line(run, {**sizes, "prepared": False}))
