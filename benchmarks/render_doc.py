@@ -393,6 +393,21 @@ def render_doc(results: dict) -> str:
         notes.append(f"- audit ({_when(a)}): `sharddemo audit benchmarks/audit_1m.py:make_loader "
                      "--epochs 1`, the whole command: start-up, the walk with ids recorded from "
                      "the sampler, the report and its verdicts.")
+    w = results.get("watch")
+    if w:
+        out.append(f"| `sharddemo.watch` in a training loop: MLP, batch 64, 1,000 steps per rank, "
+                   f"2 ranks | step {w['median_step_ms']:.2f} ms; inside the watch "
+                   f"**{w['median_watch_share']:.2%}** of the epoch (launches "
+                   f"{min(w['shares']):.2%}-{max(w['shares']):.2%}), {w['median_watch_us_per_step']:.0f} us "
+                   f"a step; side by side {w['median_ratio']:.2f}x (pairs {min(w['ratios']):.2f}-"
+                   f"{max(w['ratios']):.2f}x); {w['per_batch_us']:.1f} us a batch of 64 recorded "
+                   f"| <= 1% of the step | {'met' if w['median_watch_share'] <= 0.01 else 'NOT met'} |")
+        notes.append(f"- watch ({_when(w)}): `python benchmarks/watch_overhead.py --pairs "
+                     f"{w['pairs']} --record` and `--per-batch`. The same script with and without "
+                     "`watch(loader, accelerator)`, alternating launch by launch; the watch's own "
+                     "time (its per-batch note and count, its end of epoch: the exchange, the "
+                     "analysis, the line) is timed where it runs, since the side-by-side step times "
+                     "of 2 ranks on 2 cores move by 10-30% pair to pair (docs/watch.md).")
     gpu = results.get("gpu")
     if gpu:
         if gpu.get("skipped"):

@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--rank", choices=["0", "1"])
     parser.add_argument("--out")
+    parser.add_argument("--record", action="store_true",
+                        help="write the figures into benchmarks/results.json and render "
+                             "docs/benchmarks.md")
     args = parser.parse_args()
     if args.rank is not None:
         rank_main(args.rank == "1", args.out)
@@ -162,13 +165,40 @@ def main() -> None:
         print(f"pair {pair}: plain {got[False]['step_s'] * 1e3:.3f} ms/step, watched "
               f"{got[True]['step_s'] * 1e3:.3f} ms/step, ratio {ratio:.4f}; inside the watch "
               f"{got[True]['watch_s'] * 1e3:.1f} ms of the epoch ({share:.3%})", flush=True)
-    print(json.dumps({"pairs": args.pairs, "steps_per_rank": STEPS, "batch": BATCH,
-                      "median_ratio": statistics.median(ratios),
-                      "ratios": [round(r, 4) for r in ratios],
-                      "median_step_ms": statistics.median(plain_steps) * 1e3,
-                      "median_watch_share": statistics.median(shares),
-                      "median_watch_us_per_step": statistics.median(per_step) * 1e6},
-                     indent=1))
+    figures = {"pairs": args.pairs, "steps_per_rank": STEPS, "batch": BATCH,
+               "median_ratio": statistics.median(ratios),
+               "ratios": [round(r, 4) for r in ratios],
+               "median_step_ms": statistics.median(plain_steps) * 1e3,
+               "median_watch_share": statistics.median(shares),
+               "shares": [round(s, 5) for s in shares],
+               "median_watch_us_per_step": statistics.median(per_step) * 1e6}
+    print(json.dumps(figures, indent=1))
+    if args.record:
+        record(figures)
+
+
+def record(figures: dict) -> None:
+    """Into benchmarks/results.json (key "watch", with the per-batch cost, the date and the
+    machine), then docs/benchmarks.md rendered again from it."""
+    import datetime
+    import platform
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from render_doc import render_doc
+
+    path = os.path.join(ROOT, "benchmarks", "results.json")
+    with open(path) as handle:
+        results = json.load(handle)
+    figures.update(per_batch(5))
+    figures.update(date=datetime.date.today().isoformat(),
+                   machine=f"{os.cpu_count()} cores, {platform.machine()}",
+                   target="<= 1% of the step")
+    results["watch"] = figures
+    with open(path, "w") as handle:
+        json.dump(results, handle, indent=2)
+        handle.write("\n")
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as handle:
+        handle.write(render_doc(results))
 
 
 if __name__ == "__main__":
