@@ -186,6 +186,35 @@ class _Watch:
         # the epoch's last batch, as the Trainer does), not by the loader's exhaustion
         self.closed = False
         self.unattributed = 0  # batches of this epoch whose indices were not noted
+        # a resumed run: how many ranks received each sample of this epoch before the stop
+        # (main process; from the checkpoint, see state_dict)
+        self.before: Optional[np.ndarray] = None
+        self.loaded = False
+
+    # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
+    # rank, and writes the main process's state_dict)
+    def state_dict(self) -> dict:
+        """The watch's place in the run, reduced across the ranks: the epoch, which samples
+        this epoch has delivered so far (a collective, where N is known), and the last
+        finished epoch's record (for the order)."""
+        if self.ranks is None:
+            self.ranks = _ranks(self.accelerator)
+        before = None
+        if self.n is not None:  # (every rank alike: N is the dataset's length)
+            if self.recorder is None:
+                self.recorder = self.new_recorder()
+            before = self.recorder.log.present_so_far(self.ranks)
+            if self.before is not None and before is not None:  # resumed, then saved again
+                before = np.maximum(before, self.before)
+        return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
+                "dataset_size": self.n, "before": before, "previous": self.previous}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.previous = state.get("previous")
+        self.loaded = self.previous is not None  # the next epoch's order is the checkpoint's
+        before = state.get("before")
+        self.before = before if before is not None and int(before.sum()) > 0 else None
 
     def close_epoch(self, loader=None) -> None:
         """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
@@ -214,7 +243,7 @@ class _Watch:
         if self.ranks is None:
             self.ranks = _ranks(self.accelerator)
         how = "count" if self.n is not None else "epoch"
-        return Recorder(self.ranks, how=how, n=self.n, background=False)
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True)
 
     def add(self, batch, tap: Optional[_Tap]) -> None:
         if self.recorder is None:
@@ -283,9 +312,26 @@ class _Watch:
                  "modes": {"audit": {"description": self.name, "epochs": records,
                                      "loader": self.description, "role": self.role,
                                      "prepared": bool(self.description.get("prepared"))}}}
+        present = record.pop("_present", None)
         report = build_report(trace)["modes"]["audit"]
         e = report["epochs"][-1]
         verdicts = [v for v in report["verdicts"] if v["epoch"] == self.epoch]
+        resume = None
+        if self.before is not None and present is not None:
+            resume = _resume_check(self.before, present, self.epoch)
+            self.before = None
+            # the epoch is what came before the stop and after it: no-missing-samples of the
+            # part after the restart alone would count the samples delivered before it
+            verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
+            verdicts.append(resume.pop("verdict"))
+        if self.loaded:  # the first epoch after a checkpoint was loaded
+            self.loaded = False
+            for v in verdicts:
+                if v["verdict"] == "order-changes-each-epoch" and not v["ok"]:
+                    v["detail"] = ("the same shuffled order as the epoch before the checkpoint: "
+                                   "the restarted loader counts its epochs from 0 again (call "
+                                   "set_epoch with the real epoch, or resume the loader's "
+                                   "state: use_stateful_dataloader)")
         failed = [v for v in verdicts if not v["ok"]]
         entry = {
             "schema": WATCH_SCHEMA, "loader": self.name, "epoch": self.epoch,
@@ -302,11 +348,36 @@ class _Watch:
             "verdicts": verdicts, "ok": not failed,
             "reasons": e["reasons"],
         }
+        if resume is not None:
+            entry["resume"] = resume
+            entry["seen"] += resume["seen_before"]
+            entry["unique"] = n - resume["skipped"]["count"]
+            entry["missing"] = {"count": resume["skipped"]["count"],
+                                "ids": resume["skipped"]["ids"], "reason": None}
+            entry["line"] = _line(entry, failed)
         if self.unattributed:
             entry["unattributed_batches"] = self.unattributed
         self.unattributed = 0
         entry["line"] = _line(entry, failed)
         return entry
+
+
+def _resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:
+    """A resumed epoch: the samples delivered both before the stop and after the restart
+    (repeated) and in neither (skipped), from how many ranks received each in either part."""
+    n = min(len(before), len(after))
+    before, after = before[:n], after[:n]
+    repeated = np.flatnonzero((before > 0) & (after > 0))
+    skipped = np.flatnonzero((before == 0) & (after == 0))
+    ok = not len(repeated) and not len(skipped)
+    detail = "" if ok else (
+        f"{len(repeated)} sample(s) delivered again after the restart and {len(skipped)} never: "
+        "the resumed run did not continue where it stopped (no common seed, or the loader's "
+        "position not restored; docs/resume.md)")
+    return {"seen_before": int(np.count_nonzero(before)),
+            "repeated": {"count": int(len(repeated)), "ids": repeated[:100].tolist()},
+            "skipped": {"count": int(len(skipped)), "ids": skipped[:100].tolist()},
+            "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
 
 
 def _subset_mapping(dataset) -> Optional[torch.Tensor]:
@@ -349,6 +420,10 @@ def _line(entry: dict, failed: list[dict]) -> str:
             f"{entry['seen'] - entry['unique']} repeated")
     order = {True: "yes", False: "NO", None: "-"}[entry["order_changed"]]
     part = f"{deals} (a part of {n})" if deals < n else f"{n}"
+    resumed = entry.get("resume")
+    if resumed:
+        once = (f"{resumed['seen_before']} before the stop, {resumed['repeated']['count']} "
+                f"repeated after the restart, {resumed['skipped']['count']} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']} of {part} "
             f"samples {once} across {world} rank{'s' if world != 1 else ''}, {each}, order "
             f"changed: {order}")
@@ -459,6 +534,11 @@ def _follow(accelerator, state: _Watch) -> None:
     accelerator.__dict__["_sharddemo_follows"] = True
 
 
+def _checkpoint(accelerator, state: _Watch) -> None:
+    """Save and load the watch with accelerate's own checkpoint (save_state / load_state)."""
+    accelerator.register_for_checkpointing(state)
+
+
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
           on_violation: str = "warn"):
@@ -492,6 +572,8 @@ def _watch(loader, accelerator=None, *, name: str, report: Optional[str], id_fie
     _attach(loader, state)
     if accelerator is not None:
         _follow(accelerator, state)
+        if hasattr(accelerator, "register_for_checkpointing"):
+            _checkpoint(accelerator, state)
     return loader
 
 

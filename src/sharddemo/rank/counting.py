@@ -73,6 +73,9 @@ class Counts:
         # ran async work and is left to the interpreter's teardown can abort the process at
         # exit ("terminate called without an active exception", 2 exits in 6 here)
         self.background = background
+        # keep, on the main process, how many ranks received each sample (the record's
+        # "_present"; sharddemo.watch compares a resumed epoch with what came before the stop)
+        self.keep_present = False
         self.counts = np.zeros(max(self.n, 1), dtype=np.uint8)
         # the same memory: torch's index_add_ counts fast
         self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
@@ -190,7 +193,19 @@ class Counts:
         share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
         record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks,
                                                          record["coverage"], n, share)
+        if self.keep_present:
+            record["_present"] = (code[:n] & (shift - 1)).astype(np.uint8)
         return record
+
+    def present_so_far(self, accelerator) -> Optional[np.ndarray]:
+        """Mid-epoch, a collective: how many ranks have received each sample so far (uint8,
+        up to 255 ranks), on the main process; None elsewhere. The epoch goes on after it."""
+        self.state.add(self.pending, self.shift_now)
+        self.pending, self.pending_ids = [], 0
+        mine = np.minimum(self.counts, 1).astype(np.uint8)
+        if accelerator.num_processes > 1:
+            reduce_to_main(accelerator, mine, background=False)()
+        return mine if accelerator.is_main_process else None
 
 
 def code_layout(world: int) -> tuple[int, type]:

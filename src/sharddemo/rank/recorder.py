@@ -118,7 +118,8 @@ class Recorder:
     """
 
     def __init__(self, accelerator, read_ids: Optional[ReadIds] = None, *, how: str = "epoch",
-                 n: Optional[int] = None, loader: Any = None, background: bool = True) -> None:
+                 n: Optional[int] = None, loader: Any = None, background: bool = True,
+                 keep_present: bool = False) -> None:
         if how not in ("epoch", "count"):
             raise ValueError(f"how must be 'epoch' or 'count', got {how!r}")
         if how == "count" and n is None:
@@ -129,6 +130,7 @@ class Recorder:
         self.n = n
         self.loader = loader
         self.background = background  # rank.counting.Counts: the reduce in gloo's thread
+        self.keep_present = keep_present  # Counts: each sample's rank count, on the main
         # the worker of every batch where the loader says it (no tag to read)
         self.known = known_worker(loader) if loader is not None else None
         workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
@@ -137,8 +139,11 @@ class Recorder:
         self.log = self._new_log()
 
     def _new_log(self):
-        return (Counts(int(self.n), self.keep, self.background) if self.how == "count"
-                else IdLog())
+        if self.how != "count":
+            return IdLog()
+        log = Counts(int(self.n), self.keep, self.background)
+        log.keep_present = self.keep_present
+        return log
 
     @property
     def steps(self) -> int:
