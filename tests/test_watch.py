@@ -240,3 +240,41 @@ def test_a_resume_at_an_epoch_boundary_that_replays_the_order_is_caught(tmp_path
     failed = {v["verdict"]: v["detail"] for v in got[1]["verdicts"] if not v["ok"]}
     assert "counts its epochs from 0" in failed["order-changes-each-epoch"]
     assert got[2]["order_changed"] is True and got[2]["ok"]
+
+
+@pytest.mark.parametrize("workers,batch_sampler", [(0, False), (2, False), (0, True)])
+def test_a_stateful_loader_saves_and_resumes_as_it_did_unwatched(tmp_path, workers,
+                                                                 batch_sampler):
+    """torchdata's StatefulDataLoader: its state_dict after 2 batches, given to a new loader,
+    resumes the epoch; watched or not, the same batches come (the library's own answer: the
+    unwatched loader)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    data = TensorDataset(torch.arange(20))
+
+    class Plain(torch.utils.data.Sampler):  # a batch sampler whose iterator keeps no state
+        def __iter__(self):
+            return iter([[0, 5, 9], [1, 2, 3], [4, 6, 7], [8, 10, 11]])
+
+        def __len__(self):
+            return 4
+
+    def run(watched: bool):
+        def make():
+            if batch_sampler:
+                made = stateful.StatefulDataLoader(data, batch_sampler=Plain(),
+                                                   num_workers=workers)
+            else:
+                made = stateful.StatefulDataLoader(data, batch_size=3, shuffle=True,
+                                                   num_workers=workers,
+                                                   generator=torch.Generator().manual_seed(4))
+            return watch(made, report=None, name=f"w{workers}") if watched else made
+
+        first = make()
+        walk = iter(first)
+        before = [next(walk)[0].tolist() for _ in range(2)]
+        state = first.state_dict()
+        again = make()
+        again.load_state_dict(state)
+        return before, [b[0].tolist() for b in again]
+
+    assert run(watched=True) == run(watched=False)

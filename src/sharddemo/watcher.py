@@ -93,8 +93,7 @@ class _Tap:
 
 
 class _TapIter:
-    """The index sampler's iterator, noting what it yields; its state (a stateful sampler's,
-    for torchdata's StatefulDataLoader) passes through."""
+    """The index sampler's iterator, noting what it yields."""
 
     def __init__(self, inner, tap: _Tap) -> None:
         self._inner, self._tap = inner, tap
@@ -110,6 +109,12 @@ class _TapIter:
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["_inner"], name)
+
+
+class _StatefulTapIter(_TapIter):
+    """The same, for an iterator with a state of its own (torchdata's StatefulDataLoader saves
+    and restores it): the state passes through. Only such an iterator gets these methods, since
+    torchdata asks any iterator that has them for its state."""
 
     def state_dict(self):
         return self._inner.state_dict()
@@ -149,7 +154,9 @@ def _tap(sampler) -> _Tap:
     cls = type(sampler)
 
     def __iter__(self):
-        return _TapIter(iter(cls.__iter__(self)), self.__dict__["_sharddemo_tap"])
+        inner = iter(cls.__iter__(self))
+        kind = _StatefulTapIter if hasattr(inner, "state_dict") else _TapIter
+        return kind(inner, self.__dict__["_sharddemo_tap"])
 
     tapped = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                           "__reduce_ex__": _as_plain(cls, "_sharddemo_tap")})
