@@ -85,3 +85,23 @@ def test_lightning_watch_checks_train_and_val_as_it_fits(tmp_path, hide):
         failed = {v["verdict"] for v in e["verdicts"] if not v["ok"]}
         assert failed == {"eval-counts-each-sample-once"}
     assert torch.__version__  # (torch imported for the sampler)
+
+
+def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
+    """Stopped after 3 steps (a checkpoint at step 3), then Trainer.train(
+    resume_from_checkpoint=True) in fresh processes: the resumed epoch is checked against what
+    came before the stop. 3 steps x 2 ranks x batch 4 = 24 samples before it (by hand); the
+    Trainer's seeded sampler and its skip_first_batches deliver exactly the other 16."""
+    out = tmp_path / "run"
+    for args in (["--stop-at", "3"], ["--resume"]):
+        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
+                                 nproc=W, check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    assert (out / "checkpoint-3" / "sharddemo_watch.pt").exists()
+    train = [e for e in entries(out / "sharddemo-watch.jsonl") if e["loader"] == "train"]
+    # the stopped run ended no train epoch; the resumed one ends epoch 0, then epoch 1
+    assert [e["epoch"] for e in train] == [0, 1]
+    resume = train[0]["resume"]
+    assert resume["seen_before"] == 24 and train[0]["steps"] == [2, 2]
+    assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+    assert train[0]["ok"] and train[1]["ok"] and train[1]["order_changed"] is True

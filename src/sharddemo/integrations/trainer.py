@@ -24,6 +24,22 @@ from transformers import Trainer, TrainerCallback
 from sharddemo.watcher import _attach, _watch, _Watch
 
 
+STATE_FILE = "sharddemo_watch.pt"
+
+
+def _resuming_from() -> Optional[str]:
+    """The checkpoint folder the calling Trainer resumes from (its training loop's own
+    `resume_from_checkpoint`, resolved by Trainer.train), or None."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            path = frame.f_locals.get("resume_from_checkpoint")
+            if isinstance(path, str):
+                return path
+        frame = frame.f_back
+    return None
+
+
 def _calling_trainer() -> Optional[Trainer]:
     frame = inspect.currentframe()
     while frame is not None:
@@ -88,11 +104,36 @@ class TrainerWatch(TrainerCallback):
             self.train_loader = train_dataloader
             _watch(train_dataloader, name="train", report=self._report(args),
                    on_violation=self.on_violation, start_epoch=int(state.epoch or 0))
+            # a resumed run: the watch's place as the checkpoint saved it (on_save below)
+            folder = _resuming_from()
+            saved = os.path.join(folder, STATE_FILE) if folder else None
+            if saved and os.path.exists(saved):
+                import torch
+
+                train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(
+                    torch.load(saved, weights_only=False))
+
+    def on_save(self, args, state, control, train_dataloader=None, **kwargs):
+        """Beside the Trainer's checkpoint: the watch's place, reduced across the ranks (every
+        rank is here; the main process writes it)."""
+        watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
+        if watched is None or self.trainer is None:
+            return
+        saved = watched.state_dict()  # a collective
+        if watched.ranks.is_main_process:
+            import torch
+
+            folder = os.path.join(self.trainer._get_output_dir(None),
+                                  f"checkpoint-{state.global_step}")
+            if os.path.isdir(folder):
+                torch.save(saved, os.path.join(folder, STATE_FILE))
 
     def on_epoch_end(self, args, state, control, train_dataloader=None, **kwargs):
         # The Trainer takes exactly the epoch's steps and never asks the loader for one more,
         # so the loader is not exhausted: the epoch ends here, on every rank alike.
         watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
+        if control.should_training_stop and state.global_step < state.max_steps:
+            return  # stopped mid-epoch (a callback, a time limit): the epoch is not over
         if watched is not None:
             watched.close_epoch(train_dataloader)
 
