@@ -105,3 +105,33 @@ def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
     assert resume["seen_before"] == 24 and train[0]["steps"] == [2, 2]
     assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
     assert train[0]["ok"] and train[1]["ok"] and train[1]["order_changed"] is True
+
+
+def test_lightning_watch_catches_what_a_mid_epoch_resume_repeats_and_skips(tmp_path):
+    """fit() stopped after 3 steps with a checkpoint there, then fit(ckpt_path=...) in fresh
+    processes. Lightning restarts a loader that cannot resume its position from the start of
+    the epoch's order and stops after the epoch's remaining 2 steps (its own warning: "can
+    cause unreliable results"): the watch names what that repeated and what it skipped.
+    Expected from torch's DistributedSampler as Lightning builds it (seed 0, shuffled)."""
+    pytest.importorskip("pytorch_lightning")
+    from torch.utils.data import DistributedSampler
+
+    env = launch_env()
+    import sys
+
+    for args in (["--stop-at", "3"],
+                 ["--resume", str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")]):
+        proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
+                        *args], env=env, check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl") if e["loader"] == "train"]
+    assert [e["epoch"] for e in train] == [0, 1]
+    orders = [list(DistributedSampler(range(40), num_replicas=W, rank=r, seed=0))
+              for r in range(W)]
+    before = {i for order in orders for i in order[:3 * 4]}  # 3 steps of 4 per rank
+    after = {i for order in orders for i in order[:2 * 4]}  # the order again, 2 steps
+    resume = train[0]["resume"]
+    assert resume["seen_before"] == len(before) == 24 and train[0]["steps"] == [2, 2]
+    assert resume["repeated"]["count"] == len(before & after)
+    assert resume["skipped"]["count"] == 40 - len(before | after)
+    assert not train[0]["ok"] and train[1]["ok"]

@@ -213,14 +213,18 @@ class _Watch:
             before = self.recorder.log.present_so_far(self.ranks)
             if self.before is not None and before is not None:  # resumed, then saved again
                 before = np.maximum(before, self.before)
+        # (a tensor, not a numpy array: Lightning loads checkpoints with weights_only=True)
         return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
-                "dataset_size": self.n, "before": before, "previous": self.previous}
+                "dataset_size": self.n, "previous": self.previous,
+                "before": None if before is None else torch.from_numpy(before)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self.previous = state.get("previous")
         self.loaded = self.previous is not None  # the next epoch's order is the checkpoint's
         before = state.get("before")
+        if isinstance(before, torch.Tensor):
+            before = before.numpy()
         self.before = before if before is not None and int(before.sum()) > 0 else None
 
     def close_epoch(self, loader=None) -> None:

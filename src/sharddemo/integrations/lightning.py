@@ -47,6 +47,17 @@ class LightningWatch(*_BASES):
         super().__init__()
         self.report = report
         self.on_violation = on_violation
+        self.train_states: list = []  # the train loaders' watches (the checkpoint's part)
+        self.loaded: Optional[dict] = None  # from a checkpoint, until the loaders are watched
+
+    # Lightning saves a callback's state_dict with every checkpoint (dump_checkpoint runs on
+    # every rank, so the watch's reduction, a collective, can run there) and gives it back on
+    # every rank when fit(ckpt_path=...) restores.
+    def state_dict(self) -> dict:
+        return {"train": [state.state_dict() for state in self.train_states]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = state_dict
 
     def _report(self, trainer) -> str:
         return self.report or os.path.join(trainer.default_root_dir, "sharddemo-watch.jsonl")
@@ -57,6 +68,13 @@ class LightningWatch(*_BASES):
             _watch(loader, name=name if len(loaders) == 1 else f"{name}:{i}",
                    report=self._report(trainer), on_violation=self.on_violation, role=role,
                    start_epoch=trainer.current_epoch if role == "train" else 0)
+            state = loader.__dict__["_sharddemo_watch"]
+            if role == "train" and state not in self.train_states:
+                self.train_states.append(state)
+        if role == "train" and self.loaded is not None:
+            for state, saved in zip(self.train_states, self.loaded.get("train", [])):
+                state.load_state_dict(saved)
+            self.loaded = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Lightning has built the loaders (its sampler injected) and iterates them from here:
@@ -64,12 +82,12 @@ class LightningWatch(*_BASES):
         # epoch-start hooks run
         self._watch_all(trainer, trainer.train_dataloader, "train", "train")
         self._watch_all(trainer, trainer.val_dataloaders, "val", "eval")
-        # The fit loop made its first epoch's iterator before any hook ran (its setup_data):
-        # made again, it comes from the watched loaders. Nothing has been taken from it yet
-        # (a loader with a length is not prefetched), so the epoch is the same.
-        loop = trainer.fit_loop
-        fetcher = getattr(loop, "_data_fetcher", None)
-        if fetcher is not None and loop.epoch_loop.batch_progress.current.ready == 0 \
+        # The fit loop made its first epoch's iterator before any hook ran (its setup_data),
+        # a resumed fit's too: made again, it comes from the watched loaders. Nothing has been
+        # taken from it yet (a loader with a length is not prefetched), so the epoch is the
+        # same; the epoch loop adds the steps a resumed fit had taken afterwards.
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and getattr(fetcher, "fetched", 1) == 0 \
                 and not getattr(fetcher, "batches", None):
             iter(fetcher)
 
@@ -79,7 +97,11 @@ class LightningWatch(*_BASES):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # the loaders' exhaustion ends their epoch; where the loop stopped short of it
-        # (limit_train_batches, max_steps) the epoch ends here, on every rank alike
+        # (limit_train_batches, max_steps) the epoch ends here, on every rank alike. A fit
+        # stopped mid-epoch (trainer.should_stop: a time limit, a callback) leaves it open.
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if trainer.should_stop and done < trainer.num_training_batches:
+            return
         for loader in _loaders(trainer.train_dataloader):
             watched = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
             if watched is not None:
