@@ -27,27 +27,25 @@ from sharddemo.watcher import _attach, _watch, _Watch
 STATE_FILE = "sharddemo_watch.pt"
 
 
-def _resuming_from() -> Optional[str]:
-    """The checkpoint folder the calling Trainer resumes from (its training loop's own
-    `resume_from_checkpoint`, resolved by Trainer.train), or None."""
+def _trainer_frames():
+    """The frames of the Trainer methods on the call stack (innermost first): the callback
+    handler's event is fired from one of them."""
     frame = inspect.currentframe()
     while frame is not None:
         if isinstance(frame.f_locals.get("self"), Trainer):
-            path = frame.f_locals.get("resume_from_checkpoint")
-            if isinstance(path, str):
-                return path
+            yield frame
         frame = frame.f_back
-    return None
+
+
+def _resuming_from() -> Optional[str]:
+    """The checkpoint folder the calling Trainer resumes from (its training loop's own
+    `resume_from_checkpoint`, resolved by Trainer.train), or None."""
+    return next((f.f_locals["resume_from_checkpoint"] for f in _trainer_frames()
+                 if isinstance(f.f_locals.get("resume_from_checkpoint"), str)), None)
 
 
 def _calling_trainer() -> Optional[Trainer]:
-    frame = inspect.currentframe()
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
+    return next((f.f_locals["self"] for f in _trainer_frames()), None)
 
 
 class TrainerWatch(TrainerCallback):

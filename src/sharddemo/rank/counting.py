@@ -37,7 +37,7 @@ import xxhash
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
-from sharddemo.rank.describe import index_domain, is_prepared
+from sharddemo.rank.describe import index_domain, is_prepared, remainder
 from sharddemo.rank.ids import unshift
 from sharddemo.record import LIST_CAP, loader_share
 
@@ -175,7 +175,7 @@ class Counts:
                    else (lambda: None))
         heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total,
                                             distinct, outside_total, len(sizes), len(made),
-                                            _remainder(loader), int(ascending),
+                                            remainder(loader), int(ascending),
                                             int(mine.numel())])
         if any(h[0] for h in heads):
             reduced()  # every rank started it: finished, not left in flight
@@ -360,13 +360,6 @@ class _Running:
             ids = ids[torch.from_numpy(inside)]
         # uint8: wraps past 255, caught by the total after the walk
         self.counter.index_add_(0, ids, self.ones.expand(ids.numel()))
-
-
-def _remainder(loader) -> int:
-    if loader is None or not is_prepared(loader):
-        return -2
-    value = getattr(loader, "remainder", -1)
-    return -1 if value is None else int(value)
 
 
 def _pack(sizes, made, head, tail, repeat_ids, repeat_counts, outside, digest: bytes):

@@ -23,6 +23,16 @@ def is_prepared(loader) -> bool:
     return hasattr(loader, "gradient_state") and hasattr(loader, "end_of_dataloader")
 
 
+def remainder(loader) -> int:
+    """accelerate's `gradient_state.remainder` for a prepared loader: the real samples in its
+    last global batch (what gather_for_metrics keeps of the last step); -1 where accelerate
+    does not know it, -2 for a loader it did not prepare (or none)."""
+    if loader is None or not is_prepared(loader):
+        return -2
+    value = getattr(loader, "remainder", -1)
+    return -1 if value is None else int(value)
+
+
 def base_loader(loader):
     """The torch DataLoader inside accelerate's wrappers (they delegate to base_dataloader)."""
     return getattr(loader, "__dict__", {}).get("base_dataloader", loader)

@@ -30,7 +30,7 @@ import torch
 
 from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
 from sharddemo.rank.counting import KEEP_BATCHES, Counts
-from sharddemo.rank.describe import base_loader, is_prepared
+from sharddemo.rank.describe import base_loader, remainder
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
 
@@ -73,13 +73,9 @@ class IdLog:
         """A collective: the lengths exchanged, then one ragged gather of one tensor per rank
         (the batch sizes, the batches' workers, then the ids; int32 when every id fits)."""
         local = self.batches
-        remainder = -2
-        if loader is not None and is_prepared(loader):
-            remainder = getattr(loader, "remainder", -1)
-            remainder = -1 if remainder is None else int(remainder)
         ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
         top = int(ids.abs().max()) if ids.numel() else 0
-        heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder])
+        heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder(loader)])
         dtype = narrowest_dtype(max(h[2] for h in heads))
         sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
         packed = torch.cat([sizes, torch.tensor(self.workers, dtype=torch.int64), ids]).to(dtype)

@@ -36,7 +36,7 @@ import torch
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.rank.describe import is_prepared, safe_len
+from sharddemo.rank.describe import is_prepared, remainder, safe_len
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.recorder import Recorder, epoch_record
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
@@ -224,9 +224,7 @@ def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> lis
 def _remainders(accelerator, loader) -> list[Optional[int]]:
     """Every rank's `remainder` (accelerate's count of real samples in the last global batch;
     -1 when it does not know). A collective."""
-    mine = getattr(loader, "remainder", -1)
-    mine = -1 if mine is None else int(mine)
-    return [row[0] for row in exchange_ints(accelerator, [mine])]
+    return [row[0] for row in exchange_ints(accelerator, [remainder(loader)])]
 
 
 def progress_reporter(accelerator, label: str,
