@@ -242,12 +242,15 @@ def test_a_resume_at_an_epoch_boundary_that_replays_the_order_is_caught(tmp_path
     assert got[2]["order_changed"] is True and got[2]["ok"]
 
 
-@pytest.mark.parametrize("workers,batch_sampler", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("workers,batch_sampler", [(0, False), (2, False), (0, True),
+                                                    (2, True)])
 def test_a_stateful_loader_saves_and_resumes_as_it_did_unwatched(tmp_path, workers,
                                                                  batch_sampler):
     """torchdata's StatefulDataLoader: its state_dict after 2 batches, given to a new loader,
     resumes the epoch; watched or not, the same batches come (the library's own answer: the
-    unwatched loader)."""
+    unwatched loader), and the watch counts what came: the resumed pass's ids, not the ones
+    torchdata draws and throws away to fast-forward a sampler without a state of its own
+    (Plain), nor the first epoch of an iterator state_dict() built before the watch."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     data = TensorDataset(torch.arange(20))
 
@@ -275,6 +278,82 @@ def test_a_stateful_loader_saves_and_resumes_as_it_did_unwatched(tmp_path, worke
         state = first.state_dict()
         again = make()
         again.load_state_dict(state)
-        return before, [b[0].tolist() for b in again]
+        after = [b[0].tolist() for b in again]
+        if watched:
+            entry = again.__dict__["_sharddemo_watch"].entries[-1]
+            delivered = {i for b in after for i in b}
+            assert entry["seen"] == sum(map(len, after))
+            assert entry["missing"]["ids"] == sorted(set(range(20)) - delivered)
+            assert "unattributed_batches" not in entry
+            # a loader whose first iterator state_dict() built before the watch
+            early = stateful.StatefulDataLoader(data, batch_size=3, num_workers=workers)
+            early.state_dict()
+            early = watch(early, report=None, name="early")
+            assert [i for b in early for i in b[0].tolist()] == list(range(20))
+            got = early.__dict__["_sharddemo_watch"].entries[-1]
+            assert (got["seen"], got["unique"], got["ok"]) == (20, 20, True)
+        return before, after
 
     assert run(watched=True) == run(watched=False)
+
+
+# -- what the watch costs the run: collectives ------------------------------------------------
+
+LOOP = "tests/watch_loop.py"
+
+
+def collectives_of(*args, nproc: int = 2) -> dict:
+    proc = accelerate_launch([LOOP, "collectives", *args], nproc=nproc, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("COLLECTIVES "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("world,how", [(2, "warn"), (3, "raise")])
+def test_the_watch_adds_one_collective_per_epoch_and_none_per_step(world, how):
+    """The same prepared loop (N = 40, batch 4) unwatched, then watched, each torch.distributed
+    collective counted: the watch adds one at each epoch's end (on_violation="raise" too:
+    every rank judges the record the all-reduce gave it) and none at any step."""
+    runs = collectives_of("--on-violation", how, nproc=world)
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        assert watched["steps"] == plain["steps"]
+        assert watched["total"] == plain["total"] + 1
+
+
+def test_batches_larger_than_the_slot_cost_one_more_collective():
+    """Batches of 4000 where the loader names no batch size (the slot is sized for 64): the
+    detail outgrows its slot, and every rank joins one ragged gather: two at each epoch's
+    end, still none per step."""
+    runs = collectives_of("--uneven", "--on-violation", "raise")
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        assert watched["steps"] == plain["steps"] == [0, 0]
+        assert watched["total"] == plain["total"] + 2
+
+
+def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught(tmp_path):
+    """use_stateful_dataloader=True, 2 workers, shuffled, unseeded (accelerate issue 4204):
+    save_state after 3 steps, a new launch, load_state. The loader goes on at the right step
+    but in a new order (FACTS: 10-11 of 40 repeated, as many never seen). Expected: what the
+    loop itself received on each rank (the batches the library made), before and after."""
+    report, ids = tmp_path / "w.jsonl", tmp_path
+    for args in (["--save-at", "3", "--checkpoint", str(tmp_path / "ckpt")],
+                 ["--resume-from", str(tmp_path / "ckpt")]):
+        proc = accelerate_launch([LOOP, "stateful", "--report", str(report), "--ids", str(ids),
+                                  *args], check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+
+    def received(launch: int, epoch: int) -> list[int]:
+        return [i for r in range(2)
+                for i in json.loads((ids / f"launch{launch}_rank{r}.json").read_text())[epoch]]
+
+    before, after = set(received(1, 0)), set(received(2, 0))
+    got = entries(report)
+    assert [e["epoch"] for e in got] == [0, 1]
+    resume = got[0]["resume"]
+    assert resume["seen_before"] == len(before) and got[0]["steps"] == [2, 2]
+    assert resume["repeated"]["count"] == len(before & after)
+    assert resume["repeated"]["ids"] == sorted(before & after)
+    assert resume["skipped"]["ids"] == sorted(set(range(40)) - before - after)
+    assert got[0]["ok"] == (not before & after and len(before | after) == 40)
+    epoch1 = received(2, 1)
+    assert (got[1]["seen"], got[1]["unique"]) == (len(epoch1), len(set(epoch1)))

@@ -90,6 +90,7 @@ class _Tap:
     def __init__(self) -> None:
         self.fifo: collections.deque = collections.deque()
         self.active = None  # the pass (a token) now iterating the loader; None: no pass
+        self.drop = 0  # indices to let pass unnoted: drawn and thrown away (_resume_skip)
 
 
 class _TapIter:
@@ -103,8 +104,12 @@ class _TapIter:
 
     def __next__(self):
         index = next(self._inner)
-        if self._tap.active:
-            self._tap.fifo.append(index)
+        tap = self._tap
+        if tap.active:
+            if tap.drop:
+                tap.drop -= 1
+            else:
+                tap.fifo.append(index)
         return index
 
     def __getattr__(self, name: str):
@@ -254,7 +259,10 @@ class _Watch:
         if self.ranks is None:
             self.ranks = _ranks(self.accelerator)
         how = "count" if self.n is not None else "epoch"
-        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True)
+        # the epoch's end: one all-reduce (the count path, up to 15 ranks), after which every
+        # rank holds the record, so that on_violation="raise" needs no collective of its own
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True,
+                        one_collective=True, batch=self.batch_size)
 
     def add(self, batch, tap: Optional[_Tap]) -> None:
         if self.recorder is None:
@@ -276,29 +284,36 @@ class _Watch:
         self.recorder.add_ids(ids)
 
     def end_epoch(self, loader=None) -> Optional[dict]:
-        """The epoch's end on every rank: one exchange, then the verdict on the main process,
-        the line and the report; ShardingViolation on every rank where asked. `loader`: the
+        """The epoch's end on every rank: one collective (the recorder's), then the verdict on
+        the main process, the line and the report; ShardingViolation on every rank where
+        asked (each rank judges the record it holds: no second collective). `loader`: the
         loader the epoch came from (what accelerate's gather_for_metrics keeps of its last
         step is read from it)."""
         from sharddemo.collect import exchange_ints
 
         if self.recorder is None:
             self.recorder = self.new_recorder()
-        record = self.recorder.finish(self.epoch, loader)
+        raising = self.on_violation == "raise"
+        everywhere = self.recorder.delivers_everywhere
+        record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
         self.recorder = None
         self.closed = True
         entry = None
-        if self.ranks.is_main_process:
+        if record is not None:
             entry = self.judge(record)
             self.previous = record
             self.entries.append(entry)
+        if self.ranks.is_main_process:
             _say(entry["line"])
             if self.report:
                 _append(self.report, entry)
         self.epoch += 1
-        if self.on_violation != "raise":
-            return entry
-        ok = exchange_ints(self.ranks, [int(entry["ok"]) if entry is not None else 0])[0][0]
+        if not raising:
+            return entry if self.ranks.is_main_process else None
+        if everywhere:
+            ok = entry["ok"]
+        else:  # more than 15 ranks: the record is the main process's alone
+            ok = exchange_ints(self.ranks, [int(entry["ok"]) if entry is not None else 0])[0][0]
         if not ok:
             raise ShardingViolation(entry["line"] if entry else
                                     f"sharddemo: epoch {self.epoch - 1} {self.name}: a sharding "
@@ -496,6 +511,7 @@ def _attach(loader, state: _Watch):
         this_pass = object()
         if my_tap is not None:
             my_tap.fifo.clear()
+            my_tap.drop = _resume_skip(self)
             my_tap.active = this_pass
         watch_state.closed = False
         try:
@@ -514,7 +530,59 @@ def _attach(loader, state: _Watch):
     loader.__dict__["_sharddemo_watch"] = state
     loader.__dict__["_sharddemo_loader_tap"] = tap
     _set_class(loader, watched)
+    if tap is not None:
+        _drop_untapped_iterator(loader)
     return loader
+
+
+def _stateful_loaders(loader) -> list:
+    """The torchdata StatefulDataLoader(s) behind `loader`: itself, or the one accelerate's
+    stateful DataLoaderShard wraps (base_dataloader)."""
+    found = []
+    for candidate in (loader, loader.__dict__.get("base_dataloader")):
+        if candidate is not None and "_initial_iter_for_state_dict" in candidate.__dict__:
+            found.append(candidate)
+    return found
+
+
+def _drop_untapped_iterator(loader) -> None:
+    """A StatefulDataLoader's state_dict() builds its first iterator ahead of time (accelerate
+    calls it as it prepares one), and the first pass reuses it: built before the tap, it
+    would draw the first epoch's indices unnoted (and, with workers, it has drawn some
+    already). Dropped, so that the first pass builds its own through the tap, as every later
+    pass does; the state it would have given is the fresh state a new one gives."""
+    for base in _stateful_loaders(loader):
+        built = base.__dict__.get("_iterator")
+        if base.__dict__.get("_initial_iter_for_state_dict") and built is not None:
+            if not isinstance(getattr(built, "_sampler_iter", None), _TapIter):
+                base.__dict__["_iterator"] = None
+                base.__dict__["_initial_iter_for_state_dict"] = False
+                if hasattr(built, "_shutdown_workers"):
+                    built._shutdown_workers()
+
+
+def _resume_skip(loader) -> int:
+    """How many indices a StatefulDataLoader resuming from a loaded state (torchdata) draws
+    from its index sampler and throws away before its first batch: where the sampler has no
+    state of its own it is fast-forwarded past what was drawn before the save
+    (itertools.islice over `_sampler_iter_yielded`; a sampler, or a sampler's iterator, that
+    saved a state is restored from it instead, drawing nothing through the tap), and a loader
+    with workers also fetches and drops the batches made since its last snapshot
+    (`_steps_since_snapshot`). 0 for a pass that does not resume."""
+    for base in _stateful_loaders(loader):
+        state = base.__dict__.get("next_iter_state")
+        if not state:
+            continue
+        snapshot = state.get("_snapshot")
+        main = snapshot.get("_main_snapshot", {}) if snapshot else state
+        sampler = (base.batch_sampler if getattr(base, "batch_sampler", None) is not None
+                   else base.sampler)
+        restored = ((hasattr(sampler, "state_dict") and hasattr(sampler, "load_state_dict"))
+                    or main.get("_index_sampler_state") is not None
+                    or main.get("_sampler_iter_state") is not None)
+        skip = 0 if restored else int(main.get("_sampler_iter_yielded", 0) or 0)
+        return skip + int(state.get("_steps_since_snapshot", 0) or 0)
+    return 0
 
 
 def _follow(accelerator, state: _Watch) -> None:

@@ -66,7 +66,8 @@ class Counts:
     FLUSH_IDS at a time (one index_add_, one hash update, one comparison), which is what keeps
     the walk close to the bare loop's speed."""
 
-    def __init__(self, n: int, keep: int = KEEP_BATCHES, background: bool = True) -> None:
+    def __init__(self, n: int, keep: int = KEEP_BATCHES, background: bool = True, *,
+                 slots: Optional[tuple[int, int]] = None) -> None:
         self.n = int(n)
         # the reduce in gloo's background thread while the small exchanges go on (sharddemo's
         # own ranks); False in a user's process (sharddemo.watch): a gloo process group that
@@ -76,8 +77,20 @@ class Counts:
         # keep, on the main process, how many ranks received each sample (the record's
         # "_present"; sharddemo.watch compares a resumed epoch with what came before the stop)
         self.keep_present = False
-        self.counts = np.zeros(max(self.n, 1), dtype=np.uint8)
-        # the same memory: torch's index_add_ counts fast
+        # `slots` = (world, ints per rank): the epoch's end is ONE all-reduce of the code and,
+        # after it, a slot per rank for its detail (finish); only where the code is a byte (up
+        # to 15 ranks; wider codes are reduced a chunk at a time). The slots sit after the
+        # counter in one buffer: no N-sized copy is made to send it.
+        self.slots = slots if slots is not None and code_layout(slots[0])[1] is np.uint8 else None
+        size = max(self.n, 1)
+        room = 0
+        if self.slots is not None:
+            size = -(-size // 8) * 8  # the slots' int64 views start 8-aligned
+            room = self.slots[0] * self.slots[1] * 8
+        self.buffer = np.zeros(size + room, dtype=np.uint8)
+        self.counts = self.buffer[:max(self.n, 1)]
+        # the same memory: torch's index_add_ counts fast (ids on a device: _DeviceRunning,
+        # chosen at the first batch)
         self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
                               self.n)
         self.keep = keep
@@ -98,8 +111,12 @@ class Counts:
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
-        if ids.dtype is not torch.int64 or not ids.is_cpu:
-            ids = ids.to("cpu", torch.int64)
+        if not ids.is_cpu and not self.steps and isinstance(self.state, _Running):
+            # ids on a device (a prepared loader's batch on the GPU): count there, with no
+            # copy to the host and no sync per step (the counter comes to the host at the end)
+            self.state = _DeviceRunning(ids.device, self.n)
+        if ids.dtype is not torch.int64 or ids.device != self.state.device:
+            ids = ids.to(self.state.device, torch.int64, non_blocking=True)
         size = ids.shape[0]
         if size == self.size_now:
             self.size_run += 1
@@ -129,9 +146,20 @@ class Counts:
         self.samples += size
         self.steps += 1
 
-    def finish(self, accelerator, loader, epoch: int) -> Optional[dict]:
-        """The epoch's end, a collective: every rank's counter reduced onto the main process and
-        its detail gathered. The counted record on the main process, None elsewhere."""
+    def delivers_everywhere(self, world: int) -> bool:
+        """Whether finish(everyone=True) can give the record to every rank: with the slots
+        (one all-reduce), or in one process."""
+        return self.slots is not None or world == 1
+
+    def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
+        """The epoch's end, a collective: every rank's counter summed and its detail gathered.
+        The counted record on the main process (on every rank too with `everyone`, where
+        delivers_everywhere), None elsewhere.
+
+        With `slots` this is ONE all-reduce (of the code and every rank's slot; a second, a
+        ragged gather, only where some rank's detail outgrew its slot: batches larger than the
+        slot was sized for). Without: a reduce onto the main process (a chunk at a time), an
+        exchange of the small figures and a ragged gather of the detail."""
         n, counts, state = self.n, self.counts, self.state
         if self.size_run:
             self.sizes.append([self.size_now, self.size_run])
@@ -139,11 +167,16 @@ class Counts:
             _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
         state.add(self.pending, self.shift_now)
         self.pending = []
+        state.to_host(counts)  # ids counted on a device: the counter comes over once, here
         samples, steps, sizes, made = self.samples, self.steps, self.sizes, self.made
         order, ascending = state.order, state.ascending
         outside, outside_total = state.outside, state.outside_total
         head = [(t.tolist(), worker) for t, worker in self.head]
         tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        if outside_total and not outside:
+            # counted on a device: the ids outside [0, n) are counted there, not listed; those
+            # in the kept first and last batches are listed
+            outside = {i for batch, _ in head + tail for i in batch if not 0 <= i < n}
         inside_total = samples - outside_total
         distinct = int(np.count_nonzero(counts))
         # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
@@ -171,21 +204,22 @@ class Counts:
         # on `counts` is the reduce's until reduced() returns.
         world = accelerator.num_processes
         code, shift = encode(counts, world)
-        reduced = (reduce_to_main(accelerator, code, self.background) if world > 1
-                   else (lambda: None))
-        heads = exchange_ints(accelerator, [int(wrapped), steps, samples, repeats_total,
-                                            distinct, outside_total, len(sizes), len(made),
-                                            remainder(loader), int(ascending),
-                                            int(mine.numel())])
-        if any(h[0] for h in heads):
-            reduced()  # every rank started it: finished, not left in flight
-            bad = [r for r, h in enumerate(heads) if h[0]]
-            raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} "
-                                f"times in epoch {epoch}: too many for the count path; use "
-                                "--gather epoch")
-        parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
-        reduced()
-        if not accelerator.is_main_process:
+        row = [int(wrapped), steps, samples, repeats_total, distinct, outside_total, len(sizes),
+               len(made), remainder(loader), int(ascending), int(mine.numel())]
+        if self.slots is not None:
+            heads, parts = self._exchange_at_once(accelerator, row, mine)
+            _too_many_copies(heads, epoch)
+        else:
+            reduced = (reduce_to_main(accelerator, code, self.background) if world > 1
+                       else (lambda: None))
+            heads = exchange_ints(accelerator, row)
+            if any(h[0] for h in heads):
+                reduced()  # every rank started it: finished, not left in flight
+                _too_many_copies(heads, epoch)
+            parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
+            reduced()
+        if not accelerator.is_main_process and not (everyone
+                                                    and self.delivers_everywhere(world)):
             return None
         ranks = [_unpack(part.tolist(), r, h) for r, (part, h) in enumerate(zip(parts, heads))]
         record = _summarise(epoch, code[:n], shift, ranks)
@@ -197,15 +231,73 @@ class Counts:
             record["_present"] = (code[:n] & (shift - 1)).astype(np.uint8)
         return record
 
+    def _exchange_at_once(self, accelerator, row: list[int],
+                          mine: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """ONE all-reduce of the buffer: the code (summed), then one slot per rank, in which
+        only that rank writes (its `row` of figures and its packed detail; the others' zeros
+        add nothing, so the sums are the rank's bytes exactly). Every rank then holds every
+        rank's figures and detail. A rank whose detail outgrows its slot says so in it, and
+        then every rank, knowing it alike, joins one ragged gather of the details."""
+        world, width = self.slots
+        slots = self.buffer[self.buffer.size - world * width * 8:].view(np.int64)
+        slots = slots.reshape(world, width)
+        rank, k = accelerator.process_index, len(row)
+        fits = 1 + k + mine.numel() <= width
+        slots[rank, 0] = 1 if fits else 2
+        slots[rank, 1:1 + k] = row
+        if fits:
+            slots[rank, 1 + k:1 + k + mine.numel()] = mine.numpy()
+        if world > 1:
+            all_reduce_bytes(accelerator, self.buffer)
+        heads = slots[:, 1:1 + k].tolist()
+        if int(slots[:, 0].max()) == 2:
+            return heads, gather_ragged(accelerator, mine, [h[-1] for h in heads])
+        return heads, [torch.from_numpy(slots[r, 1 + k:1 + k + h[-1]].copy())
+                       for r, h in enumerate(heads)]
+
     def present_so_far(self, accelerator) -> Optional[np.ndarray]:
         """Mid-epoch, a collective: how many ranks have received each sample so far (uint8,
         up to 255 ranks), on the main process; None elsewhere. The epoch goes on after it."""
         self.state.add(self.pending, self.shift_now)
         self.pending, self.pending_ids = [], 0
+        self.state.to_host(self.counts)
         mine = np.minimum(self.counts, 1).astype(np.uint8)
         if accelerator.num_processes > 1:
             reduce_to_main(accelerator, mine, background=False)()
         return mine if accelerator.is_main_process else None
+
+
+def slot_ints(keep: int, batch: int, workers: int) -> int:
+    """The int64s of one rank's slot (Counts `slots`): a flag, the figures (11), and room for
+    a detail whose kept batches hold up to `batch` ids each (a larger one is gathered ragged):
+    up to 16 runs of batch sizes, every worker's figures, the first and last `keep` batches,
+    LIST_CAP repeats with their counts, LIST_CAP ids outside the dataset, and the order hash
+    (see _pack). About 3,100 for batches of 4 and 3 kept (25 KB a rank)."""
+    return (1 + 11 + 2 * 16 + 3 * (workers + 2) + 2 * (1 + keep * (2 + batch))
+            + 1 + 2 * LIST_CAP + 1 + LIST_CAP + 16)
+
+
+def _too_many_copies(heads: list[list[int]], epoch: int) -> None:
+    bad = [r for r, h in enumerate(heads) if h[0]]
+    if bad:
+        raise TooManyCopies(f"rank(s) {bad} received some sample more than {MAX_COPIES} "
+                            f"times in epoch {epoch}: too many for the count path; use "
+                            "--gather epoch")
+
+
+def all_reduce_bytes(accelerator, buffer: np.ndarray) -> None:
+    """Sum the uint8 `buffer` over the ranks, in place on every rank: one all-reduce (through
+    the device where the process group's backend needs one: NCCL)."""
+    import torch.distributed as dist
+
+    tensor = torch.from_numpy(buffer)
+    device = accelerator.device
+    if device.type == "cpu":
+        collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
+        return
+    sent = tensor.to(device)
+    collective(dist.all_reduce, sent, op=dist.ReduceOp.SUM)
+    tensor.copy_(sent.to("cpu"))
 
 
 def code_layout(world: int) -> tuple[int, type]:
@@ -325,6 +417,8 @@ class _Running:
     time: the counter, the order hash, whether the ids never decrease, and the ids outside
     [0, n)."""
 
+    device = torch.device("cpu")
+
     def __init__(self, counter: torch.Tensor, ones: torch.Tensor, n: int) -> None:
         self.counter, self.ones, self.n = counter, ones, n
         # 9 us per 65,536 ids where sha256 took 300 (xxhash: a dependency of datasets)
@@ -360,6 +454,93 @@ class _Running:
             ids = ids[torch.from_numpy(inside)]
         # uint8: wraps past 255, caught by the total after the walk
         self.counter.index_add_(0, ids, self.ones.expand(ids.numel()))
+
+    def to_host(self, counts: np.ndarray) -> None:
+        """The counter is `counts` itself: nothing to copy."""
+
+
+# The order hash on a device: two lanes of splitmix64's finaliser over (id, position), summed
+# modulo 2^64 (int64 arithmetic wraps), so the sum is the same however the ids are split into
+# flushes, and differs when the same ids come in another order. Constants as signed int64.
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_MIX = [_signed(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]
+_LANES = [_signed(c) for c in (0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93)]
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (the right shifts made logical by a mask)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX[0]
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX[1]
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+class _DeviceOrder:
+    def __init__(self, lanes: torch.Tensor) -> None:
+        self.lanes = lanes
+
+    def digest(self) -> bytes:
+        return np.asarray(self.lanes.tolist(), dtype="<i8").tobytes()
+
+
+class _DeviceRunning:
+    """_Running for ids that live on a device: the counter (N + 1 bytes: the last counts ids
+    outside [0, n)), the order hash, the falls (an id below the one before it) and the ids
+    outside, all kept on the device, so a step queues a few kernels and never waits for them.
+    The host reads it once, at the epoch's end (to_host, order, ascending, outside_total)."""
+
+    def __init__(self, device: torch.device, n: int) -> None:
+        self.device, self.n = device, n
+        self.counter = torch.zeros(n + 1, dtype=torch.uint8, device=device)
+        self.ones = torch.ones(1, dtype=torch.uint8, device=device)
+        self.lanes = torch.zeros(2, dtype=torch.int64, device=device)
+        self.salt = torch.tensor(_LANES, dtype=torch.int64, device=device).view(2, 1)
+        self.falls = torch.zeros((), dtype=torch.int64, device=device)
+        self.bad = torch.zeros((), dtype=torch.int64, device=device)
+        self.last: Optional[torch.Tensor] = None
+        self.position = 0
+        self.outside: set[int] = set()
+
+    def add(self, batches: list[torch.Tensor], shift: int = 0) -> None:
+        if not batches:
+            return
+        ids = torch.cat(batches) if len(batches) > 1 else batches[0]
+        if shift:
+            ids = ids - shift
+        size = ids.shape[0]
+        if not size:
+            return
+        where = torch.arange(self.position, self.position + size, device=self.device)
+        self.position += size
+        self.lanes += _mix(ids ^ _mix(where * self.salt)).sum(dim=1)
+        if size > 1:
+            self.falls += (ids[1:] < ids[:-1]).sum()
+        if self.last is not None:
+            self.falls += (ids[0] < self.last).long()
+        self.last = ids[-1]
+        outside = (ids < 0) | (ids >= self.n)
+        self.bad += outside.sum()
+        self.counter.index_add_(0, torch.where(outside, self.n, ids),
+                                self.ones.expand(size))
+
+    def to_host(self, counts: np.ndarray) -> None:
+        counts[:self.n] = self.counter[:self.n].cpu().numpy()
+
+    @property
+    def order(self) -> _DeviceOrder:
+        return _DeviceOrder(self.lanes)
+
+    @property
+    def ascending(self) -> bool:
+        return int(self.falls) == 0
+
+    @property
+    def outside_total(self) -> int:
+        return int(self.bad)
 
 
 def _pack(sizes, made, head, tail, repeat_ids, repeat_counts, outside, digest: bytes):

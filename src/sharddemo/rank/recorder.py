@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
-from sharddemo.rank.counting import KEEP_BATCHES, Counts
+from sharddemo.rank.counting import KEEP_BATCHES, Counts, slot_ints
 from sharddemo.rank.describe import base_loader, remainder
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
@@ -69,9 +69,13 @@ class IdLog:
         self.workers.append(worker)
         self.samples += ids.numel()
 
-    def finish(self, accelerator, loader, epoch: int) -> Optional[dict]:
+    def delivers_everywhere(self, world: int) -> bool:
+        return True  # the gather is an all-gather: every rank holds every rank's ids
+
+    def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
         """A collective: the lengths exchanged, then one ragged gather of one tensor per rank
-        (the batch sizes, the batches' workers, then the ids; int32 when every id fits)."""
+        (the batch sizes, the batches' workers, then the ids; int32 when every id fits). The
+        record on the main process, and on every rank with `everyone`."""
         local = self.batches
         ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
         top = int(ids.abs().max()) if ids.numel() else 0
@@ -80,7 +84,7 @@ class IdLog:
         sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
         packed = torch.cat([sizes, torch.tensor(self.workers, dtype=torch.int64), ids]).to(dtype)
         parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads])
-        if not accelerator.is_main_process:
+        if not accelerator.is_main_process and not everyone:
             return None
         ranks, workers = [], []
         for (n_batches, _, _, _), part in zip(heads, parts):
@@ -110,12 +114,16 @@ class Recorder:
     `add(batch)` is local and costs a few microseconds a batch; `finish(epoch)` is a collective
     every rank calls once per epoch, and starts the next epoch empty. `background=False`
     keeps every collective synchronous (for a process that exits through the interpreter's
-    teardown: a user's training script).
+    teardown: a user's training script). `one_collective` makes the count path's epoch end
+    one all-reduce (up to 15 ranks; its slots sized for batches of up to `batch` ids, 64
+    when not given: a larger batch costs a second collective), after which every rank can
+    hold the record (finish's `everyone`).
     """
 
     def __init__(self, accelerator, read_ids: Optional[ReadIds] = None, *, how: str = "epoch",
                  n: Optional[int] = None, loader: Any = None, background: bool = True,
-                 keep_present: bool = False) -> None:
+                 keep_present: bool = False, one_collective: bool = False,
+                 batch: Optional[int] = None) -> None:
         if how not in ("epoch", "count"):
             raise ValueError(f"how must be 'epoch' or 'count', got {how!r}")
         if how == "count" and n is None:
@@ -132,12 +140,16 @@ class Recorder:
         workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
                    if loader is not None else 0)
         self.keep = max(KEEP_BATCHES, workers)
+        self.slots = None
+        if one_collective:
+            self.slots = (accelerator.num_processes,
+                          slot_ints(self.keep, batch or 64, workers))
         self.log = self._new_log()
 
     def _new_log(self):
         if self.how != "count":
             return IdLog()
-        log = Counts(int(self.n), self.keep, self.background)
+        log = Counts(int(self.n), self.keep, self.background, slots=self.slots)
         log.keep_present = self.keep_present
         return log
 
@@ -161,9 +173,16 @@ class Recorder:
         them itself (sharddemo.watch)."""
         self.log.add(ids, worker, 0)
 
-    def finish(self, epoch: int, loader: Any = None) -> Optional[dict]:
-        """The epoch's end, a collective: the record on the main process, None elsewhere.
-        `loader`: the loader the epoch was walked from, where it is not the one given (a
-        skip_first_batches loader)."""
+    @property
+    def delivers_everywhere(self) -> bool:
+        """Whether finish(everyone=True) gives the record to every rank (with no collective
+        beyond the epoch's own)."""
+        return self.log.delivers_everywhere(self.accelerator.num_processes)
+
+    def finish(self, epoch: int, loader: Any = None, everyone: bool = False) -> Optional[dict]:
+        """The epoch's end, a collective: the record on the main process, None elsewhere (on
+        every rank with `everyone`, where delivers_everywhere). `loader`: the loader the
+        epoch was walked from, where it is not the one given (a skip_first_batches loader)."""
         log, self.log = self.log, self._new_log()
-        return log.finish(self.accelerator, loader if loader is not None else self.loader, epoch)
+        return log.finish(self.accelerator, loader if loader is not None else self.loader, epoch,
+                          everyone)

@@ -1,0 +1,137 @@
+"""A rank script for tests/test_watch.py: a watched accelerate loop that also keeps its own
+account of the run, to check the watch against.
+
+`collectives`: every torch.distributed collective is counted (wrapped here, in the test's
+process only), step by step and at each epoch's end, for the same loop unwatched and then
+watched; the main process prints one line, COLLECTIVES <json>.
+
+`stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
+shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
+and resumed with load_state; each rank writes the ids it received (the library's own
+answer, read from the batches the loop trained on) to `--ids`/launch<k>_rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from sharddemo import watch
+
+N = 40
+CALLS: list[str] = []
+COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+               "gather", "scatter", "all_gather_object", "broadcast_object_list", "barrier",
+               "reduce_scatter_tensor", "all_to_all", "send", "recv")
+
+
+def count_collectives() -> None:
+    for name in COLLECTIVES:
+        fn = getattr(dist, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            CALLS.append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+class Uneven(Sampler):
+    """Batches of 4000, 4000, 1000 and 1000 ids for a dataset of 10,000: each rank's first
+    and last batches (5000 ids) outgrow the slot the watch sizes for a loader that names no
+    batch size (about 3,500 int64s: batches of 64, and the capped lists)."""
+
+    def __iter__(self):
+        return iter([list(range(0, 4000)), list(range(4000, 8000)), list(range(8000, 9000)),
+                     list(range(9000, 10000))])
+
+    def __len__(self):
+        return 4
+
+
+def walk(loader, epochs: int) -> list[dict]:
+    out = []
+    for _ in range(epochs):
+        start, steps = len(CALLS), []
+        batches = iter(loader)
+        while True:
+            before = len(CALLS)
+            try:
+                next(batches)
+            except StopIteration:
+                break
+            steps.append(len(CALLS) - before)
+        out.append({"total": len(CALLS) - start, "steps": steps})
+    return out
+
+
+def collectives(args, accelerator) -> None:
+    count_collectives()
+    runs = {}
+    for watched in (False, True):
+        if args.uneven:
+            data = TensorDataset(torch.arange(10000))
+            loader = DataLoader(data, batch_sampler=Uneven())
+        else:
+            loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=4, shuffle=True)
+        if watched:
+            loader = watch(loader, accelerator, report=None, on_violation=args.on_violation)
+        loader = accelerator.prepare(loader)
+        runs["watched" if watched else "plain"] = walk(loader, 2)
+    if accelerator.is_main_process:
+        print("COLLECTIVES " + json.dumps(runs), flush=True)
+    accelerator.end_training()
+
+
+def stateful(args, accelerator) -> None:
+    loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=4, shuffle=True,
+                        num_workers=2)
+    loader = watch(loader, accelerator, report=args.report)
+    loader = accelerator.prepare(loader)
+    launch = 2 if args.resume_from else 1
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+    seen: list[list[int]] = []
+    for _ in range(2):  # launch 2: the rest of epoch 0 (the loader resumes itself), epoch 1
+        mine: list[int] = []
+        seen.append(mine)
+        for step, (ids,) in enumerate(loader):
+            mine += ids.tolist()
+            if launch == 1 and step + 1 == args.save_at:
+                accelerator.save_state(args.checkpoint)
+                break
+        if launch == 1:
+            break
+    path = os.path.join(args.ids, f"launch{launch}_rank{accelerator.process_index}.json")
+    with open(path, "w") as handle:
+        json.dump(seen, handle)
+    accelerator.end_training()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["collectives", "stateful"])
+    parser.add_argument("--on-violation", default="warn")
+    parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--report")
+    parser.add_argument("--ids")
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--resume-from")
+    args = parser.parse_args()
+    if args.mode == "collectives":
+        collectives(args, Accelerator(cpu=True))
+    else:
+        config = DataLoaderConfiguration(use_stateful_dataloader=True)
+        stateful(args, Accelerator(cpu=True, dataloader_config=config))
+
+
+if __name__ == "__main__":
+    main()
