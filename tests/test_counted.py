@@ -205,3 +205,42 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
     assert rank["sizes"] == [[2, 10]] and rank["distinct"] == 20 and rank["ascending"] is True
     assert rank["head"] == [[0, 1], [2, 3], [4, 5]] and rank["tail"] == [[14, 15], [16, 17],
                                                                          [18, 19]]
+
+
+def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
+    """Ids that live on a device are counted there (rank.counting._DeviceRunning: no copy to
+    the host and no sync per step). Run here on the CPU over the batches worked by hand in the
+    test above: the same record, field for field, but for the order hash, which is the
+    device's own; that one is the same however the ids fall into flushes, and changes when
+    two batches change places."""
+    import torch
+    from accelerate import Accelerator
+
+    from sharddemo.rank import counting
+    from sharddemo.rank.recorder import Recorder
+
+    accelerator = Accelerator(cpu=True)
+
+    def walk(batches, n, where, flush):
+        monkeypatch.setattr(counting, "FLUSH_IDS", flush)
+        recorder = Recorder(accelerator, lambda batch, tag: batch, how="count", n=n)
+        if where == "device":
+            recorder.log.state = counting._DeviceRunning(torch.device("cpu"), n)
+        for values, shift in batches:
+            recorder.add((torch.tensor(values), shift))
+        return recorder.finish(0)
+
+    batches = [([1, 2], 1), ([3, 4, 5], 1), ([3, 9], 0), ([5, 6, 7, 8, 10, 11, 12, 13, 14], 0),
+               ([0, 20], 0), ([3], 0)]
+    host = walk(batches, 17, "host", 8)
+    device = walk(batches, 17, "device", 8)
+    mine, theirs = device["ranks"][0], host["ranks"][0]
+    assert {k: v for k, v in mine.items() if k != "order_hash"} == {
+        k: v for k, v in theirs.items() if k != "order_hash"}
+    assert device["coverage"] == host["coverage"]
+    assert mine["out_of_range"] == [20] and mine["out_of_range_total"] == 1  # as by hand above
+    assert walk(batches, 17, "device", 1 << 18)["ranks"][0]["order_hash"] == mine["order_hash"]
+    swapped = [batches[0], batches[2], batches[1], *batches[3:]]
+    assert walk(swapped, 17, "device", 8)["ranks"][0]["order_hash"] != mine["order_hash"]
+    ascending = walk([([2 * k, 2 * k + 1], 0) for k in range(10)], 20, "device", 8)
+    assert ascending["ranks"][0]["ascending"] is True

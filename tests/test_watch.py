@@ -88,6 +88,34 @@ def test_workers_a_subset_and_an_id_field(tmp_path):
     assert got["stream"]["duplicated"]["ids"] == [1] and not got["stream"]["ok"]
 
 
+def test_a_step_never_reads_ids_on_a_device_back_to_the_host(monkeypatch):
+    """Ids that live on a device are counted there: a step queues work and never waits for
+    it. Shown here without a GPU on torch's meta device, whose tensors hold no data, so that
+    any read of a value on the host (.item(), .tolist(), .cpu(), int(), a branch on a
+    value) raises at once: 40 steps of batches of 16 on 'meta', counted in flushes of 64 ids
+    (10 flushes), raise nothing. The epoch's end reads the counter once (not reached here:
+    the loop stops first)."""
+    from torch.utils.data import default_collate
+
+    from sharddemo.rank import counting
+
+    monkeypatch.setattr(counting, "FLUSH_IDS", 64)
+    data = TensorDataset(torch.arange(1000))
+    loader = watch(DataLoader(data, batch_size=16,
+                              collate_fn=lambda items: [t.to("meta")
+                                                        for t in default_collate(items)]),
+                   report=None, id_field=0)
+    for step, (ids,) in enumerate(loader):
+        assert ids.device.type == "meta"
+        if step == 39:
+            break
+    log = loader.__dict__["_sharddemo_watch"].recorder.log
+    assert log.steps == 40 and log.samples == 640
+    assert type(log.state) is counting._DeviceRunning and log.state.device.type == "meta"
+    with pytest.raises(NotImplementedError, match="meta"):
+        log.state.to_host(log.counts)  # the end's read: what the steps never do
+
+
 def test_bad_arguments_say_what_to_do():
     data = TensorDataset(torch.arange(4))
     with pytest.raises(ValueError, match="on_violation must be one of warn, raise, ignore"):
