@@ -93,6 +93,7 @@ class Counts:
         # chosen at the first batch)
         self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
                               self.n)
+        self.on_device = False
         self.keep = keep
         self.sizes: list[list[int]] = []  # run-length: [size, times]
         self.made: dict[int, list[int]] = {}  # worker -> [batches, samples]
@@ -111,11 +112,12 @@ class Counts:
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
-        if not ids.is_cpu and not self.steps and isinstance(self.state, _Running):
-            # ids on a device (a prepared loader's batch on the GPU): count there, with no
-            # copy to the host and no sync per step (the counter comes to the host at the end)
-            self.state = _DeviceRunning(ids.device, self.n)
-        if ids.dtype is not torch.int64 or ids.device != self.state.device:
+        if ids.dtype is not torch.int64 or not ids.is_cpu or self.on_device:
+            if not ids.is_cpu and not self.steps and not self.on_device:
+                # ids on a device (a prepared loader's batch on the GPU): count there, with no
+                # copy to the host and no sync per step (the counter comes over at the end)
+                self.state = _DeviceRunning(ids.device, self.n)
+                self.on_device = True
             ids = ids.to(self.state.device, torch.int64, non_blocking=True)
         size = ids.shape[0]
         if size == self.size_now:
