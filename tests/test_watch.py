@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 
 import pytest
 import torch
@@ -385,3 +386,33 @@ def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught
     assert got[0]["ok"] == (not before & after and len(before | after) == 40)
     epoch1 = received(2, 1)
     assert (got[1]["seen"], got[1]["unique"]) == (len(epoch1), len(set(epoch1)))
+
+
+@pytest.mark.parametrize("set_epoch", [True, False])
+def test_torchrun_without_accelerate(tmp_path, set_epoch):
+    """torch.distributed alone (torchrun; SLURM's srun sets the same process group up):
+    watch(loader) with no accelerator on a DistributedSampler's loader, 2 ranks, 2 epochs.
+    Expected from torch's own DistributedSampler for each rank and epoch."""
+    from conftest import free_port, run_cmd
+
+    report = tmp_path / "w.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), LOOP, "torch", "--report", str(report),
+           *([] if set_epoch else ["--no-set-epoch"])]
+    proc = run_cmd(cmd, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    data = TensorDataset(torch.arange(40))
+
+    def dealt(rank: int, epoch: int) -> list[int]:
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch if set_epoch else 0)
+        return list(sampler)
+
+    got = entries(report)
+    assert [e["epoch"] for e in got] == [0, 1]
+    for e in got:
+        ids = dealt(0, e["epoch"]) + dealt(1, e["epoch"])
+        assert (e["seen"], e["unique"], e["world_size"]) == (len(ids), len(set(ids)), 2)
+    changed = [dealt(r, 0) != dealt(r, 1) for r in range(2)]
+    assert got[1]["order_changed"] == any(changed) == set_epoch
+    assert got[1]["ok"] == set_epoch

@@ -5,6 +5,9 @@ account of the run, to check the watch against.
 process only), step by step and at each epoch's end, for the same loop unwatched and then
 watched; the main process prints one line, COLLECTIVES <json>.
 
+`torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
+DistributedSampler's loader.
+
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
 and resumed with load_state; each rank writes the ids it received (the library's own
@@ -115,9 +118,27 @@ def stateful(args, accelerator) -> None:
     accelerator.end_training()
 
 
+def plain_torch(args) -> None:
+    """torch.distributed alone (torchrun, SLURM srun): no Accelerator, a DistributedSampler,
+    watch(loader) with no accelerator; --no-set-epoch leaves set_epoch uncalled."""
+    from torch.utils.data import DistributedSampler
+
+    dist.init_process_group("gloo")
+    data = TensorDataset(torch.arange(N))
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = watch(DataLoader(data, batch_size=4, sampler=sampler), report=args.report)
+    for epoch in range(2):
+        if not args.no_set_epoch:
+            sampler.set_epoch(epoch)
+        for _ in loader:
+            pass
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "stateful"])
+    parser.add_argument("mode", choices=["collectives", "stateful", "torch"])
+    parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--report")
@@ -126,7 +147,9 @@ def main() -> None:
     parser.add_argument("--checkpoint")
     parser.add_argument("--resume-from")
     args = parser.parse_args()
-    if args.mode == "collectives":
+    if args.mode == "torch":
+        plain_torch(args)
+    elif args.mode == "collectives":
         collectives(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
