@@ -321,3 +321,47 @@ class Buckets(torch.utils.data.Sampler):
 def bucketing_prepared_31(accelerator):
     """Buckets over 31 samples as the loader's batch_sampler, passed through prepare."""
     return accelerator.prepare(DataLoader(_dataset(31), batch_sampler=Buckets(31)))
+
+
+# -- samples named by keys (str), not positions ---------------------------------------------
+
+KEYED = 22  # 22 samples named "s-000".."s-021" ("s-007" is sample 7)
+
+
+class Keyed(torch.utils.data.Dataset):
+    """Samples {"key": "s-007", "x": 7.0}: the DataLoader's collate makes "key" a list of str."""
+
+    def __len__(self):
+        return KEYED
+
+    def __getitem__(self, i):
+        return {"key": f"s-{i:03d}", "x": float(i)}
+
+
+def keyed_prepared(accelerator):
+    """A map-style dataset named by keys, prepared (shuffled, seeded as set_seed(7) does),
+    batches of 4."""
+    torch.manual_seed(7)
+    return accelerator.prepare(DataLoader(Keyed(), batch_size=4, shuffle=True))
+
+
+def keyed_replicated(accelerator):
+    """The same, neither prepared nor sampled: every rank reads every key."""
+    return DataLoader(Keyed(), batch_size=4, shuffle=False)
+
+
+class KeyedStream(IterableDataset):
+    """A stream of keyed samples split by rank (every W-th), with no length: bytes keys, and
+    the key "s-021" never sent (a shard that went missing)."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        for i in range(self.rank, KEYED - 1, self.world):
+            yield {"key": f"s-{i:03d}".encode(), "x": float(i)}
+
+
+def keyed_stream(accelerator):
+    return DataLoader(KeyedStream(accelerator.process_index, accelerator.num_processes),
+                      batch_size=3)

@@ -129,6 +129,16 @@ def test_bad_arguments_say_what_to_do():
     with pytest.raises(ValueError, match="pass id_field="):
         watch(DataLoader(Stream()))
 
+    class Keyed(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"key": f"k{i}"}
+
+    with pytest.raises(ValueError, match="holds keys"):
+        next(iter(watch(DataLoader(Keyed(), batch_size=2), report=None, id_field="key")))
+
 
 def test_raise_in_one_process(tmp_path):
     data = TensorDataset(torch.arange(6))

@@ -47,6 +47,9 @@ class AuditOptions:
     grad_accum: Optional[int] = None
     # The parent needs every id (--plot draws them): `auto` never takes the count path.
     keep_ids: bool = False
+    # A file of the samples' keys, one per line (the parent's: analysis.keys numbers the
+    # keys the ranks saw by it, and names the missing ones).
+    keys: Optional[str] = None
 
     def validate(self) -> "AuditOptions":
         if self.framework not in FACTORY_CALLS:
@@ -62,6 +65,9 @@ class AuditOptions:
             raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if not self.max_time > 0:
             raise UsageError(f"--max-time must be a positive number of seconds, got {self.max_time}")
+        if self.keys is not None and self.id_field is None:
+            raise UsageError(f"--keys {self.keys} names the keys an --id-field holds; pass "
+                             "--id-field too (e.g. --id-field __key__)")
         if self.grad_accum is not None and self.grad_accum < 1:
             raise UsageError(f"--grad-accum must be at least 1 batch per optimizer step, got "
                              f"{self.grad_accum}")
@@ -115,6 +121,33 @@ def parse_target(target: str, framework: Optional[str] = None) -> tuple[str, str
         raise UsageError(f"factory {target!r} is not of the form package.module:{f} or "
                          f"path/to/file.py:{f}")
     return where, name
+
+
+def read_keys(path: str, dataset_size: Optional[int] = None) -> list[str]:
+    """The samples' keys, one per line of `path` (UTF-8; a trailing newline and a carriage
+    return are not part of a key), or one Error line saying what is wrong with the file."""
+    try:
+        with open(path, encoding="utf-8", newline="") as handle:
+            keys = [line.rstrip("\n").rstrip("\r") for line in handle]
+    except OSError as exc:
+        raise UsageError(f"--keys {path}: cannot read it ({exc.strerror}); pass a file of the "
+                         "samples' keys, one per line") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--keys {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         "write the keys as UTF-8, one per line") from None
+    if not keys:
+        raise UsageError(f"--keys {path} is empty; it must list every sample's key, one per "
+                         "line")
+    seen: dict[str, int] = {}
+    for line, key in enumerate(keys, 1):
+        if key in seen:
+            raise UsageError(f"--keys {path}: line {line} repeats the key {key!r} of line "
+                             f"{seen[key]}; each sample's key must be listed once")
+        seen[key] = line
+    if dataset_size is not None and dataset_size != len(keys):
+        raise UsageError(f"--keys {path} lists {len(keys)} keys but --dataset-size is "
+                         f"{dataset_size}; leave --dataset-size out (the file gives N)")
+    return keys
 
 
 def precheck_target(target: str, framework: Optional[str] = None) -> None:
@@ -179,8 +212,11 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
     from sharddemo.rank.tagging import is_tagged, tag_batches
 
     if id_field is not None:
+        from sharddemo.rank.keys import KeyTable, key_values
+
         whole = id_field in (".", "batch")
         key: Any = int(id_field) if id_field.lstrip("-").isdigit() else id_field
+        table = KeyTable(id_field)  # keys (str, bytes) -> this rank's ids (rank.keys)
 
         def by_field(batch, tag):
             if whole:
@@ -192,6 +228,10 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
                     kind = type(batch).__name__
                     raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
                                      f"field ({type(exc).__name__}: {exc})") from None
+            keys = key_values(ids)
+            if keys is not None:
+                return table.lookup(keys)
+            table.numbers = True
             ids = _as_ids(ids, id_field)
             if not whole and ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
                 raise UsageError(f"--id-field {id_field} selects one number per batch (the "
@@ -201,6 +241,7 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
             return ids.reshape(-1).to("cpu", torch.int64)
 
         tag_batches(loader, record_indices=False)  # which worker made each batch
+        by_field.keys = table  # the walk exchanges it at each epoch's end
         return by_field
     base = base_loader(loader)
     dataset = getattr(base, "dataset", None)
@@ -231,8 +272,9 @@ def _as_ids(values, id_field: str):
     strings (a question id like "q0003") or fractions are none."""
     import torch
 
-    hint = (f"--id-field {id_field} must hold each sample's integer id (0..N-1); pass a field "
-            "of integer ids, or leave --id-field out to audit by the dataset's positions")
+    hint = (f"--id-field {id_field} must hold each sample's id: an integer 0..N-1 or a key "
+            "(str, bytes); pass such a field, or leave --id-field out to audit by the "
+            "dataset's positions")
     try:
         ids = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError):
@@ -431,6 +473,8 @@ def _dataset_size(loader, opts: AuditOptions, records: list,
     length = _known_size(loader, opts, agreed)
     if length is not None:
         return length
+    if any(record.get("ids_are_keys") for record in records):
+        return 0  # keys: the parent numbers them and sets N (analysis.keys)
     top = -1
     for record in records:  # (the main rank's: every rank's batches; a counted one has N)
         for rank in record["ranks"]:

@@ -460,10 +460,10 @@ def audit_options(func: Callable) -> Callable:
         click.option("--epochs", type=int, default=2, show_default=True,
                      help="Epochs to walk (eval loaders: one)."),
         click.option("--id-field", help="The field (dict key, or tuple position) of each batch "
-                     "that holds the sample ids (integers 0..N-1), or '.' when each batch is "
-                     "itself the tensor of ids. Default: the dataset indices each batch was "
-                     "made of, recorded as the dataset is asked for them (map-style datasets "
-                     "only)."),
+                     "that holds the sample ids (integers 0..N-1, or keys: str or bytes, such "
+                     "as WebDataset's __key__; see --keys), or '.' when each batch is itself "
+                     "the tensor of ids. Default: the dataset indices each batch was made of, "
+                     "recorded as the dataset is asked for them (map-style datasets only)."),
         click.option("--expect", type=click.Choice(["sharded", "replicated"]), default="sharded",
                      show_default=True, help="What the loader is meant to do across ranks."),
         click.option("--set-epoch", is_flag=True,
@@ -505,7 +505,8 @@ def _audit_options(kw: dict) -> "AuditOptions":
                         dataset_size=kw["dataset_size"], timeout=kw["timeout"],
                         gather=kw["gather"], max_time=kw.get("max_time") or 3600.0,
                         stateful=bool(kw.get("stateful_loader")),
-                        keep_ids=bool(kw.get("keep_ids"))).validate()
+                        keep_ids=bool(kw.get("keep_ids")),
+                        keys=kw.get("keys")).validate()
 
 
 def _resume_plan(kw: dict, epochs: int):
@@ -542,6 +543,12 @@ resume_options = [
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
 @click.option("--max-time", type=float, default=3600.0, show_default=True,
               help="Seconds the whole audit may take before it is stopped.")
+@click.option("--keys", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With an --id-field of keys (str, bytes: a WebDataset __key__, a string "
+                   "id column): the samples' keys, one per line. N is then the file's "
+                   "length and the missing samples are named [default: N from "
+                   "--dataset-size or the dataset's length; missing samples counted, not "
+                   "named].")
 @plot_option
 @resume_options[0]
 @resume_options[1]
@@ -581,6 +588,9 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
         _refuse_counted_plot(opts.gather, opts.dataset_size)
         # --plot draws every id: `auto` keeps them at any size (as --gather epoch does)
         opts = dataclasses.replace(opts, keep_ids=True)
+    if resume_at is not None and opts.keys is not None:
+        raise UsageError("--keys names the samples of an --id-field of keys, which the resume "
+                         "audit does not compare yet; leave --keys (or --resume-at) out")
     if resume_at is not None and opts.framework is not None:
         raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
                          f"--{opts.framework}")

@@ -75,7 +75,9 @@ def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> 
     if width == 0:
         return [tensor.new_empty(0).to("cpu") for _ in lengths]
     if tensor.numel() < width:
-        pad = torch.full((width - tensor.numel(),), PAD, dtype=tensor.dtype, device=tensor.device)
+        fill = PAD if tensor.dtype.is_signed else 0  # (bytes: rank.keys' tables)
+        pad = torch.full((width - tensor.numel(),), fill, dtype=tensor.dtype,
+                         device=tensor.device)
         tensor = torch.cat([tensor, pad])
     if accelerator.num_processes == 1:
         rows = tensor.to("cpu").view(1, width)

@@ -24,12 +24,17 @@ RANK_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"
 GRID_LIMIT = 64
 
 
+# The picture places each sample at its position 0..N-1; samples named by keys have none.
+KEYS_NO_PLOT = ("--plot draws each sample at its position 0..N-1, and this loader's --id-field "
+                "names samples by key (the report is written; run again without --plot)")
+
+
 def grid_lines(report: dict, epoch: dict) -> list[str]:
     """One character per sample id: the rank that received it, `+` when several ranks (or one
     rank several times) did, `-` when nobody did. Empty above GRID_LIMIT samples."""
     n = report["dataset_size"]
-    if n > GRID_LIMIT or epoch.get("gather") == "count":
-        return []
+    if n > GRID_LIMIT or epoch.get("gather") == "count" or report.get("keys"):
+        return []  # (keys: samples named, not placed)
     owners: list[list[int]] = [[] for _ in range(n)]
     for r in epoch["ranks"]:
         for batch in r["batches"]:
@@ -84,6 +89,8 @@ def plot_report(report: dict, path: str) -> dict:
         raise UsageError(COUNTED_NO_PLOT)
     if not report["modes"]:
         raise UsageError(NO_EPOCHS_TO_PLOT)
+    if report.get("keys"):
+        raise UsageError(KEYS_NO_PLOT)
     plt = _pyplot()
     modes = list(report["modes"])
     n, w, b = report["dataset_size"], report["world_size"], report["batch_size"]

@@ -73,6 +73,8 @@ def header(report: dict) -> list[str]:
 def _counted(ids: list[int], total=None) -> str:
     """A short list, with how many there are when it was cut (the count path keeps lists
     short)."""
+    if not ids and total:
+        return f"{total:,} (not named: the samples' keys are not known)"
     if total is None or total <= len(ids):
         return _short(ids)
     return " ".join(str(i) for i in ids[:16]) + f" ... ({total:,})"
@@ -84,7 +86,7 @@ def _epoch_summary(e: dict) -> list[str]:
         f"missing {_counted(e['missing'], e.get('missing_count'))} | duplicated "
         + _counted([d['id'] for d in e['duplicates']], e.get('duplicate_count'))
     ]
-    if e["missing"]:
+    if e["missing_count"]:
         why = e["reasons"].get(e["missing_reason"]) if e["missing_reason"] else None
         lines.append(f"why missing: {why}" if why else
                      "why missing: NO reason: a sharded loader lost these samples")

@@ -423,6 +423,13 @@ def _read_field(batch, field) -> torch.Tensor:
         values = batch[field]
     else:
         values = batch[int(field)]
+    if not torch.is_tensor(values):
+        from sharddemo.rank.keys import key_values
+
+        if key_values(values) is not None:
+            raise ValueError(f"sharddemo.watch: id_field {field!r} holds keys (str, bytes); "
+                             "the watch counts integer ids 0..N-1 (audit a keyed loader with "
+                             "`sharddemo audit --id-field`, which names samples by key)")
     values = torch.as_tensor(values)
     if values.is_floating_point() or values.dtype is torch.bool:
         raise ValueError(f"sharddemo.watch: id_field {field!r} holds {values.dtype} values; "

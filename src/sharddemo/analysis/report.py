@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from sharddemo.analysis.keys import keys_section, name_epoch, name_windows
 from sharddemo.analysis.epoch import analyse_epoch
 from sharddemo.analysis.modes import global_batch, is_audit_mode, mode_kind
 from sharddemo.analysis.verdicts import audit_verdicts, broken_promises, conclude
@@ -16,8 +17,11 @@ REPORT_SCHEMA = "sharddemo.report/1"
 
 
 def build_report(trace: dict, *, launch_command: Optional[str] = None,
-                 config_file: Optional[str] = None) -> dict:
-    """Trace (what the ranks did) -> report (what it means). Deterministic for a given trace."""
+                 config_file: Optional[str] = None, keys: Optional[dict] = None,
+                 key_field: Optional[str] = None) -> dict:
+    """Trace (what the ranks did) -> report (what it means). Deterministic for a given trace.
+    `keys`: where the samples are named by key, analysis.keys.number_keys's names (the
+    trace numbered by it): every epoch names its samples by key before its verdicts."""
     modes: dict[str, Any] = {}
     problems: list[str] = []
     for mode, data in trace["modes"].items():
@@ -28,6 +32,9 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         epochs = [analyse_epoch(mode, sized, v, views[k - 1] if k else None,
                                 loader=data.get("loader"), hint=data.get("hint"))
                   for k, v in enumerate(views)]
+        if keys is not None:
+            for e in epochs:
+                name_epoch(e, keys["names"])
         if is_audit_mode(mode):
             verdicts = audit_verdicts(sized, epochs, role=data.get("role", "train"),
                                       prepared=data.get("prepared", False),
@@ -61,6 +68,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             for e, v in zip(epochs, views):
                 e["grad_accum"] = (accumulation_windows(v.ranks, k) if v.gather != "count" else
                                    {**window_counts(v.steps, k), "counted": True})
+                if keys is not None and v.gather != "count":
+                    name_windows(e["grad_accum"], keys["names"])
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
     where = trace.get("placement") or [
@@ -93,6 +102,8 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "modes": modes,
         "broken_promises": problems,
     }
+    if keys is not None:
+        report["keys"] = keys_section(keys, key_field)
     if trace.get("fingerprint") is not None:
         report["fingerprint"] = trace["fingerprint"]
     if "timings" in trace:

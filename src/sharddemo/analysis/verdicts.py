@@ -65,13 +65,14 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
     if prepared and e.get("gather_for_metrics_exact") is not None:
         if e["gather_for_metrics_exact"]:
             return True, ""
-        if e["missing"]:
+        if e["missing_count"]:
             why = " (drop_last)" if e["missing_reason"] == "drop-last" else ""
             return False, (f"{e['missing_count']} of {n} eval samples are never evaluated{why}: "
                            f"{_short(e['missing'], total=e['missing_count'])}")
         return False, f"gather_for_metrics returns {e['gathered_for_metrics_count']} ids, not {n}"
     # an eval loader over a Subset (random_split's validation part) evaluates its own data
-    lost = e["missing"] and not (e["missing_reason"] == "subset" and e["missing_explained"])
+    lost = e["missing_count"] and not (e["missing_reason"] == "subset"
+                                       and e["missing_explained"])
     if not lost and not extra:
         return True, ""
     parts = []
@@ -249,6 +250,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
 def _short(ids: list[int], limit: int = 12, total: Optional[int] = None) -> str:
     """The first `limit` ids, and `...` when there are more (`total`: how many there are, for
     a list kept short already)."""
+    if not ids and total:
+        return "[not named: the samples' keys are not known]"  # (analysis.keys)
     shown = ", ".join(str(i) for i in ids[:limit])
     more = (total if total is not None else len(ids)) > limit
     return f"[{shown}{', ...' if more else ''}]"

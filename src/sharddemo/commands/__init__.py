@@ -10,8 +10,11 @@ from sharddemo.analysis import build_report
 from sharddemo.launch import Launch
 
 
-def report_of(launch: Launch, trace: Optional[dict]) -> dict:
-    """The trace -> the report; {} on a node whose machine rank 0 reports instead."""
+def report_of(launch: Launch, trace: Optional[dict], keys: Optional[dict] = None,
+              key_field: Optional[str] = None) -> dict:
+    """The trace -> the report; {} on a node whose machine rank 0 reports instead. `keys`:
+    the names of a trace whose samples are keys (analysis.keys.number_keys)."""
     if not trace:
         return {}
-    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file)
+    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file,
+                        keys=keys, key_field=key_field)

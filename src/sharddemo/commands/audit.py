@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from sharddemo.analysis.keys import holds_keys, number_keys
+from sharddemo.audit import read_keys
 from sharddemo.commands import report_of
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
@@ -15,12 +17,48 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     from sharddemo.audit import precheck_target
 
     precheck_target(opts.target, opts.framework)
+    known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
     launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
                        debug=debug, timeout=opts.max_time, progress=progress)
-    report = report_of(launch, trace)
-    refuse_ids_outside(report, opts.id_field)
+    keys = number_trace_keys(trace, opts, known)
+    report = report_of(launch, trace, keys, opts.id_field)
+    if keys is not None:
+        refuse_keys_outside(report, opts.keys)
+    else:
+        refuse_ids_outside(report, opts.id_field)
     return report
+
+
+def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
+    """Where the ranks' records name samples by key: the keys numbered 0..N-1 in the trace
+    (analysis.keys), their names returned; None for integer ids. One Error line where the
+    keys and N disagree, or where --keys was given for integer ids."""
+    if not trace:
+        return None
+    if not holds_keys(trace):
+        if known is not None:
+            raise UsageError(f"--keys {opts.keys}: --id-field {opts.id_field} holds integer "
+                             "ids, not keys; leave --keys out")
+        return None
+    size = opts.dataset_size or trace.get("dataset_size") or None
+    keys = number_keys(trace, known, size)
+    if known is None and size is not None and keys["seen"] > size:
+        raise UsageError(f"the loader delivered {keys['seen']} different keys in "
+                         f"--id-field {opts.id_field}, more than the {size} samples of the "
+                         "dataset (--dataset-size, or its length); raise --dataset-size, or "
+                         "pass --keys FILE listing every sample's key")
+    return keys
+
+
+def refuse_keys_outside(report: dict, path: Optional[str]) -> None:
+    """One Error line where the loader delivered keys the --keys file does not list."""
+    outside = sorted({k for data in report.get("modes", {}).values()
+                      for e in data["epochs"] for k in e["out_of_range"]}, key=str)
+    if outside:
+        like = ", ".join(map(repr, outside[:3])) + (", ..." if len(outside) > 3 else "")
+        raise UsageError(f"the loader delivered {len(outside)} key(s) that --keys {path} does "
+                         f"not list ({like}); pass the file that lists every sample's key")
 
 
 def refuse_ids_outside(report: dict, id_field: Optional[str]) -> None:

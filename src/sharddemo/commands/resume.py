@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from sharddemo.analysis.keys import holds_keys
 from sharddemo.commands import report_of
 from sharddemo.commands.audit import refuse_ids_outside
 from sharddemo.errors import UsageError
@@ -54,6 +55,10 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
     finally:
         if not keep_checkpoint:
             shutil.rmtree(checkpoint, ignore_errors=True)
+    if reference and holds_keys(reference):
+        raise UsageError(f"--resume-at: --id-field {opts.id_field} holds keys (str), and the "
+                         "resume audit compares integer ids only so far; audit the resume "
+                         "with a field of integer ids, or leave --id-field out")
     report = report_of(launch, reference)
     if not report:
         return report

@@ -85,18 +85,29 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     0..n-1), which the count path needs. Returns the epoch record (sharddemo.record) on the
     main process; None elsewhere."""
     how = choose_gather(accelerator, loader, strategy, n)
+    keys = getattr(read_ids, "keys", None)  # an id field that may hold keys (rank.keys)
+    if keys is not None:
+        keys.counting = how == "count"  # the count path takes integer ids only
     if how == "batch":
-        return _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
-    recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader)
-    total = safe_len(loader) if progress is not None else None
-    batches = iter(loader)
-    if max_steps is not None:
-        batches = itertools.islice(batches, max_steps)  # takes no batch past max_steps
-    for batch in batches:
-        recorder.add(batch)
-        if progress is not None:
-            progress(recorder.steps, total, recorder.samples)
-    return recorder.finish(epoch)
+        record = _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
+    else:
+        recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader)
+        total = safe_len(loader) if progress is not None else None
+        batches = iter(loader)
+        if max_steps is not None:
+            batches = itertools.islice(batches, max_steps)  # takes no batch past max_steps
+        for batch in batches:
+            recorder.add(batch)
+            if progress is not None:
+                progress(recorder.steps, total, recorder.samples)
+        record = recorder.finish(epoch)
+    if keys is not None and how != "count":
+        from sharddemo.rank.keys import exchange_tables, name_record
+
+        tables = exchange_tables(accelerator, keys)
+        if tables is not None and record is not None:
+            record = name_record(record, tables)
+    return record
 
 
 class EpochWalker:

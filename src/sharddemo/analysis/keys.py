@@ -1,0 +1,106 @@
+"""Samples named by keys: numbered 0..N-1 for the analysis, named by key in the report.
+
+A trace whose records hold keys (rank.keys: each rank's ids became its keys on the main
+process) is numbered before the analysis (number_keys) and its report named after it
+(name_report), so that every count, reason and verdict is the one integer ids get.
+
+- With the set of keys known (a file of keys, one per line: `--keys FILE`), key k of the
+  file is id k and N is the file's length; a missing sample is named. A key the loader
+  delivered that the file lacks is numbered from N on: outside the dataset.
+- Without it, the keys seen (in any epoch) are numbered in sorted order and N is the
+  dataset's size (given, or the dataset's length) or, without one, the keys seen. Missing
+  samples are then counted (N minus the keys seen) but not named: nobody says which keys
+  they are.
+
+Three ranks saw the keys "b", "a" / "c" / "a" and N = 4 is given: a -> 0, b -> 1, c -> 2;
+the analysis finds id 0 twice and id 3 missing; the report says "a" twice and 1 missing,
+unnamed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def records_of(trace: dict) -> list[dict]:
+    return [record for mode in trace.get("modes", {}).values() for record in mode.get("epochs", [])]
+
+
+def holds_keys(trace: dict) -> bool:
+    return any(record.get("ids_are_keys") for record in records_of(trace))
+
+
+def number_keys(trace: dict, known: Optional[list[str]] = None,
+                size: Optional[int] = None) -> Optional[dict]:
+    """Renumber, in place, every key of the trace's records 0..N-1 and set N; return the
+    names ({"names": key of each id, "known": whether the set of keys was known, "seen": how
+    many distinct keys the loader delivered}), or None where no record holds keys. `size`:
+    the dataset's size where given (--dataset-size), else the dataset's own length the ranks
+    read (the trace's)."""
+    records = [r for r in records_of(trace) if r.get("ids_are_keys")]
+    if not records:
+        return None
+    seen: set[str] = set()
+    for record in records:
+        for rank in record["ranks"]:
+            for batch in rank["batches"]:
+                seen.update(batch)
+    if known is not None:
+        names = list(known)
+        index = {key: k for k, key in enumerate(names)}
+        extra = sorted(seen - index.keys())
+        n = len(names)
+    else:
+        names = sorted(seen)
+        index = {key: k for k, key in enumerate(names)}
+        extra = []
+        n = max(size if size is not None else 0, len(names))
+    for key in extra:  # delivered, not in the known set: outside the dataset
+        index[key] = len(names)
+        names.append(key)
+    for record in records:
+        for rank in record["ranks"]:
+            rank["batches"] = [[index[key] for key in batch] for batch in rank["batches"]]
+        if record.get("gathered_for_metrics") is not None:
+            record["gathered_for_metrics"] = [index[k] for k in record["gathered_for_metrics"]]
+        record.pop("ids_are_keys", None)
+    trace["dataset_size"] = n
+    for mode in trace.get("modes", {}).values():
+        if "sizes" in mode:
+            mode["sizes"]["dataset_size"] = n
+    return {"names": names, "known": known is not None, "seen": len(seen), "dataset_size": n}
+
+
+def name_epoch(epoch: dict, names: list[str]) -> dict:
+    """Every sample id in an analysed epoch replaced by the sample's key (in place), before
+    the verdicts and the conclusion read it. Missing ids without a key (the set of keys not
+    known) are left out of the `missing` list; missing_count still counts them."""
+    def name(i):
+        return names[i] if 0 <= i < len(names) else i
+
+    for rank in epoch.get("ranks", []):
+        for part in ("batches", "first_batches", "last_batches"):
+            if part in rank:
+                rank[part] = [[name(i) for i in batch] for batch in rank[part]]
+    epoch["missing"] = [names[i] for i in epoch.get("missing", []) if i < len(names)]
+    epoch["out_of_range"] = [name(i) for i in epoch.get("out_of_range", [])]
+    for dup in epoch.get("duplicates", []):
+        dup["id"] = name(dup["id"])
+    for part in ("gathered", "gathered_for_metrics"):
+        if epoch.get(part) is not None:
+            epoch[part] = [name(i) for i in epoch[part]]
+    return epoch
+
+
+def name_windows(accum: dict, names: list[str]) -> dict:
+    """The gradient-accumulation windows' ids (analysis.windows) replaced by keys."""
+    for window in accum.get("windows", []) or []:
+        window["ranks"] = [[names[i] if 0 <= i < len(names) else i for i in ids]
+                           for ids in window["ranks"]]
+    return accum
+
+
+def keys_section(keys: dict, field: Optional[str]) -> dict:
+    """The report's `keys` object (docs/report.md)."""
+    return {"field": field, "known": keys["known"], "seen": keys["seen"],
+            "dataset_size": keys["dataset_size"], "missing_named": keys["known"]}
