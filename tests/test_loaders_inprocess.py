@@ -351,10 +351,12 @@ def test_index_domain_reads_the_draw_lightning_wraps_for_ddp():
     assert got["domain"] == len(set(train.indices))
 
 
-def test_an_id_field_of_strings_or_fractions_is_refused_in_one_line():
-    """--id-field must name integer ids: a column of question ids (strings, as many datasets
-    have) or of fractions is a usage error, the same words on every rank, not a crash inside
-    the walk (it was "epoch 0 of the loader raised ValueError: too many dimensions 'str'")."""
+def test_an_id_field_of_fractions_is_refused_in_one_line_and_strings_are_keys():
+    """--id-field names integer ids or keys: a column of question ids (strings, as many
+    datasets have) becomes this rank's key table (rank.keys: the keys in the order first
+    seen), while fractions or objects are a usage error, the same words on every rank, not a
+    crash inside the walk (it was "epoch 0 of the loader raised ValueError: too many
+    dimensions 'str'")."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -362,8 +364,11 @@ def test_an_id_field_of_strings_or_fractions_is_refused_in_one_line():
     from sharddemo.errors import UsageError
 
     read = id_reader(DataLoader(range(4)), "id")
-    with pytest.raises(UsageError, match=r"integer id .*\(it holds str values\)$"):
-        read({"id": ["q0001", "q0002"]}, None)
+    assert read({"id": ["q0002", "q0001"]}, None).tolist() == [0, 1]
+    assert read({"id": ["q0001", "q0009"]}, None).tolist() == [1, 2]
+    assert read.keys.keys == ["q0002", "q0001", "q0009"]
+    with pytest.raises(UsageError, match=r"an integer 0..N-1 or a key .*\(it holds object"):
+        read({"id": [object(), object()]}, None)
     with pytest.raises(UsageError, match=r"\(it holds torch.float32 values that are not whole"):
         read({"id": torch.tensor([0.5, 1.0])}, None)
     assert read({"id": torch.tensor([3.0, 1.0])}, None).tolist() == [3, 1]
