@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import RunFailed, UsageError, describe_exception
 
 AUDIT_MODE = "audit"
 EXPECTATIONS = ("sharded", "replicated")
@@ -187,7 +187,10 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
             sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
     except Exception as exc:
-        raise UsageError(f"{where} does not import: {type(exc).__name__}: {exc}") from exc
+        from sharddemo.extras import missing_module_hint
+
+        raise UsageError(f"{where} does not import: {describe_exception(exc)}"
+                         f"{missing_module_hint(exc)}") from exc
     obj: Any = module
     for part in name.split("."):
         if not hasattr(obj, part):
@@ -412,7 +415,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
                          label="audit" if target.mode == AUDIT_MODE else target.mode,
                          before_epoch=target.start_epoch,
                          failure=lambda epoch, exc: f"{where}epoch {epoch} of the loader raised "
-                                                    f"{type(exc).__name__}: {exc}")
+                                                    f"{describe_exception(exc)}")
     for epoch in range(target.epochs):
         walker.walk(epoch)
     records = walker.records

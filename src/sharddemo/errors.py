@@ -34,3 +34,30 @@ class Disagreement(RunFailed):
     same message, which names the ranks and the field."""
 
     kind = "mismatch"
+
+
+# What a library's own error means, where its words do not say (the text it raises -> why).
+KNOWN_CAUSES = {
+    "you need to add an explicit nodesplitter": (
+        "WebDataset's default nodesplitter (single_node_only) refuses to run on more than one "
+        "rank, since every rank would then read every shard: pass "
+        "nodesplitter=wds.split_by_node (and workersplitter=wds.split_by_worker), not "
+        "nodesplitter=lambda src: src, which silences it and replicates the data"),
+}
+
+
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message` on one line. An exception a DataLoader worker raised carries the
+    worker's whole traceback in its message (torch's ExceptionWrapper): it is cut to the
+    worker's own first line and the error it ended with. A known library error gets its
+    meaning (KNOWN_CAUSES)."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        text = f"{lines[0]} {lines[-1]}"
+    else:
+        text = " ".join(line.strip() for line in text.splitlines() if line.strip())
+    for words, why in KNOWN_CAUSES.items():
+        if words in text:
+            text += f" ({why})"
+    return f"{type(exc).__name__}: {text}"

@@ -3,7 +3,7 @@ or says, in one `Error:` line before any rank starts, which extra to install.
 
 Checked without importing the package (importlib.util.find_spec), so that a check costs nothing
 and a package that is present but hidden (or broken at import) counts as absent. The extras are
-those of setup.cfg: `hf`, `lightning`, `stateful`, `plot`.
+those of setup.cfg: `hf`, `lightning`, `stateful`, `plot`, `webdataset`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ EXTRAS = {
                   "Lightning (the pytorch-lightning or the lightning package)"),
     "torchdata": (("torchdata",), "stateful", "torchdata's StatefulDataLoader"),
     "matplotlib": (("matplotlib",), "plot", "matplotlib"),
+    "webdataset": (("webdataset",), "webdataset", "WebDataset"),
 }
 
 
@@ -40,6 +41,16 @@ def install_hint(what: str) -> str:
     extra = EXTRAS[what][1]
     return (f"pip install 'sharddemo[{extra}]' (from a checkout: pip install -e "
             f"'.[{extra}]')")
+
+
+def missing_module_hint(exc: BaseException) -> str:
+    """For an import that failed on a package an extra installs: `; install the extra: ...`;
+    else nothing."""
+    name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    for what, (modules, _, _) in EXTRAS.items():
+        if name is not None and name.split(".")[0] in modules:
+            return f"; install the extra: {install_hint(what)}"
+    return ""
 
 
 def require(what: str, needed_by: str) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.options import DEMO_WORKERS, ResumePlan, demo_scenarios
 
 PHASES = ("stop", "resume")
@@ -66,7 +66,7 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
                              before_epoch=(lambda epoch: set_epoch(loader, epoch))
                              if opts.set_epoch else None,
                              failure=lambda epoch, exc: f"{phase} launch, epoch {epoch}: "
-                                                        f"{type(exc).__name__}: {exc}")
+                                                        f"{describe_exception(exc)}")
         walk = walker.walk
 
         if phase == "stop":

@@ -24,7 +24,7 @@ import torch
 
 from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
 from sharddemo.sources import batch_values
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.options import (EXPECT_ENV, NODE_ENV, STATUS_ENV,
                                RunOptions, mode_description)
 from sharddemo.rank.describe import agree_on_fingerprint, describe_loader
@@ -242,7 +242,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                 raise
             except Exception as exc:  # name the mode; the rank is named by the caller
                 message = str(exc) if isinstance(exc, RunFailed) else (
-                    f"mode {mode}: {type(exc).__name__}: {exc}")
+                    f"mode {mode}: {describe_exception(exc)}")
                 done = f" (modes completed before it: {', '.join(modes)})" if modes else ""
                 raise RunFailed(message + done) from exc
             timings[mode] = round(time.perf_counter() - start, 6)

@@ -44,11 +44,11 @@ def require_extra(kind: str) -> None:
 def call_factory(factory: Callable, target: str, *args: Any) -> Any:
     """The user's factory, called with `args` (make_loader(accelerator), make_trainer(),
     make_datamodule()); what it raises is a failed run, ours pass through."""
-    from sharddemo.errors import RunFailed
+    from sharddemo.errors import RunFailed, describe_exception
 
     try:
         return factory(*args)
     except (UsageError, RunFailed):
         raise
     except Exception as exc:
-        raise RunFailed(f"the factory {target} raised {type(exc).__name__}: {exc}") from exc
+        raise RunFailed(f"the factory {target} raised {describe_exception(exc)}") from exc

@@ -41,6 +41,11 @@ def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w
     extra = view.cov["seen"] - view.cov["unique"]
     if not extra:
         return None, True, {}, {}
+    draws = loader.get("draws")
+    if loader.get("iterable_dataset") and draws and draws["replacement"]:
+        # a stream that draws with replacement (WebDataset resampled=True): its own draw
+        code, explained = explain_duplicates(view, loader, hint, kind, w, per_rank_batch, n)
+        return code, explained, {}, {code: reason_sentence(code, loader, n)}
     known = view.workers_known()
     # IterableDatasetShard with several DataLoader workers: one fill per worker.
     shard_workers = bool(loader.get("iterable_shard") and known and view.several_workers()

@@ -78,7 +78,7 @@ def draws_repeat(loader: dict, n: int) -> bool:
     than ids to draw from."""
     draws = loader.get("draws")
     return bool(draws) and (draws["replacement"]
-                            or draws["count"] > (loader.get("domain") or n))
+                            or (draws["count"] or 0) > (loader.get("domain") or n))
 
 
 def by_design_sentence(code: str, loader: dict, n: int, missing: int,
@@ -92,6 +92,10 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
                 "as random_split makes, a SubsetRandomSampler, or a view of a datasets.Dataset "
                 f"such as train_test_split, select or filter make); the other {n - domain} "
                 "are not its data")
+    elif draws["replacement"] and draws["count"] is None:
+        return (f"the stream draws its shards with replacement ({draws['sampler']}): some "
+                "samples come several times and some never, by design (for each sample once "
+                "an epoch, split the shards instead: nodesplitter=wds.split_by_node)")
     elif draws["replacement"]:
         return (f"the sampler draws with replacement ({draws['sampler']}, {draws['count']} "
                 "draws an epoch): some samples come several times and some never, by design")
@@ -183,7 +187,8 @@ def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind:
         return "double-split", True
     if hint:
         return hint, True
-    if draws_repeat(loader, n) and sum(view.samples) < loader["draws"]["count"] + world * batch:
+    count = loader["draws"]["count"] if loader.get("draws") else None
+    if draws_repeat(loader, n) and (count is None or sum(view.samples) < count + world * batch):
         # the ranks together dealt one draw (and less than a round of fill): its own repeats
         return "sampler-draws", True
     code, order = padding_mechanism(loader)

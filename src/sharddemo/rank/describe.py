@@ -215,6 +215,12 @@ def _index_domain(base) -> dict:
         chain.append(rows)
     sampler = _index_sampler(base)
     out: dict[str, Any] = {"domain": None, "draws": None}
+    if resampled_stream(dataset):
+        # WebDataset(resampled=True): every worker draws shards with replacement, as many as
+        # its epoch takes (with_epoch)
+        out["draws"] = {"sampler": "WebDataset(resampled=True)", "replacement": True,
+                        "count": None}
+        return out
     if sampler is None:
         return out
     # A DistributedSampler shards the positions (every one, once, over the ranks): no draw
@@ -254,6 +260,14 @@ def _index_domain(base) -> dict:
             out["draws"] = {"sampler": type(sampler).__name__, "replacement": False,
                             "count": int(count), "repeated_indices": True}
     return out
+
+
+def resampled_stream(dataset) -> bool:
+    """A WebDataset pipeline whose shards come from ResampledShards (resampled=True): drawn
+    with replacement, by design."""
+    stages = getattr(dataset, "pipeline", None)
+    return (isinstance(stages, list) and bool(stages)
+            and type(stages[0]).__name__ == "ResampledShards")
 
 
 def _wrapped_sampler(sampler):

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sharddemo.collect import collective, exchange_ints, gather_ragged
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.rank.describe import is_prepared, remainder, safe_len
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.recorder import Recorder, epoch_record
@@ -134,8 +134,8 @@ class EpochWalker:
         self.before_epoch = before_epoch
         self.label = label
         self.progress_env = PROGRESS_ENV
-        self.failure = failure or (lambda epoch, exc: f"epoch {epoch}: {type(exc).__name__}: "
-                                                      f"{exc}")
+        self.failure = failure or (lambda epoch, exc: f"epoch {epoch}: "
+                                                      f"{describe_exception(exc)}")
         self.how = choose_gather(accelerator, loader, strategy, n)
         self.records: list[dict] = []
 
