@@ -35,6 +35,8 @@ def run_without(hidden: list[str], args: list[str], tmp_path):
      "lightning"),
     (["matplotlib"], ["compare", "--plot", "{png}"], "plot"),
     (["matplotlib"], ["audit", "examples/good.py:make_loader", "--plot", "{png}"], "plot"),
+    (["webdataset"], ["audit", "examples/webdataset_loaders.py:split", "--id-field",
+                      "__key__"], "webdataset"),
 ])
 def test_a_command_that_needs_an_absent_package_says_which_extra_before_any_rank(
         tmp_path, hidden, args, extra):

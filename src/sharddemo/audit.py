@@ -158,6 +158,9 @@ def precheck_target(target: str, framework: Optional[str] = None) -> None:
     if where.endswith(".py") or os.sep in where:
         if not os.path.isfile(where):
             raise UsageError(f"factory file {where} does not exist; pass path/to/file.py:{f}")
+        from sharddemo.extras import require_imports_of
+
+        require_imports_of(where)
         return
     try:
         spec = importlib.util.find_spec(where)

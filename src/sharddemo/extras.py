@@ -58,3 +58,27 @@ def require(what: str, needed_by: str) -> None:
     if not available(what):
         raise UsageError(f"{needed_by} needs {EXTRAS[what][2]}, which is not installed; "
                          f"install the extra: {install_hint(what)}")
+
+
+def require_imports_of(path: str) -> None:
+    """One Error line, before any rank starts, where the factory file `path` imports (at its
+    top level) a package an extra installs that is not installed. Read, not run: the file's
+    own code runs on the ranks only."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), filename=path)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return  # the ranks' import says what is wrong with it
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    for what, (modules, _, label) in EXTRAS.items():
+        for name in sorted(names & set(modules)):
+            if not installed(name):
+                raise UsageError(f"{path} imports {name} ({label}), which is not installed; "
+                                 f"install the extra: {install_hint(what)}")
