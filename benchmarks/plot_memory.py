@@ -1,4 +1,5 @@
-"""docs/memory-n.png: peak memory against N from the `counted` section of results.json.
+"""docs/memory-n.png (the `counted` section of results.json) and docs/memory-huge.png (the
+`huge` section): peak memory against N.
 
     python benchmarks/plot_memory.py     # needs matplotlib (the [plot] extra)
 
@@ -57,3 +58,43 @@ def plot(results: dict, out: Path = OUT) -> Path:
 
 if __name__ == "__main__":
     print(plot(json.loads(RESULTS.read_text())))
+
+
+HUGE_OUT = ROOT / "docs" / "memory-huge.png"
+
+
+def plot_huge(results: dict, out: Path = HUGE_OUT) -> Path:
+    """docs/memory-huge.png from the `huge` section: the audit of a stream from 10^6 to 10^9
+    samples against the same stream alone, per rank, and the difference per sample."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["huge"]["rows"].values() if r["workers"] == 2]
+    rows.sort(key=lambda r: r["n"])
+    n = [r["n"] for r in rows]
+    fig, (ax, per) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+    ax.plot(n, [r["peak_rank_mb"] for r in rows], "o-", label="busiest rank, audited")
+    ax.plot(n, [r["bare_peak_rank_mb"] for r in rows], "s--", alpha=0.7,
+            label="the stream alone (nothing recorded)")
+    ax.plot(n, [r["bare_peak_rank_mb"] + 0.3 * k / 2**20 for r, k in zip(rows, n)], ":",
+            color="black", label="the stream alone + 0.3 bytes a sample (target)")
+    per.plot(n, [max(r["extra_bytes_per_sample"], 1e-4) for r in rows], "o-",
+             label="audited minus the stream alone, per sample")
+    per.axhline(0.3, color="black", linestyle=":", label="0.3 bytes a sample (target)")
+    per.axhline(0.25, color="grey", linestyle="--", label="2 bits a sample (the two bitmaps)")
+    for a in (ax, per):
+        a.set_xscale("log")
+        a.set_xlabel("N (samples)")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    ax.set_ylabel("peak resident memory per rank (MB)")
+    per.set_yscale("log")
+    per.set_ylabel("bytes per sample per rank")
+    ax.set_title("audit of a stream of N ids, 2 ranks, 2 workers each")
+    per.set_title("what the audit adds (1 byte a sample below 2^26, 2 bits from it)")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

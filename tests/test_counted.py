@@ -244,3 +244,50 @@ def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
     assert walk(swapped, 17, "device", 8)["ranks"][0]["order_hash"] != mine["order_hash"]
     ascending = walk([([2 * k, 2 * k + 1], 0) for k in range(10)], 20, "device", 8)
     assert ascending["ranks"][0]["ascending"] is True
+
+
+@pytest.mark.parametrize("case", ["stream", "draws", "replicated"])
+def test_the_two_bit_counter_counts_what_the_libraries_deal(monkeypatch, case):
+    """The count path at 2 bits a sample (counting.BitCounts, from BITS_FROM samples), one
+    process, against collections.Counter over the batches torch's own objects make: a
+    DistributedSampler's share walked in order (flushes counted in a dense scratch), a
+    RandomSampler drawing with replacement (ids scattered: counted by a sort), and every id
+    three times (more repeats than a rank lists: the count stays exact, the list is cut)."""
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import RandomSampler
+
+    from sharddemo.rank import counting
+    from sharddemo.record import LIST_CAP
+
+    monkeypatch.setattr(counting, "FLUSH_IDS", 512)
+    n = 5000
+    if case == "stream":
+        ids = list(DistributedSampler(range(n), num_replicas=3, rank=1, shuffle=False))
+    elif case == "draws":
+        ids = list(RandomSampler(range(n), replacement=True, num_samples=3 * n,
+                                 generator=torch.Generator().manual_seed(1)))
+    else:
+        ids = [i for i in range(n) for _ in range(3)]
+    batches = list(BatchSampler(ids, 64, drop_last=False))
+    log = counting.BitCounts(n, 3, False)
+    for batch in batches:
+        log.add(torch.tensor(batch), -1, 0)
+    record = log.finish(Accelerator(cpu=True), None, 0)
+    counter = Counter(ids)
+    cov, rank = record["coverage"], record["ranks"][0]
+    missing = sorted(set(range(n)) - set(counter))
+    repeated = sorted(i for i, c in counter.items() if c > 1)
+    assert (cov["seen"], cov["unique"], cov["missing_count"]) == (len(ids), len(counter),
+                                                                   len(missing))
+    assert cov["missing"] == missing[:LIST_CAP]
+    assert (cov["duplicate_count"], rank["repeats_total"]) == (len(repeated), len(repeated))
+    assert all(counter[i] == c for i, c in rank["repeats"])  # exact where listed
+    assert len(rank["repeats"]) == min(len(repeated), LIST_CAP)
+    assert rank["sizes"] == [[64, len(ids) // 64]] + ([[len(ids) % 64, 1]] if len(ids) % 64
+                                                      else [])
+    assert rank["ascending"] == (ids == sorted(ids))
+    assert cov["most_copies"] == max(counter.values()) or not cov["most_copies_exact"]
+    assert cov["most_copies_exact"] == (len(repeated) <= LIST_CAP)
+    assert np.asarray(log.state.seen).nbytes == -(-n // 8)  # 1 bit a sample, and `again`

@@ -82,17 +82,7 @@ class Counts:
         # to 15 ranks; wider codes are reduced a chunk at a time). The slots sit after the
         # counter in one buffer: no N-sized copy is made to send it.
         self.slots = slots if slots is not None and code_layout(slots[0])[1] is np.uint8 else None
-        size = max(self.n, 1)
-        room = 0
-        if self.slots is not None:
-            size = -(-size // 8) * 8  # the slots' int64 views start 8-aligned
-            room = self.slots[0] * self.slots[1] * 8
-        self.buffer = np.zeros(size + room, dtype=np.uint8)
-        self.counts = self.buffer[:max(self.n, 1)]
-        # the same memory: torch's index_add_ counts fast (ids on a device: _DeviceRunning,
-        # chosen at the first batch)
-        self.state = _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8),
-                              self.n)
+        self.state = self._counter()
         self.on_device = False
         self.keep = keep
         self.sizes: list[list[int]] = []  # run-length: [size, times]
@@ -107,13 +97,30 @@ class Counts:
         self.size_now, self.size_run = -1, 0
         self.worker_now, self.worker_batches, self.worker_samples = None, 0, 0
 
+    # ids that live on a device are counted there (_DeviceRunning)
+    counts_on_device = True
+
+    def _counter(self):
+        """The counter: one uint8 per sample, in one buffer with the slots after it."""
+        size = max(self.n, 1)
+        room = 0
+        if self.slots is not None:
+            size = -(-size // 8) * 8  # the slots' int64 views start 8-aligned
+            room = self.slots[0] * self.slots[1] * 8
+        self.buffer = np.zeros(size + room, dtype=np.uint8)
+        self.counts = self.buffer[:max(self.n, 1)]
+        # the same memory: torch's index_add_ counts fast (ids on a device: _DeviceRunning,
+        # chosen at the first batch)
+        return _Running(torch.from_numpy(self.counts), torch.ones(1, dtype=torch.uint8), self.n)
+
     def add(self, ids: torch.Tensor, worker: int, shift: int) -> None:
         """One batch: its ids are `ids` - `shift`, made by `worker`."""
         # (each check is a tenth of a microsecond; the reshape and the copy they skip, 1-2)
         if ids.dim() != 1:
             ids = ids.reshape(-1)
         if ids.dtype is not torch.int64 or not ids.is_cpu or self.on_device:
-            if not ids.is_cpu and not self.steps and not self.on_device:
+            if (not ids.is_cpu and not self.steps and not self.on_device
+                    and self.counts_on_device):
                 # ids on a device (a prepared loader's batch on the GPU): count there, with no
                 # copy to the host and no sync per step (the counter comes over at the end)
                 self.state = _DeviceRunning(ids.device, self.n)
@@ -227,7 +234,7 @@ class Counts:
         record = _summarise(epoch, code[:n], shift, ranks)
         # (gather_for_metrics is accelerate's: only a prepared loader has one to check)
         share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
-        record["coverage"]["for_metrics"] = _for_metrics(code[:n], shift, ranks,
+        record["coverage"]["for_metrics"] = _for_metrics(lambda i: int(code[i]), shift, ranks,
                                                          record["coverage"], n, share)
         if self.keep_present:
             record["_present"] = (code[:n] & (shift - 1)).astype(np.uint8)
@@ -267,6 +274,88 @@ class Counts:
         if accelerator.num_processes > 1:
             reduce_to_main(accelerator, mine, background=False)()
         return mine if accelerator.is_main_process else None
+
+
+# From this many samples the count path keeps 2 bits per sample (BitCounts), not a byte.
+BITS_FROM = 1 << 26
+
+
+class BitCounts(Counts):
+    """The count path at two bits per sample, for the largest datasets (from BITS_FROM): a
+    bitmap of the samples this rank received and one of those it received more than once
+    (N/4 bytes in all: 250 MB at 10^9), and the exact count of the first LIST_CAP samples to
+    come again. The epoch's end sends the code a chunk at a time (each chunk unpacked from
+    the bitmaps, reduced onto the main process, read there and dropped: _Tally), so that no
+    N-sized array is ever made; the detail goes first, so that the main process knows which
+    samples' codes to keep. The record is the byte counter's, but for which repeats are
+    listed where a rank repeats more than LIST_CAP samples (the first to come again, not the
+    lowest ids). Ids on a device are copied to the host (no device bitmap)."""
+
+    counts_on_device = False
+
+    def _counter(self):
+        self.slots = None  # (the slots are the byte counter's one-collective end)
+        return _BitRunning(self.n)
+
+    def delivers_everywhere(self, world: int) -> bool:
+        return world == 1
+
+    def present_so_far(self, accelerator):
+        raise NotImplementedError("the 2-bit count path keeps no per-rank count to save")
+
+    def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
+        n, state = self.n, self.state
+        if self.size_run:
+            self.sizes.append([self.size_now, self.size_run])
+        if self.worker_batches:
+            _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
+        state.add(self.pending, self.shift_now)
+        self.pending = []
+        head = [(t.tolist(), worker) for t, worker in self.head]
+        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        repeat_ids = sorted(state.exact)[:LIST_CAP]
+        repeats_total = _popcount(state.again)
+        mine = _pack(self.sizes, self.made, head, tail, repeat_ids,
+                     [state.exact[i] for i in repeat_ids], sorted(state.outside)[:LIST_CAP],
+                     state.order.digest())
+        row = [0, self.steps, self.samples, repeats_total, _popcount(state.seen),
+               state.outside_total, len(self.sizes), len(self.made), remainder(loader),
+               int(state.ascending), int(mine.numel())]
+        heads = exchange_ints(accelerator, row)
+        parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
+        main = accelerator.is_main_process
+        world = accelerator.num_processes
+        shift, dtype = code_layout(world)
+        ranks, tally = None, None
+        if main:
+            ranks = [_unpack(part.tolist(), r, h)
+                     for r, (part, h) in enumerate(zip(parts, heads))]
+            tally = _Tally(shift, [*_extra_copies(ranks), *(_dropped(ranks) or [])])
+        for lo in range(0, n, CHUNK):  # (CHUNK is a multiple of 8: whole bytes of the maps)
+            hi = min(n, lo + CHUNK)
+            code = state.code(lo, hi, shift, dtype)
+            if world > 1:
+                reduce_to_main(accelerator, code, background=False)()
+            if main:
+                tally.add(code, lo)
+        if not main:
+            return None
+        record = tally.record(epoch, ranks)
+        share = loader_share(index_domain(loader), n) if is_prepared(loader) else n
+        record["coverage"]["for_metrics"] = _for_metrics(tally.value, shift, ranks,
+                                                         record["coverage"], n, share)
+        return record
+
+
+def _popcount(bitmap: np.ndarray) -> int:
+    """The bits set in a uint8 bitmap (a chunk at a time: no N-sized temporary)."""
+    total = 0
+    count = getattr(np, "bitwise_count", None)  # numpy 2
+    for lo in range(0, bitmap.size, CHUNK):
+        part = bitmap[lo:lo + CHUNK]
+        total += int(count(part).sum(dtype=np.int64) if count is not None
+                     else np.unpackbits(part).sum(dtype=np.int64))
+    return total
 
 
 def slot_ints(keep: int, batch: int, workers: int) -> int:
@@ -376,20 +465,29 @@ def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
     return code, shift
 
 
-def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: int,
-                 share: Optional[int] = None):
+def _dropped(ranks: list[dict]) -> Optional[list[int]]:
+    """The ids accelerate's gather_for_metrics drops from the last step (past `remainder` of
+    the ranks' last batches, in rank order); None where it cannot be read (no remainder, or
+    ranks of unequal steps: no loop reaches the last step)."""
+    rem = [r["remainder"] for r in ranks]
+    if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
+        return None
+    keep = rem[0]
+    last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
+    return last[keep:] if keep > 0 else []
+
+
+def _for_metrics(value_at: Callable[[int], int], shift: int, ranks: list[dict], cov: dict,
+                 n: int, share: Optional[int] = None):
     """What accelerate's gather_for_metrics returns over the epoch (every step whole, the last
     keeping its first `remainder` ids, as report.for_metrics): {"count", "exact"}, or None
     where no loop reaches the last step (unequal steps) or the loader is not prepared.
     Exact when it holds n ids (or the `share` of them a Subset leaves the loader: it can deal
     no others) and no id had all its copies in the dropped part."""
     share = n if share is None else share
-    rem = [r["remainder"] for r in ranks]
-    if None in rem or len(set(rem)) != 1 or len({r["steps"] for r in ranks}) != 1:
+    dropped = _dropped(ranks)
+    if dropped is None:
         return None
-    keep = rem[0]
-    last = [i for r in ranks for i in ((r["tail"] or r["head"])[-1:] or [[]])[0]]
-    dropped = last[keep:] if keep > 0 else []
     count = cov["seen"] - len(dropped)
     if count != share or cov["missing_count"] != n - share or cov["out_of_range"]:
         return {"count": count, "exact": False}
@@ -399,7 +497,8 @@ def _for_metrics(code: np.ndarray, shift: int, ranks: list[dict], cov: dict, n: 
     extra = _extra_copies(ranks)
     listed = all(r["repeats_total"] <= LIST_CAP for r in ranks)
     for i, d in drop.items():
-        present, several = int(code[i] % shift), int(code[i] // shift)
+        value = value_at(i)
+        present, several = value % shift, value // shift
         copies = present + extra.get(i, 0) if listed else present + several  # else a floor
         if copies <= d:
             return {"count": count, "exact": False}
@@ -454,6 +553,9 @@ class _Running:
             if len(self.outside) < LIST_CAP:
                 self.outside.update(bad[:LIST_CAP].tolist())
             ids = ids[torch.from_numpy(inside)]
+        self.count(ids)
+
+    def count(self, ids: torch.Tensor) -> None:
         # uint8: wraps past 255, caught by the total after the walk
         self.counter.index_add_(0, ids, self.ones.expand(ids.numel()))
 
@@ -613,24 +715,45 @@ def _extra_copies(ranks: list[dict]) -> dict[int, int]:
 def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> dict[str, Any]:
     """The counted epoch on the main process, from the reduced code per sample (ranks holding
     it + shift x ranks holding it more than once) and every rank's listed repeats. Read a
-    chunk at a time."""
-    missing: list[int] = []
-    dup_ids: list[int] = []
-    dup_present: list[int] = []
-    n_missing = n_dup = n_several = n_present = 0
-    levels: set[int] = set()
-    bits = shift.bit_length() - 1  # shift is a power of 2: bit operations, which numpy does fast
+    chunk at a time (_Tally)."""
+    tally = _Tally(shift, _extra_copies(ranks))
     for lo in range(0, code.size, CHUNK):
-        part = code[lo:lo + CHUNK]
+        tally.add(code[lo:lo + CHUNK], lo)
+    return tally.record(epoch, ranks)
+
+
+class _Tally:
+    """The counted epoch, summed up one chunk of the reduced code at a time, so that the
+    whole code need never be held (BitCounts reduces a chunk, reads it, drops it). `wanted`:
+    ids whose code is kept (`values`) for what is read after the last chunk (the exact copy
+    counts of listed repeats, what gather_for_metrics dropped)."""
+
+    def __init__(self, shift: int, wanted=()) -> None:
+        self.shift = shift
+        self.bits = shift.bit_length() - 1  # shift is a power of 2: bit operations, fast in numpy
+        self.missing: list[int] = []
+        self.dup_ids: list[int] = []
+        self.dup_present: list[int] = []
+        self.n_missing = self.n_dup = self.n_several = self.n_present = 0
+        self.levels: set[int] = set()
+        self.wanted = np.unique(np.asarray(list(wanted), dtype=np.int64))
+        self.values: dict[int, int] = {}
+
+    def add(self, part: np.ndarray, lo: int) -> None:
+        shift = self.shift
+        if self.wanted.size:
+            hit = self.wanted[(self.wanted >= lo) & (self.wanted < lo + part.size)]
+            self.values.update(zip(hit.tolist(), part[hit - lo].tolist()))
         top = int(part.max(initial=0))
         if top < shift:  # nobody received any of these more than once (a sharded loader)
             present, several = part, None
         else:
-            present, several = part & (shift - 1), part >> bits
+            present, several = part & (shift - 1), part >> self.bits
         held = int(np.count_nonzero(present))
         # which rank counts occur: up to 8 ranks, 0 where a sample is missing, the largest
         # (`top`), and a test per level between (cheaper than a bincount; for a sharded
         # loader, whose levels are 0 and 1 or 2, no pass at all, or one)
+        levels = self.levels
         if several is None and top <= 8:
             levels.update(k for k in range(1, top) if np.any(present == k))
             if held < part.size:
@@ -639,43 +762,138 @@ def _summarise(epoch: int, code: np.ndarray, shift: int, ranks: list[dict]) -> d
                 levels.add(top)
         else:
             levels.update(np.flatnonzero(np.bincount(present)).tolist())
-        n_missing += int(part.size) - held
-        n_present += held
-        if held < part.size and len(missing) < LIST_CAP:
-            gone = np.flatnonzero(present == 0)[:LIST_CAP - len(missing)]
-            missing += (gone + lo).tolist()
+        self.n_missing += int(part.size) - held
+        self.n_present += held
+        if held < part.size and len(self.missing) < LIST_CAP:
+            gone = np.flatnonzero(present == 0)[:LIST_CAP - len(self.missing)]
+            self.missing += (gone + lo).tolist()
         if several is None and top <= 1:
-            continue  # no duplicates here
+            return  # no duplicates here
         dup = np.flatnonzero(present > 1 if several is None else (present > 1) | (several > 0))
-        n_dup += int(dup.size)
-        if len(dup_ids) < LIST_CAP:
-            keep = dup[:LIST_CAP - len(dup_ids)]
-            dup_ids += (keep + lo).tolist()
-            dup_present += present[keep].tolist()
+        self.n_dup += int(dup.size)
+        if len(self.dup_ids) < LIST_CAP:
+            keep = dup[:LIST_CAP - len(self.dup_ids)]
+            self.dup_ids += (keep + lo).tolist()
+            self.dup_present += present[keep].tolist()
         if several is not None:
-            n_several += int(np.count_nonzero(several))
-    extra = _extra_copies(ranks)
-    # Exact copy counts where every rank's repeats were listed whole (always, unless a rank
-    # repeats more than LIST_CAP ids); else a lower bound, said so (most_copies_exact).
-    exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)
-    duplicates = [(i, p + extra.get(i, 0)) for i, p in zip(dup_ids, dup_present)]
-    # The most copies of one sample: the most ranks holding one, or, for a sample some rank
-    # received more than once (listed with its count), the ranks holding it plus those extra
-    # copies. Exact under the same condition as the copy counts, else a lower bound.
-    most = max(levels, default=0)
-    for i, more in extra.items():
-        most = max(most, int(code[i]) % shift + more)
-    outside = sorted({i for r in ranks for i in r["out_of_range"]})
-    return {
-        "epoch": epoch, "gather": "count", "ranks": ranks,
-        "coverage": {
-            "seen": sum(r["samples"] for r in ranks),
-            "unique": n_present + len(outside),
-            "missing": missing, "missing_count": n_missing,
-            "duplicates": duplicates, "duplicate_count": n_dup,
-            "most_copies": most, "most_copies_exact": exact,
-            "ranks_per_sample": sorted(levels),
-            "repeated_within_a_rank": n_several,
-            "out_of_range": outside[:LIST_CAP],
-        },
-    }
+            self.n_several += int(np.count_nonzero(several))
+
+    def value(self, i: int) -> int:
+        """The reduced code of a wanted id."""
+        return self.values[i]
+
+    def record(self, epoch: int, ranks: list[dict]) -> dict[str, Any]:
+        shift = self.shift
+        extra = _extra_copies(ranks)
+        # Exact copy counts where every rank's repeats were listed whole (always, unless a
+        # rank repeats more than LIST_CAP ids); else a lower bound, said so (most_copies_exact).
+        exact = all(r["repeats_total"] <= LIST_CAP for r in ranks)
+        duplicates = [(i, p + extra.get(i, 0)) for i, p in zip(self.dup_ids, self.dup_present)]
+        # The most copies of one sample: the most ranks holding one, or, for a sample some rank
+        # received more than once (listed with its count), the ranks holding it plus those
+        # extra copies. Exact under the same condition as the copy counts, else a lower bound.
+        most = max(self.levels, default=0)
+        for i, more in extra.items():
+            most = max(most, self.value(i) % shift + more)
+        outside = sorted({i for r in ranks for i in r["out_of_range"]})
+        return {
+            "epoch": epoch, "gather": "count", "ranks": ranks,
+            "coverage": {
+                "seen": sum(r["samples"] for r in ranks),
+                "unique": self.n_present + len(outside),
+                "missing": self.missing, "missing_count": self.n_missing,
+                "duplicates": duplicates, "duplicate_count": self.n_dup,
+                "most_copies": most, "most_copies_exact": exact,
+                "ranks_per_sample": sorted(self.levels),
+                "repeated_within_a_rank": self.n_several,
+                "out_of_range": outside[:LIST_CAP],
+            },
+        }
+
+
+# A flush of ids spanning at most this many ids per id is counted in a dense scratch (a few
+# ns an id); a wider one (ids scattered over the dataset: a shuffled sampler) by a sort.
+SCRATCH_SPAN = 8
+
+
+class _BitRunning(_Running):
+    """_Running over two bitmaps: `seen` (received at least once) and `again` (more than
+    once), and the exact counts of the first LIST_CAP samples to come again (`exact`)."""
+
+    def __init__(self, n: int) -> None:
+        size = -(-max(n, 1) // 8)
+        super().__init__(None, None, n)
+        self.seen = np.zeros(size, dtype=np.uint8)
+        self.again = np.zeros(size, dtype=np.uint8)
+        self.exact: dict[int, int] = {}
+
+    def count(self, ids: torch.Tensor) -> None:
+        arr = ids.numpy()
+        if not arr.size:
+            return
+        lo = int(arr.min()) & ~7
+        span = int(arr.max()) + 1 - lo
+        if span <= SCRATCH_SPAN * arr.size + 64:
+            # how many times each id of the span came in this flush (int32: no wrap)
+            scratch = np.zeros(-(-span // 8) * 8, dtype=np.int32)
+            np.add.at(scratch, arr - lo, 1) if arr.size < 64 else \
+                torch.from_numpy(scratch).index_add_(0, torch.from_numpy(arr - lo),
+                                                     torch.ones(1, dtype=torch.int32)
+                                                     .expand(arr.size))
+            first, last = lo >> 3, (lo >> 3) + scratch.size // 8
+            new = np.packbits(scratch > 0, bitorder="little")
+            old = self.seen[first:last]
+            again = (old & new) | np.packbits(scratch > 1, bitorder="little")
+            if again.any():
+                self.again[first:last] |= again
+                before = np.unpackbits(old, bitorder="little")
+                came = np.flatnonzero((scratch > 1) | ((scratch > 0) & (before > 0)))
+                self._note(came + lo, scratch[came], before[came])
+            self.seen[first:last] = old | new
+            return
+        ids_u, times = np.unique(arr, return_counts=True)
+        byte, mask = ids_u >> 3, (1 << (ids_u & 7)).astype(np.uint8)
+        before = (self.seen[byte] & mask) != 0
+        came = before | (times > 1)
+        _or_into(self.seen, byte, mask)
+        if came.any():
+            _or_into(self.again, byte[came], mask[came])
+            self._note(ids_u[came], times[came], before[came].astype(np.int64))
+
+    def _note(self, ids: np.ndarray, times: np.ndarray, before: np.ndarray) -> None:
+        """Ids that came again: `times` in this flush, `before` (0/1) once before it."""
+        exact = self.exact
+        if len(exact) >= LIST_CAP:  # full: only the ids it lists count on
+            keys = np.fromiter(exact, dtype=np.int64, count=len(exact))
+            sel = np.isin(ids, keys)
+            ids, times = ids[sel], times[sel]
+            for i, t in zip(ids.tolist(), times.tolist()):
+                exact[i] += t
+            return
+        for i, t, b in zip(ids.tolist(), times.tolist(), before.tolist()):
+            if i in exact:
+                exact[i] += t
+            elif len(exact) < LIST_CAP:
+                exact[i] = t + b
+
+    def code(self, lo: int, hi: int, shift: int, dtype) -> np.ndarray:
+        """The per-sample code (0, 1, 1 + shift: see encode) of samples lo..hi-1."""
+        bytes_ = slice(lo >> 3, -(-hi // 8))
+        seen = np.unpackbits(self.seen[bytes_], bitorder="little", count=hi - lo)
+        again = np.unpackbits(self.again[bytes_], bitorder="little", count=hi - lo)
+        if dtype is np.uint8:
+            again *= shift  # (0 or shift: fits a byte up to 15 ranks)
+            seen += again
+            return seen
+        return seen.astype(dtype) + again.astype(dtype) * shift
+
+    def to_host(self, counts) -> None:
+        """The bitmaps are on the host already."""
+
+
+def _or_into(bitmap: np.ndarray, byte: np.ndarray, mask: np.ndarray) -> None:
+    """bitmap[byte] |= mask, for sorted `byte` that may repeat (ids sharing a byte)."""
+    if not byte.size:
+        return
+    starts = np.flatnonzero(np.r_[True, byte[1:] != byte[:-1]])
+    bitmap[byte[starts]] |= np.bitwise_or.reduceat(mask, starts)

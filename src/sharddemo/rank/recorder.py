@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
-from sharddemo.rank.counting import KEEP_BATCHES, Counts, slot_ints
+from sharddemo.rank.counting import BITS_FROM, KEEP_BATCHES, BitCounts, Counts, slot_ints
 from sharddemo.rank.describe import base_loader, remainder
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
@@ -149,6 +149,8 @@ class Recorder:
     def _new_log(self):
         if self.how != "count":
             return IdLog()
+        if int(self.n) >= BITS_FROM and self.slots is None and not self.keep_present:
+            return BitCounts(int(self.n), self.keep, self.background)  # 2 bits a sample
         log = Counts(int(self.n), self.keep, self.background, slots=self.slots)
         log.keep_present = self.keep_present
         return log

@@ -73,9 +73,14 @@ class TaggingCollate:
     IndexedDataset) its index."""
 
     def __init__(self, inner: Callable, indexed: Optional[IndexedDataset],
-                 auto: bool = True) -> None:
+                 auto: bool = True, sliced: bool = True) -> None:
         self.inner = inner
         self.indexed = indexed
+        # a batch accelerate's dispatcher slices across the ranks needs its tag per sample, as
+        # a tensor sliced with it; any other needs one worker id, and a plain list travels
+        # from a worker in the pickle itself, where each tensor takes a shared-memory file of
+        # its own (at 10^8 samples in batches of 4096 with 2 workers, 15.6 s against 9.4)
+        self.sliced = sliced
         # auto-collation (a batch_size or batch_sampler): `samples` is the list of samples;
         # without it (batch_size=None) it is what one fetch returned, a sample or a batch
         self.auto = auto
@@ -86,20 +91,24 @@ class TaggingCollate:
         worker = info.id if info is not None else MAIN_PROCESS
         indices = self.indexed.take() if self.indexed is not None else None
         n = len(samples) if self.auto else (len(indices) if indices else 1)
-        tag = {"worker": torch.full((n,), worker, dtype=torch.int64)}
+        tag = {"worker": torch.full((n,), worker, dtype=torch.int64) if self.sliced
+               else [worker]}
         if indices is not None and len(indices) == n:
             tag["index"] = torch.tensor(indices, dtype=torch.int64)
         return {"batch": batch, TAG: tag}
 
 
-def tag_batches(loader, record_indices: bool) -> bool:
+def tag_batches(loader, record_indices: bool, sliced: Optional[bool] = None) -> bool:
     """Make every batch of `loader` carry its worker id (and, for map-style datasets when
     `record_indices`, the indices fetched). False when the loader is not a DataLoader whose
     collate function can be wrapped (the walk then reads batches as they are), and when there
     is nothing to record: no indices asked for and no workers (the walk knows the main
     process made every batch, known_worker). A tag costs a tensor and a dict per batch, which
     accelerate's send_to_device then walks through, and reading it back a few microseconds:
-    on a toy loader as much as the rest of the walk."""
+    on a toy loader as much as the rest of the walk. `sliced`: accelerate's dispatcher may
+    slice the batches (a loader on its way into prepare); by default, where `loader` is one."""
+    if sliced is None:
+        sliced = type(loader).__name__ == "DataLoaderDispatcher"
     if not record_indices and known_worker(loader) == MAIN_PROCESS:
         return False
     base = base_loader(loader)
@@ -120,7 +129,8 @@ def tag_batches(loader, record_indices: bool) -> bool:
         indexed = IndexedDataset(getattr(holder, attr))
         # DataLoader refuses to have its dataset set after construction: set it underneath.
         object.__setattr__(holder, attr, indexed)
-    base.collate_fn = TaggingCollate(collate, indexed, getattr(base, "_auto_collation", True))
+    base.collate_fn = TaggingCollate(collate, indexed, getattr(base, "_auto_collation", True),
+                                     sliced)
     return True
 
 
@@ -149,7 +159,7 @@ def tagging_prepare(accelerator, record_indices: bool):
     def prepare(*objects, **kwargs):
         for obj in objects:
             if isinstance(obj, DataLoader):
-                tag_batches(obj, record_indices=record_indices)
+                tag_batches(obj, record_indices=record_indices, sliced=True)
         return original(*objects, **kwargs)
 
     accelerator.prepare = prepare
