@@ -51,5 +51,6 @@ def billion(accelerator):
 
 
 def just_past_bits(accelerator):
-    """2^26 + 10,000 ids: just past where the count path keeps 2 bits a sample (BITS_FROM)."""
-    return make(accelerator, (1 << 26) + 10_000)
+    """2^26 + 16,384 ids (16,388 whole blocks: as many for every rank and worker of 2 x 2),
+    just past where the count path keeps 2 bits a sample (counting.BITS_FROM)."""
+    return make(accelerator, (1 << 26) + 4 * BLOCK)
