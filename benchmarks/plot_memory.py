@@ -93,7 +93,7 @@ def plot_huge(results: dict, out: Path = HUGE_OUT) -> Path:
     per.set_yscale("log")
     per.set_ylabel("bytes per sample per rank")
     ax.set_title("audit of a stream of N ids, 2 ranks, 2 workers each")
-    per.set_title("what the audit adds (1 byte a sample below 2^26, 2 bits from it)")
+    per.set_title("what the audit adds, per sample (2 bits from 2^26)")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -365,3 +365,14 @@ class KeyedStream(IterableDataset):
 def keyed_stream(accelerator):
     return DataLoader(KeyedStream(accelerator.process_index, accelerator.num_processes),
                       batch_size=3)
+
+
+def hf_question_ids(accelerator):
+    """A datasets.Dataset whose samples are named by a string column ("q0000".."q0021"),
+    torch format (the string column stays a list of str), prepared and shuffled."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"qid": [f"q{i:04d}" for i in range(KEYED)],
+                            "x": [float(i) for i in range(KEYED)]}).with_format("torch")
+    torch.manual_seed(3)
+    return accelerator.prepare(DataLoader(ds, batch_size=4, shuffle=True))

@@ -211,22 +211,26 @@ def test_run_refuses_the_resume_mode():
 
 
 @pytest.mark.parametrize("args,message", [
-    # 100,000,000 samples x 1 byte = 95.4 MiB of counter per rank: more than 50 MB.
-    (["--dataset-size", "100000000", "--max-memory", "50MB"],
-     "Error: --max-memory 50 MB is less than the count path's counter of 100,000,000 samples "
-     "needs, about 95 MB per rank"),
+    # 10,000,000 samples x 1 byte = 9.5 MiB of counter per rank: more than 5 MB.
+    (["--dataset-size", "10000000", "--max-memory", "5MB"],
+     "Error: --max-memory 5 MB is less than the count path's counter of 10,000,000 samples "
+     "needs, about 10 MB per rank"),
+    # From 2^26 samples 2 bits a sample: 10^9 / 4 bytes = 238.4 MiB per rank, more than 200 MB.
+    (["--dataset-size", "1000000000", "--max-memory", "200MB"],
+     "Error: --max-memory 200 MB is less than the count path's counter of 1,000,000,000 "
+     "samples needs, about 238 MB per rank"),
     # --gather epoch ships every id to rank 0: 40 bytes x 10^8 x 2 ranks = 7,629 MiB > 2 GB.
     (["--dataset-size", "100000000", "--gather", "epoch", "--max-memory", "2GB"],
      "Error: --max-memory 2,048 MB is less than every id of an epoch of 100,000,000 samples "
      "(--gather epoch) needs, about 7,629 MB on rank 0"),
     # From 16 ranks on the code reduced is uint16 (2 bytes) beside the 1-byte counter:
-    # 3 x 10^8 bytes = 286.1 MiB; above 255 ranks uint32: 5 x 10^8 bytes = 476.8 MiB.
-    (["--dataset-size", "100000000", "--num-processes", "16", "--max-memory", "200MB"],
-     "Error: --max-memory 200 MB is less than the count path's counter of 100,000,000 samples "
-     "needs, about 286 MB per rank"),
-    (["--dataset-size", "100000000", "--num-processes", "256", "--max-memory", "400MB"],
-     "Error: --max-memory 400 MB is less than the count path's counter of 100,000,000 samples "
-     "needs, about 477 MB per rank"),
+    # 3 x 10^7 bytes = 28.6 MiB; above 255 ranks uint32: 5 x 10^7 bytes = 47.7 MiB.
+    (["--dataset-size", "10000000", "--num-processes", "16", "--max-memory", "20MB"],
+     "Error: --max-memory 20 MB is less than the count path's counter of 10,000,000 samples "
+     "needs, about 29 MB per rank"),
+    (["--dataset-size", "10000000", "--num-processes", "256", "--max-memory", "40MB"],
+     "Error: --max-memory 40 MB is less than the count path's counter of 10,000,000 samples "
+     "needs, about 48 MB per rank"),
     (["--max-memory", "lots"], "Error: --max-memory 'lots' is not a size"),
 ])
 def test_max_memory_refuses_before_any_rank_starts(args, message):

@@ -208,3 +208,29 @@ def test_keys_that_cannot_be_audited_so_say_one_line(tmp_path):
         assert "Traceback" not in proc.stderr
     proc = sharddemo(["audit", "tests/factories.py:tuple_ids", "--keys", str(keys)], check=False)
     assert proc.returncode == 2 and "pass --id-field too" in proc.stderr
+
+
+def test_a_string_id_column_of_a_datasets_table(tmp_path):
+    """A datasets.Dataset with a string id column, prepared: expected from accelerate's own
+    prepare_data_loader over the same table for each rank (tests/sim.py)."""
+    from datasets import Dataset
+    from factories import KEYED
+    from sim import SimAccelerator
+
+    out = tmp_path / "hf.json"
+    proc = sharddemo(["audit", "tests/factories.py:hf_question_ids", "--id-field", "qid",
+                      "--output", str(out), "--format", "json"], check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, SCHEMA)
+    table = Dataset.from_dict({"qid": [f"q{i:04d}" for i in range(KEYED)],
+                               "x": [float(i) for i in range(KEYED)]}).with_format("torch")
+    expected = []
+    for rank in range(2):
+        torch.manual_seed(3)
+        loader = SimAccelerator(2, rank).prepare(DataLoader(table, batch_size=4, shuffle=True))
+        expected.append([[list(b["qid"]) for b in loader] for _ in range(2)])
+    for e in report["modes"]["audit"]["epochs"]:
+        assert [r["batches"] for r in e["ranks"]] == [expected[r][e["epoch"]] for r in range(2)]
+        assert e["unique"] == KEYED and e["missing_count"] == 0
+    assert report["dataset_size"] == KEYED and report["keys"]["seen"] == KEYED

@@ -376,7 +376,8 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @click.option("--max-memory", metavar="SIZE", default=None,
               help="Refuse to start when what sharddemo itself would hold on a rank for the ids "
                    "exceeds SIZE (e.g. 512MB, 2GB): the count path's counter, 1 byte per sample "
-                   "(3 from 16 ranks on, 5 above 255: the code it reduces); every id as a "
+                   "(3 from 16 ranks on, 5 above 255: the code it reduces; from 2^26 samples 2 "
+                   "bits per sample); every id as a "
                    "Python int on rank 0 otherwise (about 40 bytes per sample received, an "
                    "estimate). The loader's own memory is not counted.")
 def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], check: bool,

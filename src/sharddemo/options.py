@@ -86,10 +86,18 @@ def code_width(world: int) -> tuple[int, int]:
     return 65536, 4
 
 
+# From this many samples the count path keeps 2 bits a sample (rank.counting.BitCounts), not a
+# byte: at 10^9, 250 MB a rank instead of 1 GB.
+BITS_FROM = 1 << 26
+
+
 def counter_bytes(n: int, world: int = 1) -> int:
     """What the count path holds per rank for an epoch of a dataset of n samples: its uint8
     counter and, where the code is wider than a byte, the code beside it (up to 15 ranks the
-    counter is its own code)."""
+    counter is its own code); from BITS_FROM samples its two bitmaps (the code is made and
+    sent a chunk at a time)."""
+    if n >= BITS_FROM:
+        return -(-int(n) // 4)
     width = code_width(world)[1]
     return int(n) * (1 + (width if width > 1 else 0))
 

@@ -1,4 +1,5 @@
-"""The count path: walk an epoch of any size with about one byte per sample on each rank.
+"""The count path: walk an epoch of any size with about one byte per sample on each rank (two
+bits from options.BITS_FROM = 2^26 samples: BitCounts, at the end of this module's classes).
 
 From `options.COUNT_FROM` samples (auto), or with `--gather count`, no rank ships its ids
 anywhere. Each rank walks its loader as a training loop does and keeps, for its own batches:
@@ -274,10 +275,6 @@ class Counts:
         if accelerator.num_processes > 1:
             reduce_to_main(accelerator, mine, background=False)()
         return mine if accelerator.is_main_process else None
-
-
-# From this many samples the count path keeps 2 bits per sample (BitCounts), not a byte.
-BITS_FROM = 1 << 26
 
 
 class BitCounts(Counts):

@@ -12,7 +12,8 @@ sharddemo.record describes and sharddemo.analysis reads:
 
 - `how="epoch"` keeps every id this rank received (an IdLog) and one ragged gather brings them
   to the main process: each rank's batches, whole;
-- `how="count"` keeps one byte per sample (rank.counting.Counts) and one reduce sums the
+- `how="count"` keeps one byte per sample (rank.counting.Counts; two bits from 2^26 samples,
+  rank.counting.BitCounts) and one reduce sums the
   counts on the main process: coverage, repeats, each rank's order hash, steps, batch sizes,
   workers and its first and last batches, at any N.
 
@@ -29,7 +30,8 @@ from typing import Any, Optional
 import torch
 
 from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
-from sharddemo.rank.counting import BITS_FROM, KEEP_BATCHES, BitCounts, Counts, slot_ints
+from sharddemo.options import BITS_FROM
+from sharddemo.rank.counting import KEEP_BATCHES, BitCounts, Counts, slot_ints
 from sharddemo.rank.describe import base_loader, remainder
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
@@ -107,7 +109,8 @@ class Recorder:
     `accelerator`: the rank's Accelerator (its collectives carry the exchange; any object with
     `num_processes`, `is_main_process`, `device` and accelerate's `gather` works).
     `read_ids(batch, tag)`: the batch's 0-based sample ids (rank.ids.ReadIds). `how`: "epoch"
-    (every id) or "count" (one byte per sample; needs `n`, the dataset's length).
+    (every id) or "count" (one byte per sample, two bits from 2^26; needs `n`, the dataset's
+    length).
     `loader`: the loader walked, read for its worker count and, at the end of an epoch, for
     what accelerate's gather_for_metrics keeps of the last step (`remainder`).
 

@@ -18,8 +18,8 @@ three ways, chosen identically on every rank from exchanged loader lengths:
   out of batches while another still steps) this is recorded, not suffered.
 - per epoch (large runs): each rank records its ids (rank.recorder.Recorder) and one ragged
   gather brings them over at the end; gloo's per-call cost would otherwise dominate a toy step.
-- counted (from 1,000,000 samples): the Recorder keeps one byte per sample, and one reduce
-  sums the counts (rank.counting).
+- counted (from 1,000,000 samples): the Recorder keeps one byte per sample (two bits from
+  2^26), and one reduce sums the counts (rank.counting).
 
 Recording never changes what the loader yields: `read_ids` only reads a batch.
 """
