@@ -156,6 +156,19 @@ class Counts:
         self.samples += size
         self.steps += 1
 
+    def _close(self) -> tuple[list, list]:
+        """The epoch's walk is over: the last runs stored, the waiting ids counted; the kept
+        first and last batches as (ids, worker) lists."""
+        if self.size_run:
+            self.sizes.append([self.size_now, self.size_run])
+        if self.worker_batches:
+            _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
+        self.state.add(self.pending, self.shift_now)
+        self.pending = []
+        head = [(t.tolist(), worker) for t, worker in self.head]
+        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        return head, tail
+
     def delivers_everywhere(self, world: int) -> bool:
         """Whether finish(everyone=True) can give the record to every rank: with the slots
         (one all-reduce), or in one process."""
@@ -171,18 +184,11 @@ class Counts:
         slot was sized for). Without: a reduce onto the main process (a chunk at a time), an
         exchange of the small figures and a ragged gather of the detail."""
         n, counts, state = self.n, self.counts, self.state
-        if self.size_run:
-            self.sizes.append([self.size_now, self.size_run])
-        if self.worker_batches:
-            _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
-        state.add(self.pending, self.shift_now)
-        self.pending = []
+        head, tail = self._close()
         state.to_host(counts)  # ids counted on a device: the counter comes over once, here
         samples, steps, sizes, made = self.samples, self.steps, self.sizes, self.made
         order, ascending = state.order, state.ascending
         outside, outside_total = state.outside, state.outside_total
-        head = [(t.tolist(), worker) for t, worker in self.head]
-        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
         if outside_total and not outside:
             # counted on a device: the ids outside [0, n) are counted there, not listed; those
             # in the kept first and last batches are listed
@@ -302,14 +308,7 @@ class BitCounts(Counts):
 
     def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
         n, state = self.n, self.state
-        if self.size_run:
-            self.sizes.append([self.size_now, self.size_run])
-        if self.worker_batches:
-            _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
-        state.add(self.pending, self.shift_now)
-        self.pending = []
-        head = [(t.tolist(), worker) for t, worker in self.head]
-        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        head, tail = self._close()
         repeat_ids = sorted(state.exact)[:LIST_CAP]
         repeats_total = _popcount(state.again)
         mine = _pack(self.sizes, self.made, head, tail, repeat_ids,
