@@ -294,9 +294,9 @@ def test_the_two_bit_counter_counts_what_the_libraries_deal(monkeypatch, case):
 
 
 def test_a_stream_past_two_to_the_26_is_counted_at_two_bits_on_real_ranks(tmp_path):
-    """examples/huge_stream.py:just_past_bits on 2 ranks x 2 workers: N = 2^26 + 16,384 ids in
-    blocks of 4096, block b to rank (b % 4) // 2, each id once (by hand): 16,388 blocks, 8,194
-    a rank. The count path keeps 2 bits a sample there (BitCounts) and must report what the
+    """examples/huge_stream.py:just_past_bits on 2 ranks (no workers): N = 2^26 + 16,384 ids
+    in blocks of 4096, block b to rank b % 2, each id once (by hand): 16,388 blocks, 8,194 a
+    rank. The count path keeps 2 bits a sample there (BitCounts) and must report what the
     byte counter would: N seen, N unique, nothing missing or repeated, all verdicts held."""
     n = (1 << 26) + 4 * 4096
     out = tmp_path / "r.json"
@@ -310,4 +310,4 @@ def test_a_stream_past_two_to_the_26_is_counted_at_two_bits_on_real_ranks(tmp_pa
     assert e["gather"] == "count"
     assert (e["seen"], e["unique"], e["missing_count"], e["duplicate_count"]) == (n, n, 0, 0)
     assert [r["steps"] for r in e["ranks"]] == [8194, 8194]
-    assert e["ranks"][0]["first_batches"][0] == list(range(4096))  # block 0, rank 0 worker 0
+    assert e["ranks"][0]["first_batches"][0] == list(range(4096))  # block 0, rank 0
