@@ -130,13 +130,25 @@ def test_a_signal_stops_every_process_and_writes_nothing(tmp_path, sig, command)
     in sessions of their own, out of reach of a process-group kill) within 15 s, one line."""
     if command == "audit" and sig != signal.SIGTERM:
         pytest.skip("one signal is enough for audit: the same launch code")
+    interrupt_running_command(tmp_path, sig, command)
+
+
+def test_ctrl_c_stops_a_command_started_with_sigint_ignored(tmp_path):
+    """A process started with SIGINT ignored (a shell without job control starting it in the
+    background, some launchers) keeps it ignored unless it installs a handler: compare does,
+    for the launch, and stops on SIGINT all the same."""
+    interrupt_running_command(tmp_path, signal.SIGINT, "compare",
+                              before=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+def interrupt_running_command(tmp_path, sig, command, before=None):
     env, token = tagged_env("stall:1:sampler:0")
     out = tmp_path / "report.json"
     args = (["compare", "--modes", "sampler"] if command == "compare"
             else ["audit", f"{FACTORIES}:stall_mid_epoch"])
     proc = subprocess.Popen([sys.executable, "-m", "sharddemo", *args, "--output", str(out)],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=before)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # wait until the ranks are up
         ranks = [p for p in survivors(token)

@@ -184,8 +184,8 @@ def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"],
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP reached `compare`/`audit`: handled like Ctrl-C (every process
-    started is ended, nothing is written), with the signal's name."""
+    """SIGINT, SIGTERM or SIGHUP reached `compare`/`audit`: every process started is ended,
+    nothing is written, and the line names the signal."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -194,8 +194,11 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _signals_raise(exc_type):
-    """While the launch runs, SIGTERM and SIGHUP raise `exc_type(signum)` in the main thread
-    (as SIGINT raises KeyboardInterrupt), so the cleanup below runs for them too."""
+    """While the launch runs, SIGINT, SIGTERM and SIGHUP raise `exc_type(signum)` in the main
+    thread, so the cleanup below runs for each. SIGINT too, although Python raises
+    KeyboardInterrupt for it by default: a process started with SIGINT ignored (as a shell
+    without job control starts one in the background, and as some launchers start their
+    children) keeps it ignored, and a library imported on the way can install its own."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -203,7 +206,8 @@ def _signals_raise(exc_type):
     def handler(signum, frame):
         raise exc_type(signum)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = {sig: signal.signal(sig, handler)
+           for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
