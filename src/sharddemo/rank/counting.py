@@ -832,10 +832,9 @@ class _BitRunning(_Running):
         if span <= SCRATCH_SPAN * arr.size + 64:
             # how many times each id of the span came in this flush (int32: no wrap)
             scratch = np.zeros(-(-span // 8) * 8, dtype=np.int32)
-            np.add.at(scratch, arr - lo, 1) if arr.size < 64 else \
-                torch.from_numpy(scratch).index_add_(0, torch.from_numpy(arr - lo),
-                                                     torch.ones(1, dtype=torch.int32)
-                                                     .expand(arr.size))
+            torch.from_numpy(scratch).index_add_(0, torch.from_numpy(arr - lo),
+                                                 torch.ones(1, dtype=torch.int32)
+                                                 .expand(arr.size))
             first, last = lo >> 3, (lo >> 3) + scratch.size // 8
             new = np.packbits(scratch > 0, bitorder="little")
             old = self.seen[first:last]
