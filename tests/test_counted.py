@@ -238,7 +238,11 @@ def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
     assert {k: v for k, v in mine.items() if k != "order_hash"} == {
         k: v for k, v in theirs.items() if k != "order_hash"}
     assert device["coverage"] == host["coverage"]
-    assert mine["out_of_range"] == [20] and mine["out_of_range_total"] == 1  # as by hand above
+    # worked out by hand in the test above, not taken from the host's record
+    assert (mine["samples"], mine["steps"], mine["distinct"]) == (19, 6, 15)
+    assert mine["repeats"] == [[0, 2], [3, 3]] and device["coverage"]["missing"] == [15, 16]
+    assert mine["head"] == [[0, 1], [2, 3, 4], [3, 9]] and mine["ascending"] is False
+    assert mine["out_of_range"] == [20] and mine["out_of_range_total"] == 1
     assert walk(batches, 17, "device", 1 << 18)["ranks"][0]["order_hash"] == mine["order_hash"]
     swapped = [batches[0], batches[2], batches[1], *batches[3:]]
     assert walk(swapped, 17, "device", 8)["ranks"][0]["order_hash"] != mine["order_hash"]
