@@ -46,7 +46,8 @@ def test_unknown_mode(command, flag):
     assert result.exit_code == 2
     assert error_line(result) == (
         "Error: unknown mode 'bogus'; choose 'all', 'pitfalls' or a comma list of: prepared, "
-        "sampler, replicated, double-split, unseeded, split, resume")
+        "sampler, replicated, double-split, unseeded, split, resume, no-nodesplitter, silenced, "
+        "resampled, uneven-shards")
 
 
 def test_unknown_format():
@@ -131,8 +132,8 @@ def test_shipped_configs_load():
     (["--split-batches", "--batch-size", "3"],
      "Error: --split-batches slices each batch of 3 across 2 ranks, so the batch size must "
      "divide by 2; use --batch-size 2 or drop --split-batches"),
-    (["--modes", "split"], "Error: mode split uses datasets' split_dataset_by_node: pass "
-                           "--source hf or --source hf-stream"),
+    (["--modes", "split"], "Error: mode split uses the source's own split: pass --source hf, "
+                           "hf-stream or webdataset"),
     (["--modes", "sampler", "--source", "iterable"],
      "Error: mode sampler needs a map-style dataset (a sampler draws indices), but --source "
      "iterable is iterable; use --source toy or hf, or modes prepared, replicated, split"),

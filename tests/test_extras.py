@@ -37,6 +37,7 @@ def run_without(hidden: list[str], args: list[str], tmp_path):
     (["matplotlib"], ["audit", "examples/good.py:make_loader", "--plot", "{png}"], "plot"),
     (["webdataset"], ["audit", "examples/webdataset_loaders.py:split", "--id-field",
                       "__key__"], "webdataset"),
+    (["webdataset"], ["compare", "--source", "webdataset"], "webdataset"),
 ])
 def test_a_command_that_needs_an_absent_package_says_which_extra_before_any_rank(
         tmp_path, hidden, args, extra):

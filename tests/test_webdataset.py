@@ -149,3 +149,185 @@ def test_shards_that_do_not_divide_over_the_ranks_make_unequal_steps(tmp_path):
               if not v["ok"]}
     assert set(failed) == {"equal-step-counts"} and "DDP would hang" in failed[
         "equal-step-counts"]
+
+
+# -- compare --source webdataset: sharddemo's own five WebDataset modes ------------------------
+# The source writes N samples in order, sample i keyed "sample{i:06d}" with id i, into COUNT
+# shards whose sizes differ by at most one (the first N % COUNT one larger): the layout the
+# docs state. The test writes the same layout and asks WebDataset's own pipeline what each
+# rank and worker reads.
+
+
+def write_layout(folder, n: int, count: int) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    urls, start = [], 0
+    for s in range(count):
+        size = n // count + (s < n % count)
+        path = str(folder / f"{s}.tar")
+        with wds.TarWriter(path) as sink:
+            for i in range(start, start + size):
+                sink.write({"__key__": f"sample{i:06d}", "id.cls": i})
+        urls.append(path)
+        start += size
+    return urls
+
+
+def library_ids(urls, world: int, workers: int, batch: int, nodesplitter) -> list[list[list[int]]]:
+    """[rank] -> the batches of ids that rank's DataLoader(batch_size=batch,
+    num_workers=workers) yields over WebDataset's own pipeline, each worker batching its own
+    samples, the DataLoader taking one batch from each worker in turn."""
+    out = []
+    for rank in range(world):
+        per_worker = []
+        for worker in range(max(workers, 1)):
+            with as_worker(rank, world, worker, max(workers, 1)):
+                samples = list(wds.WebDataset(urls, shardshuffle=False, nodesplitter=nodesplitter,
+                                              workersplitter=wds.split_by_worker).decode())
+            ids = [s["id.cls"] for s in samples]
+            per_worker.append([ids[k:k + batch] for k in range(0, len(ids), batch)])
+        batches, step = [], 0
+        while any(step < len(w) for w in per_worker):
+            batches += [w[step] for w in per_worker if step < len(w)]
+            step += 1
+        out.append(batches)
+    return out
+
+
+def compare_wds(tmp_path, *args: str, nproc: int = 2, fmt: str = "json"):
+    out = tmp_path / "report.json"
+    proc = sharddemo(["compare", "--source", "webdataset", "--num-processes", str(nproc),
+                      "--format", fmt, "--output", str(out), *args], check=False)
+    report = json.loads(out.read_text()) if out.exists() else None
+    if report is not None:
+        jsonschema.validate(report, SCHEMA)
+    return proc, report
+
+
+def batches_of(report, mode):
+    return [[r["batches"] for r in e["ranks"]] for e in report["modes"][mode]["epochs"]]
+
+
+def test_compare_webdataset_shows_the_five_cases(tmp_path):
+    """2 ranks, no workers, N=8, B=4, --shards 4 (2 samples a shard): the defaults."""
+    png = tmp_path / "split.png"
+    proc, report = compare_wds(tmp_path, "--check", "--plot", str(png), fmt="table")
+    assert proc.returncode == 1, proc.stderr  # --check: silenced and uneven-shards break
+    assert list(report["modes"]) == ["split", "no-nodesplitter", "silenced", "resampled",
+                                     "uneven-shards"]
+    urls = write_layout(tmp_path / "four", 8, 4)
+    split = library_ids(urls, 2, 0, 4, wds.split_by_node)
+    assert split == [[[0, 1, 4, 5]], [[2, 3, 6, 7]]]  # shards 0, 2 and 1, 3 (by hand)
+    assert batches_of(report, "split") == [split, split]
+    # the same pipeline with nodesplitter=lambda src: src: every rank every shard
+    silenced = library_ids(urls, 2, 0, 4, lambda src: src)
+    assert silenced[0] == silenced[1] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batches_of(report, "silenced") == [silenced, silenced]
+    # ranks x workers + 1 = 3 shards of 3, 3, 2: rank 0 reads shards 0 and 2, rank 1 shard 1
+    uneven = library_ids(write_layout(tmp_path / "three", 8, 3), 2, 0, 4, wds.split_by_node)
+    assert uneven == [[[0, 1, 2, 6], [7]], [[3, 4, 5]]]
+    assert batches_of(report, "uneven-shards") == [uneven, uneven]
+    e = report["modes"]["uneven-shards"]["epochs"][0]
+    assert e["hang_at_step"] == 1 and not e["steps_equal"]
+    # the default nodesplitter: WebDataset's own answer as rank 0 of 2
+    with as_worker(0, 2, 0, 1), pytest.raises(ValueError) as raised:
+        next(iter(wds.WebDataset(urls, shardshuffle=False)))
+    refused = report["modes"]["no-nodesplitter"]
+    assert refused["epochs"] == [] and [r["rank"] for r in refused["raised"]] == [0, 1]
+    assert all(str(raised.value) in r["error"] for r in refused["raised"])
+    assert "nodesplitter=wds.split_by_node" in refused["conclusion"]
+    assert refused["broken_promises"] == []
+    # resampled: with_epoch(ceil(8 / 2)) = 4 samples a rank, drawn with replacement
+    for e in report["modes"]["resampled"]["epochs"]:
+        assert [r["samples"] for r in e["ranks"]] == [4, 4]
+        assert all(i in range(8) for r in e["ranks"] for b in r["batches"] for i in b)
+        assert e["missing_count"] == 8 - e["unique"]
+        if e["missing_count"]:
+            assert e["missing_reason"] == "sampler-draws" and e["missing_explained"]
+    assert report["modes"]["resampled"]["broken_promises"] == []
+    broken = report["broken_promises"]
+    assert {p.split(" ")[0] for p in broken} == {"silenced", "uneven-shards"}
+    assert any("stream replication" in p or "unsplit stream" in p for p in broken)
+    # the table says it in one place per mode, and the plot draws every mode
+    assert "The loader raised on every rank before its first batch" in proc.stdout
+    assert "files per rank [2, 2]" in proc.stdout and "files per rank [2, 1]" in proc.stdout
+    assert png.stat().st_size > 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "broken promise" in errors[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("gather", ["batch", "count"])
+def test_compare_webdataset_on_three_ranks_with_workers(tmp_path, gather):
+    """3 ranks x 2 workers, N=30, --shards 6: one shard a worker; uneven-shards writes 7.
+    The markdown says the shard arithmetic; the count path agrees with the id path."""
+    proc, report = compare_wds(tmp_path, "--mode", "split,uneven-shards,silenced",
+                               "--dataset-size", "30", "--shards", "6", "--num-workers", "2",
+                               "--epochs", "1", "--gather", gather, nproc=3, fmt="markdown")
+    assert proc.returncode == 0, proc.stderr
+    expected = {
+        "split": library_ids(write_layout(tmp_path / "six", 30, 6), 3, 2, 4, wds.split_by_node),
+        "uneven-shards": library_ids(write_layout(tmp_path / "seven", 30, 7), 3, 2, 4,
+                                     wds.split_by_node),
+        "silenced": library_ids(write_layout(tmp_path / "six", 30, 6), 3, 2, 4,
+                                lambda src: src),
+    }
+    for mode, ranks in expected.items():
+        e = report["modes"][mode]["epochs"][0]
+        assert [r["steps"] for r in e["ranks"]] == [len(b) for b in ranks], mode
+        assert [r["samples"] for r in e["ranks"]] == [sum(map(len, b)) for b in ranks], mode
+        seen = [i for b in ranks for batch in b for i in batch]
+        assert (e["seen"], e["unique"]) == (len(seen), len(set(seen))), mode
+        if gather == "batch":
+            assert [r["batches"] for r in e["ranks"]] == ranks, mode
+    # 7 shards over 3 ranks: 3, 2, 2 (by hand), so the steps differ
+    streams = report["modes"]["uneven-shards"]["streams"]
+    assert streams["files_per_rank"] == [3, 2, 2]
+    assert streams["files_per_worker"] == [[2, 1], [1, 1], [1, 1]]
+    assert "files per rank [3, 2, 2], per worker [[2, 1], [1, 1], [1, 1]]" in proc.stdout
+
+
+def test_fewer_shards_than_workers_is_one_line_that_says_what_to_do(tmp_path):
+    """4 shards over 3 ranks x 2 workers: rank 1 reads shard 1 only, so its worker 1 has none
+    and WebDataset's empty_check raises in that worker (the library's own answer, below)."""
+    urls = write_layout(tmp_path / "four", 12, 4)
+    with as_worker(1, 3, 1, 2), pytest.raises(ValueError, match="No samples found"):
+        list(wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node))
+    proc, report = compare_wds(tmp_path, "--mode", "split", "--dataset-size", "12",
+                               "--num-workers", "2", nproc=3, fmt="table")
+    assert proc.returncode == 1 and report is None
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "No samples found in dataset" in errors[0]
+    assert "at least ranks x workers shards" in errors[0]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--source", "webdataset", "--mode", "prepared"], "not built over --source webdataset"),
+    (["--mode", "silenced"], "pass --source webdataset"),
+    (["--source", "toy", "--mode", "split"], "pass --source hf, hf-stream or webdataset"),
+])
+def test_webdataset_modes_refuse_what_they_do_not_build(args, words):
+    proc = sharddemo(["compare", *args], check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("Error:"), proc.stderr
+    assert words in lines[0]
+
+
+def test_a_worker_error_of_several_lines_is_kept_whole_on_one_line():
+    """torch's DataLoader re-raises a worker's error with the worker's traceback in the
+    message; WebDataset's empty_check error is two lines. Raised for real by torch here: a
+    DataLoader with one worker over a pipeline with no shard for it."""
+    from torch.utils.data import DataLoader
+
+    from sharddemo.errors import describe_exception
+
+    # a worker with no shard: the stage WebDataset(empty_check=True) ends its pipeline with
+    pipeline = wds.DataPipeline(lambda: iter(()), wds.compat.check_empty)
+    with pytest.raises(ValueError) as raised:
+        next(iter(DataLoader(pipeline, batch_size=None, num_workers=1)))
+    assert "Original Traceback" in str(raised.value)
+    line = describe_exception(raised.value)
+    assert "\n" not in line and line.startswith("ValueError: Caught ValueError in DataLoader")
+    assert ("No samples found in dataset; perhaps you have fewer shards than workers. Turn off "
+            "using empty_check=False") in line
+    assert "at least ranks x workers shards" in line

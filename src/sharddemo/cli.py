@@ -135,7 +135,8 @@ def loader_options(func: Callable) -> Callable:
                      help="Where samples come from: " + "; ".join(
                          f"{k}: {v}" for k, v in SOURCE_HELP.items()) + "."),
         click.option("--shards", type=int, default=DEFAULT_SHARDS, show_default=True,
-                     help="hf-stream: number of files the stream is written as."),
+                     help="hf-stream, webdataset: number of files (shards) the stream is "
+                          "written as."),
         click.option("--even-batches/--no-even-batches", default=True, show_default=True,
                      help="prepared: accelerate fills the last round so every rank gets as many "
                           "batches (--no-even-batches: unequal counts, a DDP hang)."),
@@ -161,9 +162,13 @@ def loader_options(func: Callable) -> Callable:
 
 
 def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
+    if kw["source"] == "webdataset":
+        from sharddemo.extras import require
+
+        require("webdataset", "--source webdataset")
     return RunOptions(
         dataset_size=kw["dataset_size"], batch_size=kw["batch_size"], epochs=kw["epochs"],
-        seed=kw["seed"], modes=parse_modes(modes), shuffle=kw["shuffle"],
+        seed=kw["seed"], modes=parse_modes(modes, kw["source"]), shuffle=kw["shuffle"],
         drop_last=kw["drop_last"], set_epoch=kw["set_epoch"], num_workers=kw["num_workers"],
         source=kw["source"], shards=kw["shards"], even_batches=kw["even_batches"],
         split_batches=kw["split_batches"], dispatch_batches=kw["dispatch_batches"],
@@ -214,8 +219,9 @@ def cli(debug: bool) -> None:
 
 @cli.command()
 @click.option("--modes", "--mode", "modes", default="all", show_default=True,
-              help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
-                   "or a comma list of: " + ", ".join(MODES) + ".")
+              help="all (prepared, sampler, replicated; over --source webdataset its five "
+                   "modes), pitfalls (double-split, unseeded), or a comma list of: "
+                   + ", ".join(MODES) + ".")
 @loader_options
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True, help="auto: CUDA when available, else CPU with gloo.")
@@ -362,8 +368,9 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @cli.command()
 @launch_options
 @click.option("--modes", "--mode", "modes", default="all", show_default=True,
-              help="all (prepared, sampler, replicated), pitfalls (double-split, unseeded), "
-                   "or a comma list of: " + ", ".join(MODES) + ".")
+              help="all (prepared, sampler, replicated; over --source webdataset its five "
+                   "modes), pitfalls (double-split, unseeded), or a comma list of: "
+                   + ", ".join(MODES) + ".")
 @loader_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")

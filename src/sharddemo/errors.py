@@ -1,5 +1,7 @@
 """The library's own exceptions. The CLI turns them into one `Error:` line and an exit code."""
 
+import re
+
 
 class ShardDemoError(Exception):
     """Base class. `exit_code` is what the CLI exits with."""
@@ -36,6 +38,8 @@ class Disagreement(RunFailed):
     kind = "mismatch"
 
 
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
 # What a library's own error means, where its words do not say (the text it raises -> why).
 KNOWN_CAUSES = {
     "you need to add an explicit nodesplitter": (
@@ -43,6 +47,10 @@ KNOWN_CAUSES = {
         "rank, since every rank would then read every shard: pass "
         "nodesplitter=wds.split_by_node (and workersplitter=wds.split_by_worker), not "
         "nodesplitter=lambda src: src, which silences it and replicates the data"),
+    "No samples found in dataset; perhaps you have fewer shards than workers": (
+        "a DataLoader worker of WebDataset's got no shard: split_by_node gives rank r shards r, "
+        "r+W, ... and split_by_worker gives its worker k every K-th of those, so write at least "
+        "ranks x workers shards (sharddemo compare: a larger --shards), or fewer workers"),
 }
 
 
@@ -54,7 +62,11 @@ def describe_exception(exc: BaseException) -> str:
     text = str(exc)
     if "Original Traceback" in text:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
-        text = f"{lines[0]} {lines[-1]}"
+        # the error the worker ended with, whole: its `Type: message` line and any lines of
+        # message after it (WebDataset's empty_check error has two)
+        last = max((k for k, line in enumerate(lines) if _ERROR_LINE.match(line)),
+                   default=len(lines) - 1)
+        text = " ".join([lines[0]] + lines[max(last, 1):])
     else:
         text = " ".join(line.strip() for line in text.splitlines() if line.strip())
     for words, why in KNOWN_CAUSES.items():

@@ -27,6 +27,10 @@ class LoaderPlan:
     # What a pitfall mode sets up on purpose and no loader object shows: `ranks-disagree` for
     # `unseeded` (every process seeds itself differently). None for the honest modes.
     hint: Optional[str] = None
+    # A loader that may refuse to start by design (WebDataset's default nodesplitter on
+    # several ranks): its first batch is asked for on every rank before the walk, and a raise
+    # is recorded as the mode's result (trace.probe_loader) rather than failing the run.
+    probe: bool = False
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -163,6 +167,94 @@ def build_split(accelerator, dataset, opts: RunOptions) -> LoaderPlan:
     return LoaderPlan(plain_loader(shard, opts))
 
 
+def _wds_sample(sample: dict) -> dict:
+    """A decoded WebDataset sample -> its id and key (what a batch of the webdataset source
+    carries: sources.batch_values reads `id`)."""
+    return {"id": sample["id.cls"], "__key__": sample["__key__"]}
+
+
+def _wds_loader(dataset, opts: RunOptions) -> DataLoader:
+    """The pipeline decoded, batched by the DataLoader as a user's loop batches it."""
+    return plain_loader(dataset.decode().map(_wds_sample), opts)
+
+
+def build_wds_split(accelerator, source, opts: RunOptions) -> LoaderPlan:
+    """`split` over `--source webdataset`: WebDataset's documented split,
+    `nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker`: rank r reads
+    shards r, r+W, ...; its worker k every K-th of those. Each sample once per epoch where the
+    shards divide over W ranks x K workers; else the ranks read unequal amounts."""
+    import webdataset as wds
+
+    return LoaderPlan(_wds_loader(wds.WebDataset(
+        source.urls(), shardshuffle=False, nodesplitter=wds.split_by_node,
+        workersplitter=wds.split_by_worker), opts))
+
+
+def build_wds_default(accelerator, source, opts: RunOptions) -> LoaderPlan:
+    """`no-nodesplitter`: `wds.WebDataset(urls)` with its default nodesplitter
+    (single_node_only), which raises "you need to add an explicit nodesplitter" on more than
+    one rank rather than let every rank read every shard. The raise is the point: the trace
+    records it (LoaderPlan.probe)."""
+    import webdataset as wds
+
+    return LoaderPlan(_wds_loader(wds.WebDataset(source.urls(), shardshuffle=False), opts),
+                      probe=True)
+
+
+def _every_shard(src):
+    return src
+
+
+def build_wds_silenced(accelerator, source, opts: RunOptions) -> LoaderPlan:
+    """`silenced` (pitfall): that error silenced the wrong way, `nodesplitter=lambda src:
+    src`: every rank reads every shard, so the ranks train on the same data."""
+    import webdataset as wds
+
+    return LoaderPlan(_wds_loader(wds.WebDataset(source.urls(), shardshuffle=False,
+                                                 nodesplitter=_every_shard), opts))
+
+
+def build_wds_resampled(accelerator, source, opts: RunOptions) -> LoaderPlan:
+    """`resampled`: `resampled=True` with `.with_epoch(n)`: every worker draws shards with
+    replacement, for n = ceil(N / (W x max(K, 1))) samples, so the ranks together draw about
+    N a epoch. Repeats and gaps are its design (sampling with replacement), not a bug."""
+    import webdataset as wds
+
+    per_worker = -(-opts.dataset_size // (accelerator.num_processes * max(opts.num_workers, 1)))
+    dataset = (wds.WebDataset(source.urls(), resampled=True, shardshuffle=False,
+                              nodesplitter=wds.split_by_node, seed=opts.seed)
+               .decode().map(_wds_sample).with_epoch(per_worker))
+    return LoaderPlan(plain_loader(dataset, opts))
+
+
+def uneven_count(world: int, num_workers: int) -> int:
+    """The shard count `uneven-shards` writes: one more than W x max(K, 1), which no split
+    over the ranks and their workers can share out evenly."""
+    return world * max(num_workers, 1) + 1
+
+
+def build_wds_uneven(accelerator, source, opts: RunOptions) -> LoaderPlan:
+    """`uneven-shards`: the documented split over the same N samples written as W x max(K, 1)
+    + 1 shards: rank 0 reads one shard more than the last rank, so (for shards of a batch or
+    more) it takes more steps, and DDP would hang at the step the others run out."""
+    import webdataset as wds
+
+    urls = source.urls(uneven_count(accelerator.num_processes, opts.num_workers))
+    return LoaderPlan(_wds_loader(wds.WebDataset(
+        urls, shardshuffle=False, nodesplitter=wds.split_by_node,
+        workersplitter=wds.split_by_worker), opts))
+
+
+# --source webdataset: its own modes (options.WDS_MODES)
+WDS_BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
+    "split": build_wds_split,
+    "no-nodesplitter": build_wds_default,
+    "silenced": build_wds_silenced,
+    "resampled": build_wds_resampled,
+    "uneven-shards": build_wds_uneven,
+}
+
+
 BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
     "prepared": build_prepared,
     "sampler": build_sampler,
@@ -174,4 +266,5 @@ BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
 
 
 def build_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
-    return BUILDERS[mode](accelerator, dataset, opts)
+    builders = WDS_BUILDERS if opts.source == "webdataset" else BUILDERS
+    return builders[mode](accelerator, dataset, opts)

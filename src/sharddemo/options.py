@@ -16,7 +16,10 @@ from sharddemo.errors import UsageError
 # that silently lose samples; `split` is the datasets-native split for the HF sources.
 BASIC_MODES = ("prepared", "sampler", "replicated")
 PITFALL_MODES = ("double-split", "unseeded")
-MODES = BASIC_MODES + PITFALL_MODES + ("split", "resume")
+# --source webdataset has its own: the documented split and what users meet instead of it.
+# `all` there means these five.
+WDS_MODES = ("split", "no-nodesplitter", "silenced", "resampled", "uneven-shards")
+MODES = BASIC_MODES + PITFALL_MODES + ("split", "resume") + WDS_MODES[1:]
 MODE_GROUPS = {"all": BASIC_MODES, "pitfalls": PITFALL_MODES}
 
 MODE_HELP = {
@@ -27,7 +30,17 @@ MODE_HELP = {
                     "accelerator.prepare as well, so it is split twice",
     "unseeded": "pitfall: accelerator.prepare with use_seedable_sampler=True and no seed, so every "
                 "process shuffles with its own seed",
-    "split": "datasets.distributed.split_dataset_by_node per rank, then a plain DataLoader, not prepared",
+    "split": "the source's own split, then a plain DataLoader, not prepared: "
+             "datasets.distributed.split_dataset_by_node per rank (hf, hf-stream), or WebDataset's "
+             "nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker (webdataset)",
+    "no-nodesplitter": "webdataset: wds.WebDataset(urls) with its default nodesplitter, which "
+                       "raises on more than one rank rather than let every rank read every shard",
+    "silenced": "webdataset pitfall: that error silenced with nodesplitter=lambda src: src, so every "
+                "rank reads every shard",
+    "resampled": "webdataset: resampled=True with .with_epoch(ceil(N / (ranks x workers))) per "
+                 "worker: shards drawn with replacement, repeats and gaps by design",
+    "uneven-shards": "webdataset: the documented split over the same samples in ranks x workers + 1 "
+                     "shards, which do not divide: the ranks read unequal amounts",
     "resume": "the prepared loader stopped, saved, restarted and resumed: skip, stateful and restart "
               "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers, epochs 0..2 (compare only; "
               "--epochs, --num-workers and --gather do not apply)",
@@ -44,7 +57,7 @@ def mode_description(mode: str, shuffle: bool, source: str) -> str:
 
 
 # Where the samples come from. Every source carries its sample ids.
-SOURCES = ("toy", "hf", "iterable", "iterable-unsplit", "hf-stream")
+SOURCES = ("toy", "hf", "iterable", "iterable-unsplit", "hf-stream", "webdataset")
 MAP_SOURCES = ("toy", "hf")
 SOURCE_HELP = {
     "toy": "the reference's dataset: sample i holds the value i + 1",
@@ -54,6 +67,8 @@ SOURCE_HELP = {
     "iterable-unsplit": "the common mistake: an IterableDataset that ignores workers and ranks, "
                         "so every worker yields the whole stream",
     "hf-stream": "a datasets.IterableDataset streamed from JSON-lines shards written locally",
+    "webdataset": "WebDataset tar shards written locally, samples keyed sample000000.. (extra "
+                  "[webdataset]); modes: " + ", ".join(WDS_MODES) + " (all: these five)",
 }
 DEFAULT_SHARDS = 4
 
@@ -111,14 +126,17 @@ PROGRESS_ENV = "SHARDDEMO_PROGRESS"
 STATUS_ENV = "SHARDDEMO_STATUS_DIR"
 
 
-def parse_modes(text: str) -> tuple[str, ...]:
-    """`all`, one mode, or a comma list of modes -> a tuple in the order given, no repeats."""
+def parse_modes(text: str, source: str = "toy") -> tuple[str, ...]:
+    """`all`, one mode, or a comma list of modes -> a tuple in the order given, no repeats.
+    Over --source webdataset, `all` is that source's five modes (WDS_MODES)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise UsageError("no mode given; pass --mode all or a comma list of: " + ", ".join(MODES))
     out: list[str] = []
     for name in names:
-        if name in MODE_GROUPS:
+        if name == "all" and source == "webdataset":
+            chosen = list(WDS_MODES)
+        elif name in MODE_GROUPS:
             chosen = list(MODE_GROUPS[name])
         elif name in MODES:
             chosen = [name]
@@ -199,10 +217,19 @@ class RunOptions:
         if "resume" in self.modes and (len(self.modes) > 1 or self.source not in MAP_SOURCES):
             raise UsageError("mode resume runs alone, on a map-style source: pass --modes resume "
                              "(with --source toy or hf)")
-        if "split" in self.modes and self.source not in ("hf", "hf-stream"):
-            raise UsageError("mode split uses datasets' split_dataset_by_node: pass --source hf "
-                             "or --source hf-stream")
-        if self.source not in MAP_SOURCES:
+        if self.source == "webdataset":
+            other = [m for m in self.modes if m not in WDS_MODES]
+            if other:
+                raise UsageError(f"mode {other[0]} is not built over --source webdataset; its "
+                                 "modes are " + ", ".join(WDS_MODES) + " (--mode all: the five)")
+        else:
+            only = [m for m in self.modes if m in WDS_MODES[1:]]
+            if only:
+                raise UsageError(f"mode {only[0]} is a WebDataset case: pass --source webdataset")
+        if "split" in self.modes and self.source not in ("hf", "hf-stream", "webdataset"):
+            raise UsageError("mode split uses the source's own split: pass --source hf, "
+                             "hf-stream or webdataset")
+        if self.source not in MAP_SOURCES + ("webdataset",):
             needs_map = [m for m in self.modes if m in ("sampler",) + PITFALL_MODES]
             if needs_map:
                 raise UsageError(f"mode {needs_map[0]} needs a map-style dataset (a sampler draws "

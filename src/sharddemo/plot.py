@@ -144,6 +144,14 @@ def plot_report(report: dict, path: str) -> dict:
             mine.append({"epoch": e["epoch"], "placed": placed, "missing": len(e["missing"]),
                          "duplicated": len(dup_ids)})
         drawn[mode] = mine
+        if not epochs:  # the loader raised before its first batch (analysis.report)
+            ax.set_title(f"{mode}: raised before its first batch, no epoch ran", fontsize=10,
+                         loc="left")
+            ax.text(0.01, 0.5, _wrap(data["raised"][0]["error"]), transform=ax.transAxes,
+                    fontsize=7, va="center")
+            ax.set_yticks([])
+            ax.set_xticks([])
+            continue
         ax.set_yticks(ticks, labels, fontsize=7)
         ax.set_ylim(-0.7, len(epochs) * rows_per_epoch - 0.3)
         ax.invert_yaxis()
@@ -168,6 +176,12 @@ def plot_report(report: dict, path: str) -> dict:
     plt.close(fig)
     write_atomic(path, buffer.getvalue())
     return drawn
+
+
+def _wrap(text: str, width: int = 150) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def check_plot_available() -> None:

@@ -93,8 +93,11 @@ def _epoch_summary(e: dict) -> list[str]:
     if e["duplicates"]:
         codes = list(dict.fromkeys(c for d in e["duplicates"]
                                    for c in d.get("causes") or [d["reason"]]))
+        copies = set(codes) <= {"replication", "stream-replication", "worker-replication"}
         lines.append("why duplicated: " + "; ".join(e["reasons"][c] for c in codes)
-                     + ("" if e["duplicates_explained"] else " (does NOT account for all of them)"))
+                     + ("" if e["duplicates_explained"] else
+                        " (a fault: the loader is meant to shard)" if copies else
+                        " (does NOT account for all of them)"))
     if e["gather"] == "count":
         g = (f"counted on the ranks, one reduce of per-sample counts: {e['gathered_count']} "
              "received in all")
@@ -313,6 +316,7 @@ def render_markdown(report: dict) -> str:
     for mode, data in report["modes"].items():
         out += [f"## {mode}", "", data["description"], "",
                 *[line for note in _notes(data) for line in (f"Note: {note}", "")],
+                *([stream_line(data["streams"]), ""] if data.get("streams") else []),
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
             for r in e["ranks"]:

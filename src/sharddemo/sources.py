@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -103,6 +103,42 @@ def hf_stream(length: int, shards: int):
     return stream.with_format("torch")
 
 
+class WdsShards:
+    """WebDataset tar shards written locally (extra `[webdataset]`): sample i is named
+    `sample{i:06d}` (`__key__`) and holds its id i (`id.cls`). `urls(count)` writes the N
+    samples in order as `count` shards whose sizes differ by at most one (a count above N:
+    N shards of one), once per count, into a temporary folder of this
+    process, removed as hf_stream's is.
+
+    `shards` is the run's --shards; the webdataset modes (loaders.WDS_BUILDERS) build their
+    pipeline over `urls(shards)` or, for `uneven-shards`, over another count."""
+
+    def __init__(self, length: int, shards: int) -> None:
+        self.length, self.shards = length, shards
+        self._folder: Any = None
+        self._written: dict[int, list[str]] = {}
+
+    def urls(self, count: Optional[int] = None) -> list[str]:
+        import webdataset as wds
+
+        count = min(self.shards if count is None else count, self.length)
+        if count not in self._written:
+            if self._folder is None:
+                self._folder = tempfile.mkdtemp(prefix="sharddemo-wds-")
+                atexit.register(shutil.rmtree, self._folder, True)
+            urls, start = [], 0
+            for s in range(count):
+                size = self.length // count + (s < self.length % count)
+                path = os.path.join(self._folder, f"{count}-shard-{s:05d}.tar")
+                with wds.TarWriter(path) as sink:
+                    for i in range(start, start + size):
+                        sink.write({"__key__": f"sample{i:06d}", "id.cls": i})
+                urls.append(path)
+                start += size
+            self._written[count] = urls
+        return self._written[count]
+
+
 def build_source(name: str, length: int, shards: int = 4):
     if name == "toy":
         return ToyDataset(length)
@@ -114,6 +150,8 @@ def build_source(name: str, length: int, shards: int = 4):
         return hf_dataset(length)
     if name == "hf-stream":
         return hf_stream(length, shards)
+    if name == "webdataset":
+        return WdsShards(length, shards)
     raise ValueError(f"unknown source {name!r}")
 
 
@@ -155,6 +193,59 @@ def stream_arithmetic(stream, world: int, num_workers: int, split: bool,
                   "whole files per rank" if files % world == 0 else
                   f"every {world}-th example of every file (the {files} files do not divide by "
                   f"{world} ranks)")
+    out["files_per_rank"] = per_rank
+    out["files_per_worker"] = per_worker
+    out["idle_workers"] = idle
+    return out
+
+
+def wds_arithmetic(urls: list[str], world: int, num_workers: int, mode: str) -> dict:
+    """How WebDataset spreads the shards over ranks and DataLoader workers, asked of
+    WebDataset itself: its `split_by_node` and `split_by_worker` over the url list for each
+    rank and worker (its pytorch_worker_info reads RANK/WORLD_SIZE and WORKER/NUM_WORKERS
+    from the environment, set here for each in turn and restored). `mode`: which nodesplitter
+    the mode's pipeline has (split and uneven-shards: split_by_node; silenced: none, every
+    rank every shard; resampled: shards drawn, not split; no-nodesplitter: single_node_only,
+    which raises on more than one rank)."""
+    import webdataset as wds
+
+    split = mode in ("split", "uneven-shards")
+    out: dict[str, Any] = {"files": len(urls), "world_size": world, "num_workers": num_workers,
+                           "split_by_node": split, "dispatch_batches": False}
+    keys = ("RANK", "WORLD_SIZE", "WORKER", "NUM_WORKERS")
+    saved = {k: os.environ.get(k) for k in keys}
+    per_rank, per_worker, idle = [], [], []
+    try:
+        for rank in range(world):
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+            mine = list(wds.split_by_node(urls)) if split else list(urls)
+            per_rank.append(len(mine))
+            workers = []
+            for k in range(max(num_workers, 1)):
+                os.environ.update(WORKER=str(k), NUM_WORKERS=str(max(num_workers, 1)))
+                got = len(list(wds.split_by_worker(mine)))
+                workers.append(got)
+                if num_workers and not got:
+                    idle.append({"rank": rank, "worker": k})
+            per_worker.append(workers)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    units = world * max(num_workers, 1)
+    out["how"] = {
+        "silenced": "nodesplitter=lambda src: src: every rank reads every shard",
+        "resampled": "resampled=True: every worker draws shards with replacement (the files "
+                     "listed are what it draws from)",
+        "no-nodesplitter": "the default nodesplitter (single_node_only) refuses more than one "
+                           "rank",
+    }.get(mode, "wds.split_by_node then wds.split_by_worker: shard s to rank s mod W, then to "
+                "worker (s div W) mod K" + ("" if len(urls) % units == 0 else
+                                            f"; the {len(urls)} shards do not divide over "
+                                            f"{world} rank(s) x {max(num_workers, 1)} "
+                                            "worker(s): the ranks read unequal amounts"))
     out["files_per_rank"] = per_rank
     out["files_per_worker"] = per_worker
     out["idle_workers"] = idle

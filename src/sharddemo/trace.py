@@ -134,6 +134,15 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
             run = {**arithmetic(world, opts), "options": {"split_batches": True}}
             say(own_sizes_line(run, {**sizes, "prepared": False}))
     description = describe_loader(plan.loader)
+    if plan.probe:
+        raised = probe_loader(accelerator, plan.loader)
+        if raised:
+            if not accelerator.is_main_process:
+                return {}
+            return {"description": mode_description(mode, opts.shuffle, opts.source),
+                    "prepared": plan.prepared, "loader": description, "fingerprint": None,
+                    "hint": plan.hint, "epochs": [], "raised": raised,
+                    "streams": _streams(mode, dataset, accelerator, opts, description)}
     # sharddemo's own modes are built to show what happens, the pitfalls included: a
     # disagreement is reported with the mode rather than stopping the run.
     agreed = agree_on_fingerprint(accelerator, plan.loader, stop=False,
@@ -143,7 +152,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     def failure(epoch: int, exc: BaseException) -> str:
         done = ("" if not epoch else "; its epoch 0 completed" if epoch == 1
                 else f"; its epochs 0-{epoch - 1} completed")
-        return f"mode {mode}, epoch {epoch}: {type(exc).__name__}: {exc}{done}"
+        return f"mode {mode}, epoch {epoch}: {describe_exception(exc)}{done}"
 
     walker = EpochWalker(accelerator, plan.loader, _source_ids, strategy=opts.gather,
                          n=opts.dataset_size, label=mode, failure=failure,
@@ -161,13 +170,52 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
            "hint": plan.hint, "epochs": epochs}
     if sizes is not None:
         out["sizes"] = sizes
+    streams = _streams(mode, dataset, accelerator, opts, description)
+    if streams is not None:
+        out["streams"] = streams
+    return out
+
+
+def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dict):
+    """The shard arithmetic of a streamed source, as its library computes it (None for the
+    other sources)."""
     if opts.source == "hf-stream":
         from sharddemo.sources import stream_arithmetic
 
-        out["streams"] = stream_arithmetic(dataset, accelerator.num_processes, opts.num_workers,
-                                           split=mode == "split",
-                                           dispatch=bool(description.get("dispatcher")))
-    return out
+        return stream_arithmetic(dataset, accelerator.num_processes, opts.num_workers,
+                                 split=mode == "split",
+                                 dispatch=bool(description.get("dispatcher")))
+    if opts.source == "webdataset":
+        from sharddemo.loaders import uneven_count
+        from sharddemo.sources import wds_arithmetic
+
+        world = accelerator.num_processes
+        urls = dataset.urls(uneven_count(world, opts.num_workers)
+                            if mode == "uneven-shards" else None)
+        return wds_arithmetic(urls, world, opts.num_workers, mode)
+    return None
+
+
+def probe_loader(accelerator, loader) -> list[dict]:
+    """Ask every rank's loader for its first batch, as a training loop's first step does, and
+    say which ranks raised: [{"rank", "error"}] on the main process (one line each,
+    errors.describe_exception), [] where none did. A collective: every rank learns whether any
+    raised, so either all walk the loader or none does, and none waits on a rank that
+    stopped. The batch taken is dropped with its iterator: the walk starts a new one."""
+    from accelerate.utils import gather_object
+
+    error = ""
+    try:
+        iterator = iter(loader)
+        next(iterator, None)
+        del iterator
+    except Exception as exc:  # the loader's own refusal is the result
+        error = describe_exception(exc)
+    if accelerator.num_processes == 1:
+        errors = [error]
+    else:
+        errors = collective(gather_object, [error])
+    return [{"rank": r, "error": e} for r, e in enumerate(errors) if e]
 
 
 def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
@@ -245,6 +293,9 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                     f"mode {mode}: {describe_exception(exc)}")
                 done = f" (modes completed before it: {', '.join(modes)})" if modes else ""
                 raise RunFailed(message + done) from exc
+            for r in modes[mode].get("raised", []):
+                talk(f"{rank_label(r['rank'], world)} raised before its first batch: "
+                     f"{r['error']}")
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)

@@ -47,8 +47,8 @@ REASON_SENTENCE = {
                           "torch.utils.data.get_worker_info(), so each of a rank's DataLoader "
                           "workers yields the whole stream (split it by worker id)",
     "stream-replication": "stream replication: every rank reads the same stream, which nothing "
-                          "splits by rank (split_dataset_by_node, IterableDatasetShard, or "
-                          "dispatch_batches)",
+                          "splits by rank (split_dataset_by_node, IterableDatasetShard, "
+                          "dispatch_batches, or WebDataset's nodesplitter=wds.split_by_node)",
     "double-split": "double split: a loader that already has a DistributedSampler was sharded "
                     "again by accelerator.prepare, so each rank's half is dealt round-robin "
                     "across the ranks once more",

@@ -25,6 +25,9 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     modes: dict[str, Any] = {}
     problems: list[str] = []
     for mode, data in trace["modes"].items():
+        if data.get("raised"):
+            modes[mode] = raised_mode(mode, data, trace["world_size"])
+            continue
         # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
         sized = {**trace, **data.get("sizes", {})}
         n = sized["dataset_size"]
@@ -109,3 +112,25 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     if "timings" in trace:
         report["timings"] = trace["timings"]
     return report
+
+
+def raised_mode(mode: str, data: dict, world: int) -> dict:
+    """A mode whose loader raised before its first batch (trace.probe_loader): no epochs; the
+    conclusion quotes the error. A refusal at the first step stops a run loudly, so it breaks
+    no promise of the split's (--check does not fail on it)."""
+    raised = data["raised"]
+    ranks = ("every rank" if len(raised) == world else
+             "rank " + ", ".join(str(r["rank"]) for r in raised))
+    return {
+        "description": data.get("description", ""),
+        "kind": mode_kind(mode, {}),
+        "prepared": data.get("prepared", False),
+        "loader": data.get("loader"),
+        "epochs": [],
+        "streams": data.get("streams"),
+        "fingerprint": None,
+        "raised": raised,
+        "broken_promises": [],
+        "conclusion": (f"The loader raised on {ranks} before its first batch, so no epoch "
+                       f"runs: {raised[0]['error']}."),
+    }

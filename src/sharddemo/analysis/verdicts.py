@@ -27,7 +27,13 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             if not missing_ok(e):
                 problems.append(f"{tag}: {e['missing_count']} sample(s) never seen: "
                                 f"{_short(e['missing'], total=e['missing_count'])}")
-            if not e["duplicates_explained"]:
+            copies = sorted({d["reason"] for d in e["duplicates"]} & {
+                "replication", "stream-replication"})
+            if not e["duplicates_explained"] and copies:
+                problems.append(f"{tag}: the ranks did not split the data: samples arrived "
+                                f"{_most_copies(e)} ("
+                                + " and ".join(REASON_LABEL[c] for c in copies) + ")")
+            elif not e["duplicates_explained"]:
                 problems.append(f"{tag}: duplicates the loader's own padding does not explain")
             if not e["steps_equal"]:
                 steps = [r["steps"] for r in e["ranks"]]
@@ -197,6 +203,10 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
     if w == 1:
         text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
                 f"dataset of {n} = {times}: nothing was sharded {sums}")
+    elif ((loader or {}).get("draws") or {}).get("replacement") and not copies:
+        text = (f"The {w} ranks drew {seen} samples per epoch between them for a dataset of "
+                f"{n} = {times} {sums}, with replacement "
+                f"({loader['draws']['sampler']})")
     elif copies:
         why = " and ".join(REASON_LABEL[c] for c in sorted(copies))
         text = (f"The {w} ranks did NOT split the epoch: {seen} samples per epoch for a dataset "
