@@ -376,3 +376,22 @@ def hf_question_ids(accelerator):
                             "x": [float(i) for i in range(KEYED)]}).with_format("torch")
     torch.manual_seed(3)
     return accelerator.prepare(DataLoader(ds, batch_size=4, shuffle=True))
+
+
+def keyed_sampled_workers(accelerator):
+    """Keyed samples through an explicit DistributedSampler (shuffled, seed 5), 2 DataLoader
+    workers, batches of 4, not prepared: the count path over keys with workers."""
+    sampler = DistributedSampler(Keyed(), num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, shuffle=True, seed=5)
+    return DataLoader(Keyed(), batch_size=4, sampler=sampler, num_workers=2)
+
+
+def hf_question_ids_drop_last(accelerator):
+    """The string id column again, prepared with drop_last=True: the last short round is
+    dropped, so some questions are never seen; no file of keys names them, the column does."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"qid": [f"q{i:04d}" for i in range(KEYED)],
+                            "x": [float(i) for i in range(KEYED)]}).with_format("torch")
+    torch.manual_seed(3)
+    return accelerator.prepare(DataLoader(ds, batch_size=4, shuffle=True, drop_last=True))

@@ -92,7 +92,7 @@ def test_keys_numbered_and_named_in_the_report():
     assert [(d["id"], d["count"]) for d in e["duplicates"]] == [("a", 2)]
     assert [r["batches"] for r in e["ranks"]] == [[["b", "a"]], [["c"]], [["a"]]]
     assert report["keys"] == {"field": "key", "known": False, "seen": 3, "dataset_size": 4,
-                              "missing_named": False}
+                              "missing_named": False, "from": None, "hashed": False}
     failed = {v["verdict"]: v["detail"] for v in report["modes"]["audit"]["verdicts"]
               if not v["ok"]}
     assert "not named" in failed["no-missing-samples"]
@@ -133,9 +133,9 @@ def test_a_file_of_keys_is_read_or_refused_in_one_line(tmp_path):
 
 # -- real ranks ---------------------------------------------------------------------------------
 
-def audit_json(tmp_path, factory: str, *args: str, nproc: int = 2) -> dict:
+def audit_json(tmp_path, factory: str, *args: str, nproc: int = 2, field: str = "key") -> dict:
     out = tmp_path / f"{factory}.json"
-    proc = sharddemo(["audit", f"tests/factories.py:{factory}", "--id-field", "key",
+    proc = sharddemo(["audit", f"tests/factories.py:{factory}", "--id-field", field,
                       "--num-processes", str(nproc), "--output", str(out), "--format", "json",
                       *args], check=False)
     assert proc.returncode in (0, 1), proc.stderr
@@ -196,7 +196,9 @@ def test_keys_that_cannot_be_audited_so_say_one_line(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("s-000\n")
     cases = [
-        (["--gather", "count", "--dataset-size", "22"], "pass --gather epoch"),
+        (["--gather", "count", "--dataset-size", "22"],
+         "the count path numbers keys by the set of all keys, which is not known here; pass "
+         "--keys FILE listing every sample's key, or --gather epoch"),
         (["--keys", str(keys)], "that --keys"),
     ]
     for args, message in cases:
@@ -234,3 +236,175 @@ def test_a_string_id_column_of_a_datasets_table(tmp_path):
         assert [r["batches"] for r in e["ranks"]] == [expected[r][e["epoch"]] for r in range(2)]
         assert e["unique"] == KEYED and e["missing_count"] == 0
     assert report["dataset_size"] == KEYED and report["keys"]["seen"] == KEYED
+
+
+# -- the count path over keys: 64-bit hashes, collisions kept apart -----------------------------
+
+def force(monkeypatch, pairs: dict):
+    """Key A of `pairs` gets key B's 64-bit hash (its check stays its own), as two keys whose
+    hashes agree by chance would."""
+    import sharddemo.rank.keys as keys
+
+    real = keys.key_hashes
+
+    def forced(batch):
+        hashes, checks = real(batch)
+        for k, key in enumerate(batch):
+            if key in pairs:
+                hashes[k] = real([pairs[key]])[0][0]
+        return hashes, checks
+
+    monkeypatch.setattr(keys, "key_hashes", forced)
+    return real
+
+
+def test_the_key_index_keeps_apart_keys_whose_hashes_collide(monkeypatch):
+    """Known keys a, b, c, d are ids 0..3 (by hand). c is given b's 64-bit hash, and the
+    unknown key x is given a's: c still counts as 2, and x is outside (4 + a's hash >> 2),
+    recorded as a collision with a, not merged into it."""
+    from sharddemo.errors import UsageError
+    from sharddemo.rank.keys import KeyIndex
+
+    real = force(monkeypatch, {"c": "b", "x": "a"})
+    index = KeyIndex([["a", "b"], ["c", "d"]], "test")
+    assert index.n == 4 and index.known_collisions == [[1, 2]]
+    a_hash = int(real(["a"])[0][0])
+    got = index.lookup(["c", "b", "x", "a", "d", "c"]).tolist()
+    assert got == [2, 1, 4 + (a_hash >> 2), 0, 3, 2]
+    events = index.events()
+    assert events["collisions"] == [("x", 0)] and events["collision_count"] == 1
+    assert events["outside"] == {4 + (a_hash >> 2): "x"}
+    assert index.events()["collision_count"] == 0  # a fresh log each epoch
+    # an unknown key whose hash nobody shares: outside, no collision
+    y = index.lookup(["y"]).tolist()[0]
+    assert y == 4 + (int(real(["y"])[0][0]) >> 2) and index.collision_count == 0
+    with pytest.raises(UsageError, match="key 2 is key 0 again"):
+        KeyIndex([["a", "b", "a"]], "test")
+
+
+def test_key_hashes_are_the_xxh3_128_digest_halves():
+    """The hash and check of "s-000": the low and high 8 bytes (little-endian) of xxhash's
+    own xxh3_128 digest of its UTF-8 bytes."""
+    import xxhash
+
+    from sharddemo.rank.keys import key_hashes
+
+    digest = xxhash.xxh3_128_digest(b"s-000")
+    h, c = key_hashes(["s-000", "naïve"])
+    assert int(h[0]) == int.from_bytes(digest[:8], "little")
+    assert int(c[0]) == int.from_bytes(digest[8:], "little")
+    assert int(h[1]) == int.from_bytes(xxhash.xxh3_128_digest("naïve".encode())[:8], "little")
+
+
+COLLIDE_PLUGIN = str(ROOT / "tests" / "collideplugin")
+
+
+def collide_env(spec: str) -> dict:
+    import os
+
+    from conftest import launch_env
+
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [COLLIDE_PLUGIN, env.get("PYTHONPATH")]))
+    env["SHARDDEMO_TEST_COLLIDE"] = spec
+    return env
+
+
+def test_the_count_path_counts_keys_apart_when_their_hashes_collide(tmp_path):
+    """KeyedStream sends s-000..s-020 split by rank, batches of 3, never s-021 (by hand). On
+    the count path, with s-004 forced onto s-003's 64-bit hash in every rank, each is still
+    counted once: 21 unique, no duplicate, s-021 missing and named, the collision reported.
+    Merged, s-003 would count twice and s-004 never."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"s-{i:03d}\n" for i in range(22)))
+    out = tmp_path / "counted.json"
+    proc = sharddemo(["audit", "tests/factories.py:keyed_stream", "--id-field", "key",
+                      "--gather", "count", "--keys", str(keys), "--format", "json",
+                      "--output", str(out)], check=False, env=collide_env("s-004=s-003"))
+    assert proc.returncode == 1, proc.stderr  # no-missing-samples: s-021
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, SCHEMA)
+    assert report["keys"]["hashed"] and report["keys"]["known"]
+    assert report["keys"]["collisions"] == {"known": [["s-003", "s-004"]], "delivered": [],
+                                            "delivered_count": 0}
+    for e in report["modes"]["audit"]["epochs"]:
+        assert e["gather"] == "count"
+        assert (e["seen"], e["unique"], e["duplicate_count"]) == (21, 21, 0)
+        assert e["missing"] == ["s-021"] and e["missing_count"] == 1
+        assert e["ranks"][0]["first_batches"][0] == ["s-000", "s-002", "s-004"]
+        assert e["ranks"][1]["first_batches"][0] == ["s-001", "s-003", "s-005"]
+        assert [r["samples"] for r in e["ranks"]] == [11, 10]
+
+
+def test_a_delivered_key_that_collides_with_a_known_one_is_not_merged(tmp_path):
+    """The file leaves out s-020, which the loader delivers; s-020 is forced onto s-005's
+    64-bit hash. Merged, it would pass as a second s-005; kept apart, it is a key the file
+    does not hold: one Error line naming it (as without the collision)."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"s-{i:03d}\n" for i in range(22) if i != 20))
+    for env in (collide_env("s-020=s-005"), None):
+        proc = sharddemo(["audit", "tests/factories.py:keyed_stream", "--id-field", "key",
+                          "--gather", "count", "--keys", str(keys)], check=False, env=env)
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "delivered 1 key(s)" in errors[0] and "'s-020'" in errors[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_count_path_over_keys_with_workers_agrees_with_the_sampler(tmp_path, world):
+    """A DistributedSampler (shuffled, seed 5) over the 22 keyed samples, 2 workers: expected
+    from torch's own DistributedSampler for each rank, the keys of the indices it yields."""
+    from torch.utils.data import DistributedSampler
+
+    from factories import Keyed
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"s-{i:03d}\n" for i in range(22)))
+    report = audit_json(tmp_path, "keyed_sampled_workers", "--gather", "count", "--keys",
+                        str(keys), "--set-epoch", nproc=world)
+    assert report["keys"]["hashed"]
+    for e in report["modes"]["audit"]["epochs"]:
+        order = []
+        for rank in range(world):
+            sampler = DistributedSampler(Keyed(), num_replicas=world, rank=rank, shuffle=True,
+                                         seed=5)
+            sampler.set_epoch(e["epoch"])
+            order.append([f"s-{i:03d}" for i in sampler])
+        got = e["ranks"]
+        assert [r["samples"] for r in got] == [len(o) for o in order]
+        assert [r["first_batches"][0] for r in got] == [o[:4] for o in order]
+        seen = [k for o in order for k in o]
+        assert (e["seen"], e["unique"], e["missing_count"]) == (len(seen), 22, 0)
+        assert e["duplicate_count"] == len(seen) - 22  # the sampler's own padding
+    assert all(v["ok"] for v in report["modes"]["audit"]["verdicts"])
+
+
+@pytest.mark.parametrize("gather", ["auto", "count"])
+def test_the_missing_keys_are_named_from_the_datasets_own_column(tmp_path, gather):
+    """No --keys: the datasets.Dataset's string column is the set of keys. Prepared with
+    drop_last=True: expected from accelerate's own prepare_data_loader for each rank; the
+    questions it never yields are named, on the id path and the count path alike."""
+    from datasets import Dataset
+    from factories import KEYED
+    from sim import SimAccelerator
+
+    report = audit_json(tmp_path, "hf_question_ids_drop_last", "--gather", gather,
+                        field="qid")
+    table = Dataset.from_dict({"qid": [f"q{i:04d}" for i in range(KEYED)],
+                               "x": [float(i) for i in range(KEYED)]}).with_format("torch")
+    assert report["keys"]["known"] and report["keys"]["from"] == "the dataset's column 'qid'"
+    assert report["keys"]["hashed"] == (gather == "count")
+    for e in report["modes"]["audit"]["epochs"]:
+        seen = set()
+        for rank in range(2):
+            torch.manual_seed(3)
+            loader = SimAccelerator(2, rank).prepare(DataLoader(table, batch_size=4,
+                                                                shuffle=True, drop_last=True))
+            for epoch in range(e["epoch"] + 1):
+                batches = [list(b["qid"]) for b in loader]
+            seen |= {k for b in batches for k in b}
+        missing = sorted(f"q{i:04d}" for i in range(KEYED) if f"q{i:04d}" not in seen)
+        assert missing, "drop_last drops the short last round"
+        assert sorted(e["missing"]) == missing and e["missing_count"] == len(missing)
+        assert e["missing_reason"] == "drop-last"

@@ -99,6 +99,8 @@ class AuditOptions:
             args.append("--stateful-loader")
         if self.keep_ids:
             args.append("--keep-ids")
+        if self.keys is not None:
+            args += ["--keys", os.path.abspath(self.keys)]
         return args
 
 
@@ -206,7 +208,7 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
     return obj
 
 
-def id_reader(loader, id_field: Optional[str]) -> Callable:
+def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) -> Callable:
     """read_ids(batch, tag) for the walk: the 0-based sample ids of a batch, by id field, or
     by the indices the dataset was really asked for (rank.tagging.tag_batches records them in whatever
     process fetched the batch, so workers, stateful loaders, prefetching and accelerate's
@@ -218,11 +220,22 @@ def id_reader(loader, id_field: Optional[str]) -> Callable:
     from sharddemo.rank.tagging import is_tagged, tag_batches
 
     if id_field is not None:
-        from sharddemo.rank.keys import KeyTable, key_values
+        from sharddemo.rank.keys import KeyTable, file_keys, key_values, source_keys
 
         whole = id_field in (".", "batch")
         key: Any = int(id_field) if id_field.lstrip("-").isdigit() else id_field
-        table = KeyTable(id_field)  # keys (str, bytes) -> this rank's ids (rank.keys)
+        # keys (str, bytes) -> this rank's ids (rank.keys); the set of all keys where known:
+        # --keys FILE, else the dataset's own column
+        own = None if keys_file is not None or whole else source_keys(loader, id_field)
+        if keys_file is not None:
+            table = KeyTable(id_field, lambda: file_keys(keys_file), f"--keys {keys_file}")
+            with open(keys_file, "rb") as handle:
+                table.known_count = sum(1 for _ in handle)
+        elif own is not None:
+            table = KeyTable(id_field, own[0], f"the dataset's column {id_field!r}")
+            table.known_count = own[1]
+        else:
+            table = KeyTable(id_field)
 
         def by_field(batch, tag):
             if whole:
@@ -407,10 +420,13 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     description = describe_loader(loader)  # before the walk wraps anything
     agreed = agree_on_fingerprint(accelerator, loader, description=description,
                                   ids_by_position=opts.id_field is None)
-    read_ids = id_reader(loader, opts.id_field)
+    read_ids = id_reader(loader, opts.id_field, opts.keys)
     prepared = is_prepared(loader)
     # N before the walk, where the loader says it (the count path needs it); else after.
-    known = _known_size(loader, opts, agreed)
+    # Keys: the set of all keys, where known, is the dataset.
+    table = getattr(read_ids, "keys", None)
+    known = (table.known_count if table is not None and table.known_count is not None
+             else _known_size(loader, opts, agreed))
     where = "" if target.mode == AUDIT_MODE else f"{target.mode}: "
     # (keep_ids: without N, `auto` never takes the count path)
     walker = EpochWalker(accelerator, loader, read_ids, strategy=opts.gather,
@@ -454,6 +470,11 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
         mode["note"] = target.note
     if target.grad_accum is not None:
         mode["grad_accum"] = target.grad_accum
+    if (table is not None and table.known is not None and opts.keys is None
+            and any(r.get("ids_are_keys") or r.get("key_slots") for r in records)):
+        # the dataset's own keys name the samples in the report (analysis.keys)
+        mode["keys_known"] = [k for chunk in table.known() for k in chunk]
+        mode["keys_from"] = table.known_from
     return mode
 
 

@@ -554,9 +554,11 @@ resume_options = [
 @click.option("--keys", type=click.Path(dir_okay=False), metavar="FILE",
               help="With an --id-field of keys (str, bytes: a WebDataset __key__, a string "
                    "id column): the samples' keys, one per line. N is then the file's "
-                   "length and the missing samples are named [default: N from "
-                   "--dataset-size or the dataset's length; missing samples counted, not "
-                   "named].")
+                   "length and the missing samples are named; the count path (1,000,000 "
+                   "samples and more) numbers the keys by it [default: a datasets.Dataset's "
+                   "own column of keys does the same; else N from --dataset-size or the "
+                   "dataset's length, missing samples counted, not named, and keys on the "
+                   "id path only].")
 @plot_option
 @resume_options[0]
 @resume_options[1]
@@ -699,6 +701,7 @@ def resume_rank_command(phase: str, checkpoint: str, device: str, trace_out: Opt
 @cli.command("audit-rank", hidden=True)
 @audit_options
 @keep_ids_option
+@click.option("--keys", type=click.Path(dir_okay=False))
 @click.option("--stateful-loader", is_flag=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--trace-out", type=click.Path(dir_okay=False))

@@ -27,7 +27,44 @@ def records_of(trace: dict) -> list[dict]:
 
 
 def holds_keys(trace: dict) -> bool:
-    return any(record.get("ids_are_keys") for record in records_of(trace))
+    return any(record.get("ids_are_keys") or record.get("key_slots")
+               for record in records_of(trace))
+
+
+def source_keys_of(trace: dict) -> Optional[tuple[list[str], str]]:
+    """The dataset's own keys the main rank read (audit: a datasets.Dataset's column of
+    keys), with where they come from; None where it read none. One audited loader only: a
+    framework's loaders each have their own dataset."""
+    modes = list(trace.get("modes", {}).values())
+    if len(modes) == 1 and modes[0].get("keys_known") is not None:
+        return modes[0]["keys_known"], modes[0].get("keys_from", "the dataset")
+    return None
+
+
+def _number_counted(trace: dict, records: list[dict], known: Optional[list[str]]) -> dict:
+    """Counted records (the count path over keys: rank.keys.KeyIndex): their ids are already
+    the keys' positions in the known set; only the keys outside it and the collisions need
+    names."""
+    n = records[0]["key_slots"]["n"]
+    if known is None or len(known) != n:
+        raise ValueError("the count path numbered keys by a set the parent does not hold")
+    outside: dict[int, str] = {}
+    collisions, count = [], 0
+    pairs = {tuple(p) for p in records[0]["key_slots"]["known_collisions"]}
+    for record in records:
+        events = record.pop("key_slots")
+        outside.update({int(i): k for i, k in events["outside"].items()})
+        count += events["collision_count"]
+        collisions += [{"key": key, "with": known[slot], "epoch": record["epoch"]}
+                       for key, slot in events["collisions"]]
+    trace["dataset_size"] = n
+    for mode in trace.get("modes", {}).values():
+        if "sizes" in mode:
+            mode["sizes"]["dataset_size"] = n
+    return {"names": list(known), "known": True, "seen": None, "dataset_size": n,
+            "outside": outside, "hashed": True,
+            "collisions": {"known": [[known[a], known[b]] for a, b in sorted(pairs)],
+                           "delivered": collisions, "delivered_count": count}}
 
 
 def number_keys(trace: dict, known: Optional[list[str]] = None,
@@ -37,6 +74,9 @@ def number_keys(trace: dict, known: Optional[list[str]] = None,
     many distinct keys the loader delivered}), or None where no record holds keys. `size`:
     the dataset's size where given (--dataset-size), else the dataset's own length the ranks
     read (the trace's)."""
+    counted = [r for r in records_of(trace) if r.get("key_slots")]
+    if counted:
+        return _number_counted(trace, counted, known)
     records = [r for r in records_of(trace) if r.get("ids_are_keys")]
     if not records:
         return None
@@ -71,12 +111,15 @@ def number_keys(trace: dict, known: Optional[list[str]] = None,
     return {"names": names, "known": known is not None, "seen": len(seen), "dataset_size": n}
 
 
-def name_epoch(epoch: dict, names: list[str]) -> dict:
+def name_epoch(epoch: dict, names: list[str], outside: Optional[dict] = None) -> dict:
     """Every sample id in an analysed epoch replaced by the sample's key (in place), before
     the verdicts and the conclusion read it. Missing ids without a key (the set of keys not
-    known) are left out of the `missing` list; missing_count still counts them."""
+    known) are left out of the `missing` list; missing_count still counts them. `outside`:
+    the keys of ids outside the set, where the count path gave them ids of their own."""
+    outside = outside or {}
+
     def name(i):
-        return names[i] if 0 <= i < len(names) else i
+        return names[i] if 0 <= i < len(names) else outside.get(i, i)
 
     for rank in epoch.get("ranks", []):
         for part in ("batches", "first_batches", "last_batches"):
@@ -102,5 +145,9 @@ def name_windows(accum: dict, names: list[str]) -> dict:
 
 def keys_section(keys: dict, field: Optional[str]) -> dict:
     """The report's `keys` object (docs/report.md)."""
-    return {"field": field, "known": keys["known"], "seen": keys["seen"],
-            "dataset_size": keys["dataset_size"], "missing_named": keys["known"]}
+    out = {"field": field, "known": keys["known"], "seen": keys["seen"],
+           "dataset_size": keys["dataset_size"], "missing_named": keys["known"],
+           "from": keys.get("from"), "hashed": bool(keys.get("hashed"))}
+    if keys.get("hashed"):
+        out["collisions"] = keys["collisions"]
+    return out

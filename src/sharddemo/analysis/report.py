@@ -37,7 +37,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
                   for k, v in enumerate(views)]
         if keys is not None:
             for e in epochs:
-                name_epoch(e, keys["names"])
+                name_epoch(e, keys["names"], keys.get("outside"))
         if is_audit_mode(mode):
             verdicts = audit_verdicts(sized, epochs, role=data.get("role", "train"),
                                       prepared=data.get("prepared", False),
@@ -106,6 +106,9 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "broken_promises": problems,
     }
     if keys is not None:
+        if keys["seen"] is None:  # counted: the most distinct keys an epoch delivered
+            keys = dict(keys, seen=max((e["unique"] for m in modes.values()
+                                        for e in m["epochs"]), default=0))
         report["keys"] = keys_section(keys, key_field)
     if trace.get("fingerprint") is not None:
         report["fingerprint"] = trace["fingerprint"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sharddemo.analysis.keys import holds_keys, number_keys
+from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
 from sharddemo.audit import read_keys
 from sharddemo.commands import report_of
 from sharddemo.errors import UsageError
@@ -24,7 +24,7 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     keys = number_trace_keys(trace, opts, known)
     report = report_of(launch, trace, keys, opts.id_field)
     if keys is not None:
-        refuse_keys_outside(report, opts.keys)
+        refuse_keys_outside(report, keys["from"])
     else:
         refuse_ids_outside(report, opts.id_field)
     return report
@@ -42,7 +42,20 @@ def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
                              "ids, not keys; leave --keys out")
         return None
     size = opts.dataset_size or trace.get("dataset_size") or None
+    where = f"--keys {opts.keys}" if known is not None else None
+    if known is None and source_keys_of(trace) is not None:
+        known, where = source_keys_of(trace)
+        first: dict[str, int] = {}
+        for row, key in enumerate(known):
+            if first.setdefault(key, row) != row:
+                raise UsageError(f"{where} holds the key {key!r} in rows {first[key]} and "
+                                 f"{row}: keys that repeat cannot name samples; pass "
+                                 "--id-field with a field unique to each sample, or --keys FILE")
+        if opts.dataset_size is not None and opts.dataset_size != len(known):
+            raise UsageError(f"{where} holds {len(known)} keys but --dataset-size is "
+                             f"{opts.dataset_size}; leave --dataset-size out (the keys give N)")
     keys = number_keys(trace, known, size)
+    keys["from"] = where
     if known is None and size is not None and keys["seen"] > size:
         raise UsageError(f"the loader delivered {keys['seen']} different keys in "
                          f"--id-field {opts.id_field}, more than the {size} samples of the "
@@ -51,14 +64,19 @@ def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
     return keys
 
 
-def refuse_keys_outside(report: dict, path: Optional[str]) -> None:
-    """One Error line where the loader delivered keys the --keys file does not list."""
+def refuse_keys_outside(report: dict, where: Optional[str]) -> None:
+    """One Error line where the loader delivered keys the known set (--keys FILE, or the
+    dataset's own column) does not hold."""
+    if where is None:
+        return
     outside = sorted({k for data in report.get("modes", {}).values()
                       for e in data["epochs"] for k in e["out_of_range"]}, key=str)
     if outside:
         like = ", ".join(map(repr, outside[:3])) + (", ..." if len(outside) > 3 else "")
-        raise UsageError(f"the loader delivered {len(outside)} key(s) that --keys {path} does "
-                         f"not list ({like}); pass the file that lists every sample's key")
+        fix = ("pass the file that lists every sample's key" if where.startswith("--keys")
+               else "pass --keys FILE listing every sample's key")
+        raise UsageError(f"the loader delivered {len(outside)} key(s) that {where} does "
+                         f"not hold ({like}); {fix}")
 
 
 def refuse_ids_outside(report: dict, id_field: Optional[str]) -> None:

@@ -107,6 +107,13 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
         tables = exchange_tables(accelerator, keys)
         if tables is not None and record is not None:
             record = name_record(record, tables)
+    elif keys is not None:
+        from sharddemo.rank.keys import exchange_key_events
+
+        # counted by the known keys' index: the ids are already the keys' positions
+        events = exchange_key_events(accelerator, keys)
+        if events is not None and record is not None:
+            record = dict(record, key_slots=events)
     return record
 
 
