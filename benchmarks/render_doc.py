@@ -437,6 +437,21 @@ def render_doc(results: dict) -> str:
                      "workers a rank, most of the time at 10^9 is the loader's own: moving "
                      "122,000 batches a rank from its workers (the stream alone walks in 90 s "
                      "with workers, 1.5 s without).")
+    ki = results.get("keys_index")
+    if ki:
+        cells = "; ".join(f"{r['keys']:,} keys: index built in {r['build_s']:.1f} s, "
+                          f"{r['index_bytes_per_key']:.0f} bytes a key, a lookup "
+                          f"{r['lookup_us_per_key']:.2f} us a key (hashing "
+                          f"{r['hash_us_per_key']:.2f} us of it)" for r in ki["rows"])
+        out.append(f"| count path over keys, one rank's index of the known keys | {cells} | "
+                   f"{ki['target']} | - |")
+        notes.append(f"- keys ({_when(ki)}): `python benchmarks/keys_index.py --record`. The "
+                     "index a rank builds from the known keys (a file, or a dataset's column) "
+                     "at its first batch: each key's xxh3-128 digest as a 64-bit hash and a "
+                     "64-bit check, and its position, sorted by hash (24 bytes a key, no key "
+                     "kept); then every key looked up once, in batches of 4096, as the walk "
+                     "does. A lookup is a binary search of the sorted hashes: past the cache "
+                     "(10^7 keys, 240 MB) it costs more a key.")
     gpu = results.get("gpu")
     if gpu:
         if gpu.get("skipped"):

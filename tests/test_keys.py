@@ -282,6 +282,18 @@ def test_the_key_index_keeps_apart_keys_whose_hashes_collide(monkeypatch):
         KeyIndex([["a", "b", "a"]], "test")
 
 
+def test_three_known_keys_on_one_hash_are_three_samples(monkeypatch):
+    """b and c forced onto a's 64-bit hash: the pairs (0, 1), (0, 2), (1, 2) are collisions
+    (by hand), and each key still has its own id."""
+    from sharddemo.rank.keys import KeyIndex
+
+    force(monkeypatch, {"b": "a", "c": "a"})
+    index = KeyIndex([["a", "b", "c", "d"]], "test")
+    assert index.known_collisions == [[0, 1], [0, 2], [1, 2]]
+    assert index.lookup(["c", "a", "b", "d"]).tolist() == [2, 0, 1, 3]
+    assert index.events()["collision_count"] == 0
+
+
 def test_key_hashes_are_the_xxh3_128_digest_halves():
     """The hash and check of "s-000": the low and high 8 bytes (little-endian) of xxhash's
     own xxh3_128 digest of its UTF-8 bytes."""

@@ -97,20 +97,26 @@ class KeyIndex:
                 checks.append(c)
         h = np.concatenate(hashes) if hashes else np.empty(0, np.uint64)
         c = np.concatenate(checks) if checks else np.empty(0, np.uint64)
-        order = np.lexsort((c, h))  # by hash, then check
+        order = np.argsort(h, kind="stable")  # by hash; keys of one hash in key order
         self.hashes, self.checks = h[order], c[order]
         self.slots = order.astype(np.int64)
         self.n = int(h.size)
         self.label = label
-        same = np.flatnonzero(self.hashes[1:] == self.hashes[:-1])
-        twice = same[self.checks[same + 1] == self.checks[same]]
-        if twice.size:
-            a, b = sorted((int(self.slots[twice[0]]), int(self.slots[twice[0] + 1])))
-            raise UsageError(f"{label}: key {b} is key {a} again (0-based); each sample's "
-                             "key must be listed once")
-        # known keys that share a 64-bit hash (told apart by their checks): id pairs
-        self.known_collisions = [sorted((int(self.slots[i]), int(self.slots[i + 1])))
-                                 for i in same]
+        # keys that share a 64-bit hash (rare: a run of equal hashes): the same key listed
+        # twice (its check the same too) is refused; two keys are a collision, told apart by
+        # their checks: id pairs
+        self.known_collisions = []
+        for i in np.flatnonzero(self.hashes[1:] == self.hashes[:-1]).tolist():
+            start = i
+            while start > 0 and self.hashes[start - 1] == self.hashes[i]:
+                start -= 1
+            for j in range(start, i + 1):
+                a, b = sorted((int(self.slots[j]), int(self.slots[i + 1])))
+                if self.checks[j] == self.checks[i + 1]:
+                    raise UsageError(f"{label}: key {b} is key {a} again (0-based); each "
+                                     "sample's key must be listed once")
+                self.known_collisions.append([a, b])
+        self.known_collisions.sort()
         self.reset()
 
     def reset(self) -> None:
