@@ -18,9 +18,6 @@ import platform
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def measure(n: int) -> dict:
     from sharddemo.rank.keys import KeyIndex, key_hashes
 
@@ -52,20 +49,11 @@ def main() -> None:
     if not record:
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from render_doc import render_doc
+    from render_doc import record_result
 
-    path = os.path.join(ROOT, "benchmarks", "results.json")
-    with open(path) as handle:
-        results = json.load(handle)
-    results["keys_index"] = {"rows": rows, "date": datetime.date.today().isoformat(),
-                             "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-                             "repeats": 1, "target": "- (no target: what keys cost)"}
-    with open(path, "w") as handle:
-        json.dump(results, handle, indent=2)
-        handle.write("\n")
-    with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as handle:
-        handle.write(render_doc(results))
-
+    record_result("keys_index", {"rows": rows, "date": datetime.date.today().isoformat(),
+                                 "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+                                 "repeats": 1, "target": "- (no target: what keys cost)"})
 
 if __name__ == "__main__":
     main()

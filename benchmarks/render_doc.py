@@ -462,3 +462,21 @@ def render_doc(results: dict) -> str:
                        f"{gpu['run_s']:.2f} s | {gpu['target']} | {_met(gpu)} |")
     out += ["", "## How each figure was taken", ""] + notes + [""]
     return "\n".join(out)
+
+
+def record_result(name: str, figures: dict) -> None:
+    """Write one benchmark's figures into benchmarks/results.json under `name`, and
+    docs/benchmarks.md again from the whole file."""
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "results.json")
+    with open(path) as handle:
+        results = json.load(handle)
+    results[name] = figures
+    with open(path, "w") as handle:
+        json.dump(results, handle, indent=2)
+        handle.write("\n")
+    with open(os.path.join(root, "docs", "benchmarks.md"), "w") as handle:
+        handle.write(render_doc(results))

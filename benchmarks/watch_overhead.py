@@ -184,21 +184,13 @@ def record(figures: dict) -> None:
     import platform
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from render_doc import render_doc
+    from render_doc import record_result
 
-    path = os.path.join(ROOT, "benchmarks", "results.json")
-    with open(path) as handle:
-        results = json.load(handle)
     figures.update(per_batch(5))
     figures.update(date=datetime.date.today().isoformat(),
                    machine=f"{os.cpu_count()} cores, {platform.machine()}",
                    target="<= 1% of the step", repeats=figures["pairs"])
-    results["watch"] = figures
-    with open(path, "w") as handle:
-        json.dump(results, handle, indent=2)
-        handle.write("\n")
-    with open(os.path.join(ROOT, "docs", "benchmarks.md"), "w") as handle:
-        handle.write(render_doc(results))
+    record_result("watch", figures)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,16 @@ def as_worker(rank: int, world: int, worker: int, workers: int):
                 os.environ[k] = v
 
 
+def interleave(per_worker: list[list]) -> list:
+    """A rank's batches as torch's DataLoader takes an IterableDataset's workers' batches:
+    one from each worker in turn, a worker that has run out skipped."""
+    batches, step = [], 0
+    while any(step < len(w) for w in per_worker):
+        batches += [w[step] for w in per_worker if step < len(w)]
+        step += 1
+    return batches
+
+
 def library_batches(factory, world: int) -> list[list[list[str]]]:
     """[rank] -> the batches of keys that rank's DataLoader yields, from WebDataset's own
     pipeline iterated per worker in this process."""
@@ -56,11 +66,7 @@ def library_batches(factory, world: int) -> list[list[list[str]]]:
                 keys = [s["__key__"] for s in samples]
                 b = loader.batch_size
                 per_worker.append([keys[k:k + b] for k in range(0, len(keys), b)])
-        batches, step = [], 0
-        while any(step < len(w) for w in per_worker):
-            batches += [w[step] for w in per_worker if step < len(w)]
-            step += 1
-        out.append(batches)
+        out.append(interleave(per_worker))
     return out
 
 
@@ -185,11 +191,7 @@ def library_ids(urls, world: int, workers: int, batch: int, nodesplitter) -> lis
                                               workersplitter=wds.split_by_worker).decode())
             ids = [s["id.cls"] for s in samples]
             per_worker.append([ids[k:k + batch] for k in range(0, len(ids), batch)])
-        batches, step = [], 0
-        while any(step < len(w) for w in per_worker):
-            batches += [w[step] for w in per_worker if step < len(w)]
-            step += 1
-        out.append(batches)
+        out.append(interleave(per_worker))
     return out
 
 

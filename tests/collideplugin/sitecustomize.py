@@ -11,17 +11,23 @@ import os
 
 SPEC = os.environ.get("SHARDDEMO_TEST_COLLIDE")
 
+
+def forcing(real, pairs: dict):
+    """key_hashes with key A of `pairs` given key B's 64-bit hash (tests/test_keys.py uses it
+    in its own process too)."""
+
+    def key_hashes(keys):
+        hashes, checks = real(keys)
+        for k, key in enumerate(keys):
+            if key in pairs:
+                hashes[k] = real([pairs[key]])[0][0]
+        return hashes, checks
+
+    return key_hashes
+
+
 if SPEC and "RANK" in os.environ:
     import sharddemo.rank.keys as _keys
 
-    _PAIRS = dict(part.split("=", 1) for part in SPEC.split(","))
-    _real = _keys.key_hashes
-
-    def key_hashes(keys):
-        hashes, checks = _real(keys)
-        for k, key in enumerate(keys):
-            if key in _PAIRS:
-                hashes[k] = _real([_PAIRS[key]])[0][0]
-        return hashes, checks
-
-    _keys.key_hashes = key_hashes
+    _keys.key_hashes = forcing(_keys.key_hashes,
+                               dict(part.split("=", 1) for part in SPEC.split(",")))
