@@ -229,8 +229,7 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
         own = None if keys_file is not None or whole else source_keys(loader, id_field)
         if keys_file is not None:
             table = KeyTable(id_field, lambda: file_keys(keys_file), f"--keys {keys_file}")
-            with open(keys_file, "rb") as handle:
-                table.known_count = sum(1 for _ in handle)
+            table.known_count = sum(len(chunk) for chunk in file_keys(keys_file))
         elif own is not None:
             table = KeyTable(id_field, own[0], f"the dataset's column {id_field!r}")
             table.known_count = own[1]

@@ -66,6 +66,16 @@ def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
     return rows.tolist()
 
 
+def exchange_objects(accelerator, mine: Any) -> list[Any]:
+    """Every rank's picklable object, as [rank] on every rank (accelerate's gather_object).
+    A collective; alone, no call."""
+    if accelerator.num_processes == 1:
+        return [mine]
+    from accelerate.utils import gather_object
+
+    return collective(gather_object, [mine])
+
+
 def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     """Every rank's 1-D tensor, whose lengths (`lengths[r]`, already exchanged) may differ,
     as a list indexed by rank, on the CPU. A collective; nothing is sent when every rank is

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import collective, exchange_ints, guard_forks, set_timeout
+from sharddemo.collect import exchange_ints, exchange_objects, guard_forks, set_timeout
 from sharddemo.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.options import (EXPECT_ENV, NODE_ENV, STATUS_ENV,
@@ -198,12 +198,10 @@ def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dic
 
 def probe_loader(accelerator, loader) -> list[dict]:
     """Ask every rank's loader for its first batch, as a training loop's first step does, and
-    say which ranks raised: [{"rank", "error"}] on the main process (one line each,
+    say which ranks raised: [{"rank", "error"}] on every rank (one line each,
     errors.describe_exception), [] where none did. A collective: every rank learns whether any
     raised, so either all walk the loader or none does, and none waits on a rank that
     stopped. The batch taken is dropped with its iterator: the walk starts a new one."""
-    from accelerate.utils import gather_object
-
     error = ""
     try:
         iterator = iter(loader)
@@ -211,11 +209,8 @@ def probe_loader(accelerator, loader) -> list[dict]:
         del iterator
     except Exception as exc:  # the loader's own refusal is the result
         error = describe_exception(exc)
-    if accelerator.num_processes == 1:
-        errors = [error]
-    else:
-        errors = collective(gather_object, [error])
-    return [{"rank": r, "error": e} for r, e in enumerate(errors) if e]
+    return [{"rank": r, "error": e}
+            for r, e in enumerate(exchange_objects(accelerator, error)) if e]
 
 
 def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
@@ -238,14 +233,10 @@ def placement(accelerator) -> list[dict]:
     `get_rank()`, which is only right on the first machine; here both are recorded."""
     import socket
 
-    from accelerate.utils import gather_object
-
     node = os.environ.get(NODE_ENV) or os.environ.get("GROUP_RANK") or "0"
     mine = {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
             "node": int(node), "host": socket.gethostname()}
-    if accelerator.num_processes == 1:
-        return [mine]
-    return sorted(collective(gather_object, [mine]), key=lambda p: p["rank"])
+    return sorted(exchange_objects(accelerator, mine), key=lambda p: p["rank"])
 
 
 def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,

@@ -483,13 +483,11 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
     every rank stops with a UsageError asking for --id-field (by position it would read as
     replication); under a loader that shards the data itself the walk goes on (unseeded
     random data does this, harmless in a demo) and `rows_note` says what it means."""
-    from accelerate.utils import gather_object
-
-    from sharddemo.collect import collective
+    from sharddemo.collect import exchange_objects
     from sharddemo.errors import Disagreement, UsageError
 
     mine = fingerprint(loader, description)
-    every = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
+    every = exchange_objects(accelerator, mine)
     differ = len({fp["rows_digest"] for fp in every}) > 1
     same_data = any(fp["shards_itself"] for fp in every)
     if ids_by_position and differ and not same_data:

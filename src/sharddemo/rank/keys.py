@@ -307,15 +307,12 @@ def exchange_key_events(accelerator, table: KeyTable) -> Optional[dict]:
     """A collective (every rank, each counted epoch's end, where the field held keys): every
     rank's collisions and outside keys, merged on the main process (None elsewhere, and on
     every rank where no rank looked a key up)."""
-    from accelerate.utils import gather_object
-
-    from sharddemo.collect import collective
+    from sharddemo.collect import exchange_objects
 
     index = table.index
     mine = None if index is None else {**index.events(), "n": index.n,
                                        "known_collisions": index.known_collisions}
-    rows = [mine] if accelerator.num_processes == 1 else collective(gather_object, [mine])
-    rows = [r for r in rows if r is not None]
+    rows = [r for r in exchange_objects(accelerator, mine) if r is not None]
     if not rows or not accelerator.is_main_process:
         return None
     outside: dict[int, str] = {}
