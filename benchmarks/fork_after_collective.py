@@ -1,4 +1,4 @@
-"""Reproduce the worker deadlock that `sharddemo.collect.guard_forks` prevents.
+"""Reproduce the worker deadlock that `sharddemo.rank.collect.guard_forks` prevents.
 
 On CPython 3.11.7 (this machine and the CI machines), a DataLoader that forks its workers
 right after a collective sometimes leaves a worker deadlocked inside `os.fork()` (gdb:
@@ -26,7 +26,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, Dataset
 
-from sharddemo.collect import guard_forks
+from sharddemo.rank.collect import guard_forks
 
 
 class Numbers(Dataset):

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from sharddemo.sources import ToyDataset
-from sharddemo.loaders import build_loader
+from sharddemo.rank.sources import ToyDataset
+from sharddemo.rank.loaders import build_loader
 from sharddemo.options import RunOptions
-from sharddemo.sources import batch_values
-from sharddemo.trace import make_accelerator
+from sharddemo.rank.sources import batch_values
+from sharddemo.rank.session import make_accelerator
 from sharddemo.rank.tagging import tag_batches
 from sharddemo.rank.walk import choose_gather, walk_epoch
 
@@ -175,7 +175,7 @@ def gather(accelerator, repeats: int) -> dict:
 def bare(accelerator, n: int, b: int, mode: str = "sampler") -> dict:
     """The loader alone, as `compare --modes MODE` builds it, walked once with nothing
     recorded: its time and every rank's peak memory (the baseline of the scale figures)."""
-    from sharddemo.trace import peak_rss_mb
+    from sharddemo.rank.session import peak_rss_mb
 
     opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
     plan = build_loader(mode, accelerator, ToyDataset(n), opts)

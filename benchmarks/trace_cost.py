@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from sharddemo.sources import ToyDataset, batch_values
-from sharddemo.trace import make_accelerator
+from sharddemo.rank.sources import ToyDataset, batch_values
+from sharddemo.rank.session import make_accelerator
 from sharddemo.rank.walk import walk_epoch
 
 

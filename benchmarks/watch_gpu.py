@@ -130,15 +130,15 @@ def nccl(device) -> dict:
     import numpy as np
     import torch.distributed as dist
 
-    from sharddemo.collect import gather_ragged
+    from sharddemo.rank.collect import gather_ragged
     from sharddemo.rank.counting import all_reduce_bytes
-    from sharddemo.watcher import _TorchRanks
+    from sharddemo.watching.state import TorchRanks
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     try:
-        ranks = _TorchRanks()
+        ranks = TorchRanks()
         buffer = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
         expect = buffer.copy()
         all_reduce_bytes(ranks, buffer)

@@ -51,12 +51,12 @@ def rank_main(watched: bool, out: str) -> None:
     spent = [0.0]  # seconds inside the watch's own code, this epoch
     if watched:
         from sharddemo import watch
-        from sharddemo.watcher import _Watch
+        from sharddemo.watching.state import WatchState
 
         # time the watch's own work where it runs (the benchmark's wrapper, not a switch of
         # the shipped code): what it adds to each step, free of the launches' noise
         for name in ("add", "end_epoch"):
-            original = getattr(_Watch, name)
+            original = getattr(WatchState, name)
 
             def timed(self, *a, _original=original, **kw):
                 start = time.perf_counter()
@@ -65,7 +65,7 @@ def rank_main(watched: bool, out: str) -> None:
                 finally:
                     spent[0] += time.perf_counter() - start
 
-            setattr(_Watch, name, timed)
+            setattr(WatchState, name, timed)
         loader = watch(loader, accelerator, report=None)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []

@@ -8,9 +8,10 @@ import json
 import sys
 from dataclasses import replace
 
-from sharddemo.sources import build_source
+from sharddemo.rank.sources import build_source
 from sharddemo.options import RunOptions
-from sharddemo.trace import check_world, make_accelerator, trace_mode
+from sharddemo.rank.run import trace_mode
+from sharddemo.rank.session import check_world, make_accelerator
 
 # name -> (mode, options). N and B are picked so that each option shows its effect.
 SCENARIOS = {

@@ -14,8 +14,9 @@ from typing import Optional
 from oracle import Case
 
 from sharddemo.options import RunOptions
-from sharddemo.sources import build_source
-from sharddemo.trace import check_world, make_accelerator, trace_mode
+from sharddemo.rank.sources import build_source
+from sharddemo.rank.run import trace_mode
+from sharddemo.rank.session import check_world, make_accelerator
 
 # The reproductions: split_batches without even_batches at N = 22, 21, 2 (a short or
 # empty last batch), no even_batches past the per-batch limit (N = 1006), unseeded without
@@ -79,7 +80,7 @@ MIXED = [[1, 2], {"id": [2, 3]}, [5, 1], {"id": [1]}, [3], [4]]
 def mixed_shift_walk(accelerator) -> Optional[dict]:
     import torch
 
-    from sharddemo.sources import batch_values
+    from sharddemo.rank.sources import batch_values
     from sharddemo.rank.walk import walk_epoch
 
     batches = [{"id": torch.tensor(b["id"])} if isinstance(b, dict) else torch.tensor(b)

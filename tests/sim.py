@@ -3,7 +3,7 @@
 `SimAccelerator(world, rank)` stands in for a rank's Accelerator: its `prepare` is accelerate's
 own `prepare_data_loader` told the world size and rank, with the rng handling `Accelerator()`
 uses (`rng_types=["generator"]`; see tests/oracle.py for why that is exact in one process), so
-the loaders built by sharddemo.loaders shard exactly as they would on that rank.
+the loaders built by sharddemo.rank.loaders shard exactly as they would on that rank.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class SimAccelerator:
 
 def walk(plan, epochs: int) -> list[list[list[int]]]:
     """Every epoch's batches (as ids) of a LoaderPlan on one simulated rank."""
-    from sharddemo.sources import batch_ids
+    from sharddemo.rank.sources import batch_ids
 
     out = []
     for epoch in range(epochs):

@@ -43,7 +43,9 @@ def test_the_shipped_code_has_no_hidden_switches_and_no_private_imports():
 
     src = ROOT / "src" / "sharddemo"
     assert not (src / "datasets.py").exists()
-    for path in src.glob("*.py"):
+    paths = sorted(src.rglob("*.py"))
+    assert any(p.parent != src for p in paths)  # every folder is walked, not the top level only
+    for path in paths:
         text = path.read_text()
         import re
 

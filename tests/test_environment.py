@@ -33,7 +33,7 @@ def test_every_variable_the_code_names_or_sets_is_in_the_table():
 
 
 def test_the_hf_stream_source_leaves_hf_datasets_offline_alone(monkeypatch):
-    from sharddemo.sources import hf_stream
+    from sharddemo.rank.sources import hf_stream
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     stream = hf_stream(6, 2)

@@ -1,4 +1,4 @@
-"""The fork guard every rank installs (sharddemo.collect.guard_forks, docs/reliability.md).
+"""The fork guard every rank installs (sharddemo.rank.collect.guard_forks, docs/reliability.md).
 
 The hang it prevents is a race (benchmarks/fork_after_collective.py reproduces it in about a
 minute of back-to-back epochs), too slow and too random for the suite; what is tested here is
@@ -15,7 +15,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import os, sys, time
     if sys.argv[1] == "guarded":
-        from sharddemo.trace import make_accelerator
+        from sharddemo.rank.session import make_accelerator
         make_accelerator("cpu", 30)
     waits = []
     for _ in range(5):

@@ -314,9 +314,9 @@ def test_a_missing_extra_is_named_before_any_rank_starts(flag, modules, extra):
 
 
 def test_a_factory_that_returns_something_else_is_a_usage_error():
-    from sharddemo.adapters.lightning import lightning_loaders
-    from sharddemo.adapters.trainer import trainer_loaders
-    from sharddemo.audit import AuditOptions
+    from sharddemo.rank.frameworks.lightning import lightning_loaders
+    from sharddemo.rank.frameworks.trainer import trainer_loaders
+    from sharddemo.options import AuditOptions
     from sharddemo.errors import UsageError
 
     opts = AuditOptions(target="f.py:make", framework="trainer")
@@ -333,7 +333,7 @@ def test_a_pytorch_lightning_datamodule_gets_pytorch_lightnings_own_functions():
     import lightning.pytorch
     import pytorch_lightning
 
-    from sharddemo.adapters.lightning import _modules, _package
+    from sharddemo.rank.frameworks.lightning import _modules, _package
 
     class Old(pytorch_lightning.LightningDataModule):
         pass
@@ -388,7 +388,7 @@ def test_lightning_shuffles_a_train_loader_written_with_shuffle_false():
     from lightning.pytorch.utilities.data import _update_dataloader
     from torch.utils.data import DataLoader
 
-    from sharddemo.adapters.lightning import shuffle_note
+    from sharddemo.rank.frameworks.lightning import shuffle_note
 
     def processed(written, shuffle, stage):
         sampler = _get_distributed_sampler(written, shuffle=shuffle, overfit_batches=0,

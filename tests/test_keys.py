@@ -111,7 +111,7 @@ def test_keys_numbered_and_named_in_the_report():
 
 
 def test_a_file_of_keys_is_read_or_refused_in_one_line(tmp_path):
-    from sharddemo.audit import read_keys
+    from sharddemo.targets import read_keys
     from sharddemo.errors import UsageError
 
     path = tmp_path / "keys.txt"

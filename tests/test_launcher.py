@@ -72,7 +72,7 @@ def test_the_silent_one_process_trap_is_refused():
 ])
 def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
     from sharddemo.errors import UsageError
-    from sharddemo.trace import check_world
+    from sharddemo.rank.session import check_world
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE",
                 "ACCELERATE_MIXED_PRECISION"):

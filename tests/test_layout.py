@@ -1,5 +1,14 @@
-"""The layout of docs/architecture.md holds: imports run one way (no cycle), the analysis
-imports neither torch nor the rank side, and the rank side never imports the analysis."""
+"""The layout of docs/architecture.md holds for every file of src/ (lazy imports inside
+functions included): each folder is one side, imports run one way, no cycle.
+
+- the parent and the shared code (the top level of `sharddemo`, commands/, integrations/)
+  never import torch or a library built on it; they reach the rank side or the watch only
+  lazily, and only where a process becomes a rank (the CLI's rank commands, `--version`) or
+  where a user asks for the watch (integrations' lazy re-export);
+- the shared, torch-free modules (options, record, errors, ...) import no side at all;
+- rank/ never imports the analysis, the watch or the parent; the analysis never imports
+  torch, rank/ or the watch; the watch may import rank/ and the analysis, never the parent.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +17,61 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
+# torch and the libraries that import it when imported
+HEAVY = {"torch", "accelerate", "transformers", "lightning", "pytorch_lightning", "datasets",
+         "webdataset", "torchdata", "ray"}
+SHARED = {"sharddemo.options", "sharddemo.record", "sharddemo.errors", "sharddemo.fileio",
+          "sharddemo.sizes", "sharddemo.extras", "sharddemo.config", "sharddemo.targets"}
+PARENT_ONLY = ("sharddemo.cli", "sharddemo.commands", "sharddemo.launch", "sharddemo.render",
+               "sharddemo.plot", "sharddemo.testing", "sharddemo.check")
+# where the parent side may import the rank side or the watch, lazily (inside a function)
+LAZY_DOORS = {"sharddemo.cli"}
 
-def _imports() -> dict[str, set[str]]:
-    """module -> the modules it imports (at any depth of the file: lazy imports count)."""
+
+def _modules() -> dict[str, Path]:
     modules = {}
     for path in (SRC / "sharddemo").rglob("*.py"):
         name = ".".join(path.relative_to(SRC).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
-    edges: dict[str, set[str]] = {}
+    return modules
+
+
+def _imports() -> dict[str, dict[str, bool]]:
+    """module -> {imported module: imported at the top (True) or only lazily (False)}."""
+    modules = _modules()
+    edges: dict[str, dict[str, bool]] = {}
     for name, path in modules.items():
-        out = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        top_nodes = set()
+        for node in tree.body:  # module level, `if`/`try` blocks included
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                top_nodes |= {id(n) for n in ast.walk(node)}
+        out: dict[str, bool] = {}
+        for node in ast.walk(tree):
+            found = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
-                    out.add(full if full in modules else node.module)
+                    found.append(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
-                out |= {alias.name for alias in node.names}
-        edges[name] = {m for m in out if m != name}
+                found = [alias.name for alias in node.names]
+            for target in found:
+                if target != name:
+                    out[target] = out.get(target, False) or id(node) in top_nodes
+        edges[name] = out
     return edges
+
+
+def _side(module: str) -> str:
+    for side in ("rank", "watching", "analysis"):
+        if module == f"sharddemo.{side}" or module.startswith(f"sharddemo.{side}."):
+            return side
+    return "parent"
+
+
+def test_every_src_module_is_on_one_side():
+    sides = {_side(m) for m in _modules()}
+    assert sides == {"rank", "watching", "analysis", "parent"}, sides
 
 
 def test_no_import_cycle():
@@ -50,21 +95,51 @@ def test_no_import_cycle():
             visit(m)
 
 
-def test_the_analysis_and_the_rank_side_never_import_each_other():
+def test_the_parent_side_never_imports_torch_even_lazily():
+    for module, targets in _imports().items():
+        if _side(module) != "parent":
+            continue
+        heavy = {t for t in targets if t.split(".")[0] in HEAVY}
+        assert not heavy, f"{module} imports {heavy}: that belongs under rank/ or watching/"
+
+
+def test_the_parent_reaches_the_ranks_and_the_watch_only_lazily_and_only_through_the_cli():
+    for module, targets in _imports().items():
+        if _side(module) != "parent":
+            continue
+        for target, at_top in targets.items():
+            if _side(target) in ("rank", "watching") and target.startswith("sharddemo"):
+                assert not at_top, f"{module} imports {target} at its top"
+                assert module in LAZY_DOORS, f"{module} imports {target}"
+
+
+def test_the_shared_modules_import_no_side():
     edges = _imports()
-    for module, targets in edges.items():
-        if module.startswith("sharddemo.analysis"):
-            bad = {t for t in targets if t.split(".")[0] == "torch"
-                   or t.startswith("sharddemo.rank") or t in ("sharddemo.collect",)}
-            assert not bad, f"{module} imports {bad}"
-        if module.startswith("sharddemo.rank"):
-            bad = {t for t in targets if t.startswith("sharddemo.analysis")}
-            assert not bad, f"{module} imports {bad}"
-    # the rank side never climbs back to the parent's: no renderer, launcher, command or CLI
-    parent = ("sharddemo.render", "sharddemo.plot", "sharddemo.launch", "sharddemo.commands",
-              "sharddemo.cli")
-    for module in [m for m in edges if m.startswith("sharddemo.rank")] + ["sharddemo.trace"]:
-        bad = {t for t in edges[module] if t.startswith(parent)}
+    for module in SHARED:
+        assert module in edges, f"{module} is gone: update SHARED"
+        bad = {t for t in edges[module] if t.startswith("sharddemo")
+               and (t not in SHARED or _side(t) != "parent")}
         assert not bad, f"{module} imports {bad}"
-    assert "sharddemo.record" in edges and not {
-        t for t in edges["sharddemo.record"] if t.startswith("sharddemo")}
+
+
+def test_the_sides_import_one_way():
+    for module, targets in _imports().items():
+        side = _side(module)
+        for target in targets:
+            if not target.startswith("sharddemo") and target.split(".")[0] != "torch":
+                continue
+            other = _side(target) if target.startswith("sharddemo") else "torch"
+            if side == "analysis":
+                assert other in ("analysis", "parent") and not target.startswith(PARENT_ONLY), \
+                    f"{module} imports {target}"
+            if side == "rank":
+                assert other in ("rank", "parent", "torch"), f"{module} imports {target}"
+                assert not target.startswith(PARENT_ONLY), f"{module} imports {target}"
+            if side == "watching":
+                assert not target.startswith(PARENT_ONLY), f"{module} imports {target}"
+
+
+def test_every_module_that_imports_torch_at_its_top_lives_under_rank_or_watching():
+    for module, targets in _imports().items():
+        if any(t.split(".")[0] in HEAVY and top for t, top in targets.items()):
+            assert _side(module) in ("rank", "watching"), module

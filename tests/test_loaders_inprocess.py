@@ -10,8 +10,8 @@ from accelerate.data_loader import BatchSamplerShard
 from sim import SimAccelerator, walk
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from sharddemo.sources import ToyDataset
-from sharddemo.loaders import build_loader
+from sharddemo.rank.sources import ToyDataset
+from sharddemo.rank.loaders import build_loader
 from sharddemo.options import RunOptions
 
 # (N, B, W): divisible by W*B, not divisible, N < W, B > N/W, and W = 3.
@@ -298,7 +298,7 @@ def test_set_epoch_reaches_a_distributed_sampler_inside_a_batch_sampler():
     import torch
     from torch.utils.data import BatchSampler, DataLoader
 
-    from sharddemo.audit import set_epoch
+    from sharddemo.rank.audit import set_epoch
 
     data = list(range(20))
     for make in (lambda s: DataLoader(data, batch_sampler=BatchSampler(s, 4, False)),
@@ -360,7 +360,7 @@ def test_an_id_field_of_fractions_is_refused_in_one_line_and_strings_are_keys():
     import torch
     from torch.utils.data import DataLoader
 
-    from sharddemo.audit import id_reader
+    from sharddemo.rank.audit import id_reader
     from sharddemo.errors import UsageError
 
     read = id_reader(DataLoader(range(4)), "id")

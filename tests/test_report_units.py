@@ -507,7 +507,7 @@ def test_an_audit_whose_ids_are_not_positions_stops_with_one_error(monkeypatch):
     sample 0 missing for no reason; `audit` stops with one Error line instead (the launch is
     replaced by this trace: only the parent's side is under test here)."""
     import sharddemo.commands.audit as C
-    from sharddemo.audit import AuditOptions
+    from sharddemo.options import AuditOptions
     from sharddemo.errors import UsageError
 
     one_based = trace("audit", 4, 2, 2, [[[[1, 2]], [[3, 4]]]], SAMPLER)

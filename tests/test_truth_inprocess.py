@@ -24,10 +24,10 @@ from oracle import Case, all_ranks
 from sim import SimAccelerator, walk
 
 from sharddemo.errors import UsageError
-from sharddemo.loaders import build_loader
+from sharddemo.rank.loaders import build_loader
 from sharddemo.options import RunOptions
 from sharddemo.analysis import build_report
-from sharddemo.sources import build_source
+from sharddemo.rank.sources import build_source
 from sharddemo.rank.describe import describe_loader
 
 MODES = ["sampler", "replicated", "prepared", "double-split", "unseeded"]

@@ -1,12 +1,12 @@
 """sharddemo: see, on real ranks, how torch and accelerate split a dataset across processes.
 
 `from sharddemo import watch` checks the sharding of your own training loop as it trains
-(sharddemo.watcher, docs/watch.md). It is imported on first use, so that the command line
+(sharddemo.watching, docs/watch.md). It is imported on first use, so that the command line
 starts without torch."""
 
 __version__ = "0.1.0"
 
-_LAZY = {"watch": "sharddemo.watcher", "ShardingViolation": "sharddemo.watcher",
+_LAZY = {"watch": "sharddemo.watching", "ShardingViolation": "sharddemo.errors",
          "Recorder": "sharddemo.rank.recorder"}
 
 

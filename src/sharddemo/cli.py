@@ -22,7 +22,7 @@ from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT
                                MODES, SOURCE_HELP, SOURCES, RunOptions, parse_modes)
 
 if TYPE_CHECKING:  # imported lazily at run time: `--help` must not pay for it
-    from sharddemo.audit import AuditOptions
+    from sharddemo.options import AuditOptions
 
 FORMATS = ("table", "json", "markdown")
 
@@ -67,7 +67,7 @@ class SafeGroup(click.Group):
                 # Every failing rank says so before it exits: the launcher stops the others
                 # as soon as one exits, so a rank that waited for another to speak could be
                 # killed with nothing said. `compare` groups ranks with the same message.
-                from sharddemo.trace import failure_kind, rank_fail
+                from sharddemo.rank.session import failure_kind, rank_fail
 
                 rank_fail(str(exc), failure_kind(exc, usage=isinstance(exc, _Usage)))
             else:
@@ -78,7 +78,7 @@ class SafeGroup(click.Group):
         except Exception as exc:  # a bug or an unexpected library error: still one line
             message = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if _in_rank():
-                from sharddemo.trace import failure_kind, rank_fail
+                from sharddemo.rank.session import failure_kind, rank_fail
 
                 rank_fail(message, failure_kind(exc))
             else:
@@ -190,13 +190,11 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
         except PackageNotFoundError:
             return "not installed"
 
-    import torch
+    from sharddemo.rank.session import distributed_here
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    here = (f"MULTI_GPU on NCCL ({gpus} GPUs visible)" if gpus >= 2 else
-            "MULTI_CPU on gloo (no 2 GPUs visible: CPU ranks, accelerate_configs/cpu2.yaml)")
+    torch_version, here = distributed_here()
     click.echo(f"sharddemo {__version__}")
-    click.echo(f"python {platform.python_version()} | torch {torch.__version__} | accelerate "
+    click.echo(f"python {platform.python_version()} | torch {torch_version} | accelerate "
                f"{ver('accelerate')} | datasets {ver('datasets')} | click {ver('click')}")
     click.echo(f"distributed type here: {here}")
     ctx.exit()
@@ -248,7 +246,7 @@ def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, allow_al
                          "sharddemo compare --modes resume --dataset-size 40")
     if trace_out:
         _check_output(trace_out, "--trace-out")
-    from sharddemo.trace import run_trace
+    from sharddemo.rank.run import run_trace
 
     run_trace(opts, device=device, trace_out=trace_out, allow_alone=allow_alone,
               say=None if quiet else (lambda line: click.echo(line)))
@@ -492,7 +490,7 @@ def audit_options(func: Callable) -> Callable:
 
 
 def _audit_options(kw: dict) -> "AuditOptions":
-    from sharddemo.audit import AuditOptions
+    from sharddemo.options import AuditOptions
 
     given = [(name, kw.get(key)) for name, key in (("FACTORY", "factory"),
                                                     ("--trainer", "trainer"),
@@ -504,9 +502,9 @@ def _audit_options(kw: dict) -> "AuditOptions":
                          f"(got {what}); e.g. sharddemo audit examples/good.py:make_loader")
     framework = None if given[0][0] == "FACTORY" else given[0][0][2:]
     if framework is not None:
-        from sharddemo.adapters import require_extra
+        from sharddemo.extras import require_framework
 
-        require_extra(framework)
+        require_framework(framework)
     return AuditOptions(target=given[0][1], framework=framework, grad_accum=kw["grad_accum"],
                         epochs=kw["epochs"], id_field=kw["id_field"],
                         expect=kw["expect"], set_epoch=kw["set_epoch"],
@@ -666,7 +664,7 @@ def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: st
 
         accelerate launch -m sharddemo resume-demo-rank --dataset-size 40 --phase stop --checkpoint ckpt
     """
-    from sharddemo.resume import demo_rank
+    from sharddemo.rank.resume import demo_rank
 
     demo_rank(_options(modes, kw), phase, checkpoint, device=device, trace_out=trace_out,
               stateful=not without_stateful)
@@ -691,7 +689,7 @@ def resume_rank_command(phase: str, checkpoint: str, device: str, trace_out: Opt
 
         accelerate launch -m sharddemo resume-rank F.py:make_loader --resume-at 0:3 --phase stop --checkpoint ckpt
     """
-    from sharddemo.resume import resume_rank
+    from sharddemo.rank.resume import resume_rank
 
     opts = _audit_options(kw)
     resume_rank(opts, _resume_plan(kw, opts.epochs), phase, checkpoint, device=device,
@@ -713,7 +711,7 @@ def audit_rank_command(device: str, trace_out: Optional[str], quiet: bool, **kw:
 
         accelerate launch -m sharddemo audit-rank examples/good.py:make_loader --trace-out t.json
     """
-    from sharddemo.audit import audit_rank
+    from sharddemo.rank.audit import audit_rank
 
     audit_rank(_audit_options(kw), device=device, trace_out=trace_out)
 

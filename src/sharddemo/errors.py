@@ -21,6 +21,16 @@ class RunFailed(ShardDemoError):
     exit_code = 1
 
 
+class ShardingViolation(ShardDemoError):
+    """Raised by sharddemo.watch on every rank, at the same point (the end of the epoch's
+    exchange), when a watched epoch fails a verdict and `on_violation="raise"`. `entry` is the
+    report entry (docs/watch.md) that failed."""
+
+    def __init__(self, message: str, entry: dict) -> None:
+        super().__init__(message)
+        self.entry = entry
+
+
 class CollectiveFailed(RunFailed):
     """A collective (gather, exchange) failed on this rank. `kind` says how, measured on the
     rank rather than read from the message: `timeout` (it waited the whole process-group

@@ -82,3 +82,12 @@ def require_imports_of(path: str) -> None:
             if not installed(name):
                 raise UsageError(f"{path} imports {name} ({label}), which is not installed; "
                                  f"install the extra: {install_hint(what)}")
+
+
+# audit --trainer / --lightning: the optional package each needs
+FRAMEWORKS = {"trainer": "transformers", "lightning": "lightning"}
+
+
+def require_framework(kind: str) -> None:
+    """One Error line, before any rank starts, when the framework is not installed."""
+    require(FRAMEWORKS[kind], f"--{kind}")

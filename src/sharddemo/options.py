@@ -7,10 +7,12 @@ print help in a fraction of a second.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sharddemo.errors import UsageError
+from sharddemo.targets import FACTORY_CALLS, parse_target
 
 # The modes `run` and `compare` know. `all` is the reference's three; `pitfalls` the two
 # that silently lose samples; `split` is the datasets-native split for the HF sources.
@@ -330,3 +332,86 @@ def demo_scenarios(steps: int, stateful: bool = True) -> list[dict]:
     strategies = [s for s in STRATEGIES if stateful or s != "stateful"]
     return [{"workers": w, "epoch": e, "step": s, "strategy": strategy}
             for w in DEMO_WORKERS for e, s in stops for strategy in strategies]
+
+
+EXPECTATIONS = ("sharded", "replicated")
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    target: str
+    epochs: int = 2
+    id_field: Optional[str] = None
+    expect: str = "sharded"
+    set_epoch: bool = False
+    dataset_size: Optional[int] = None
+    timeout: float = 60.0
+    gather: str = "auto"
+    # The whole launch's limit: a loader that hangs outside any collective ends here.
+    max_time: float = 3600.0
+    # Set use_stateful_dataloader before the factory runs (the resume audit's `stateful`
+    # strategy, for its uninterrupted reference run).
+    stateful: bool = False
+    # None: `target` is make_loader(accelerator); "trainer" / "lightning": it is make_trainer()
+    # / make_datamodule(), and the framework builds the loaders (sharddemo.rank.frameworks).
+    framework: Optional[str] = None
+    # Gradient accumulation: the optimizer steps' windows of K batches (a Trainer's own
+    # gradient_accumulation_steps when not given).
+    grad_accum: Optional[int] = None
+    # The parent needs every id (--plot draws them): `auto` never takes the count path.
+    keep_ids: bool = False
+    # A file of the samples' keys, one per line (the parent's: analysis.keys numbers the
+    # keys the ranks saw by it, and names the missing ones).
+    keys: Optional[str] = None
+
+    def validate(self) -> "AuditOptions":
+        if self.framework not in FACTORY_CALLS:
+            raise UsageError(f"framework must be trainer or lightning, got {self.framework!r}")
+        parse_target(self.target, self.framework)
+        if self.epochs < 1:
+            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
+        if self.expect not in EXPECTATIONS:
+            raise UsageError(f"--expect must be sharded or replicated, got {self.expect!r}")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise UsageError(f"--dataset-size must be at least 1, got {self.dataset_size}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        if not self.max_time > 0:
+            raise UsageError(f"--max-time must be a positive number of seconds, got {self.max_time}")
+        if self.keys is not None and self.id_field is None:
+            raise UsageError(f"--keys {self.keys} names the keys an --id-field holds; pass "
+                             "--id-field too (e.g. --id-field __key__)")
+        if self.grad_accum is not None and self.grad_accum < 1:
+            raise UsageError(f"--grad-accum must be at least 1 batch per optimizer step, got "
+                             f"{self.grad_accum}")
+        if self.framework is not None:
+            who = "the Trainer" if self.framework == "trainer" else "Lightning"
+            if self.set_epoch:
+                raise UsageError(f"--set-epoch: with --{self.framework}, {who} sets the epoch "
+                                 "itself, as in training; leave --set-epoch out")
+            if self.expect != "sharded":
+                raise UsageError(f"--expect {self.expect}: with --{self.framework} the train "
+                                 "loader is meant to be sharded; leave --expect out")
+        return self
+
+    def to_run_args(self) -> list[str]:
+        where = [self.target] if self.framework is None else [f"--{self.framework}", self.target]
+        args = [*where, "--epochs", str(self.epochs), "--expect", self.expect,
+                "--timeout", f"{self.timeout:g}"]
+        if self.grad_accum is not None:
+            args += ["--grad-accum", str(self.grad_accum)]
+        if self.id_field is not None:
+            args += ["--id-field", self.id_field]
+        if self.set_epoch:
+            args.append("--set-epoch")
+        if self.dataset_size is not None:
+            args += ["--dataset-size", str(self.dataset_size)]
+        if self.gather != "auto":
+            args += ["--gather", self.gather]
+        if self.stateful:
+            args.append("--stateful-loader")
+        if self.keep_ids:
+            args.append("--keep-ids")
+        if self.keys is not None:
+            args += ["--keys", os.path.abspath(self.keys)]
+        return args

@@ -47,3 +47,13 @@ def interleave_steps(ranks: list[list[list[int]]]) -> list[int]:
             if step < len(batches):
                 out.extend(batches[step])
     return out
+
+
+def largest_id(record: dict) -> int:
+    """The largest id any rank received in an epoch's record of ids; -1 for none."""
+    top = -1
+    for rank in record["ranks"]:
+        for batch in rank.get("batches", ()):
+            if batch:
+                top = max(top, max(batch))
+    return top

@@ -15,7 +15,7 @@ if SPEC and "RANK" in os.environ:
     import time
 
     import sharddemo.rank.walk as _walk
-    import sharddemo.trace as _trace
+    import sharddemo.rank.run as _trace
 
     how, want_rank, want_mode, want_epoch = SPEC.split(":")
     _current = {"mode": None}

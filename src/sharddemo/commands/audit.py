@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
-from sharddemo.audit import read_keys
+from sharddemo.targets import read_keys
 from sharddemo.commands import report_of
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
@@ -14,7 +14,7 @@ from sharddemo.options import RunOptions
 def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = False,
               progress: bool = False) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
-    from sharddemo.audit import precheck_target
+    from sharddemo.targets import precheck_target
 
     precheck_target(opts.target, opts.framework)
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None

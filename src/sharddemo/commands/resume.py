@@ -24,7 +24,7 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
     import shutil
     import tempfile
 
-    from sharddemo.audit import precheck_target
+    from sharddemo.targets import precheck_target
     from sharddemo.analysis.resume import compare_resume, explain
 
     precheck_target(opts.target, opts.framework)

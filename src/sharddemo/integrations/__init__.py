@@ -9,8 +9,8 @@ naming the extra to install.
 
 from __future__ import annotations
 
-_WHERE = {"TrainerWatch": ("sharddemo.integrations.trainer", "transformers"),
-          "LightningWatch": ("sharddemo.integrations.lightning", "lightning")}
+_WHERE = {"TrainerWatch": ("sharddemo.watching.trainer", "transformers"),
+          "LightningWatch": ("sharddemo.watching.lightning", "lightning")}
 
 
 def __getattr__(name: str):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from sharddemo.collect import collective, exchange_ints, gather_ragged
+from sharddemo.rank.collect import collective, exchange_ints, gather_ragged
 from sharddemo.options import code_width
 from sharddemo.rank.describe import index_domain, is_prepared, remainder
 from sharddemo.rank.ids import unshift

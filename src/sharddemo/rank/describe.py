@@ -206,6 +206,26 @@ def under_subsets(dataset) -> tuple[Any, list]:
     return dataset, chain
 
 
+def subset_mapping(dataset) -> Optional[torch.Tensor]:
+    """Positions in a (chain of) torch Subset -> the root dataset's ids, as one int64 tensor;
+    None where the dataset is no Subset."""
+    _, chain = under_subsets(dataset)
+    mapping = None
+    for indices in reversed(chain):  # innermost first: each level indexes the one under it
+        level = torch.as_tensor(list(indices), dtype=torch.int64)
+        mapping = level if mapping is None else mapping[level]
+    return mapping
+
+
+def loader_batch_size(loader) -> Optional[int]:
+    """The loader's batch size: its own, else its batch sampler's (accelerate's
+    BatchSamplerShard keeps the batch it splits), as the fingerprint reads it; None for a
+    batch sampler without one."""
+    base = base_loader(loader)
+    return (getattr(base, "batch_size", None)
+            or getattr(getattr(base, "batch_sampler", None), "batch_size", None))
+
+
 def _index_domain(base) -> dict:
     import numpy as np
 
@@ -483,7 +503,7 @@ def agree_on_fingerprint(accelerator, loader, stop: bool = True,
     every rank stops with a UsageError asking for --id-field (by position it would read as
     replication); under a loader that shards the data itself the walk goes on (unseeded
     random data does this, harmless in a demo) and `rows_note` says what it means."""
-    from sharddemo.collect import exchange_objects
+    from sharddemo.rank.collect import exchange_objects
     from sharddemo.errors import Disagreement, UsageError
 
     mine = fingerprint(loader, description)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from sharddemo.collect import exchange_ints, gather_ragged
+from sharddemo.rank.collect import exchange_ints, gather_ragged
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.record import LIST_CAP
 
@@ -307,7 +307,7 @@ def exchange_key_events(accelerator, table: KeyTable) -> Optional[dict]:
     """A collective (every rank, each counted epoch's end, where the field held keys): every
     rank's collisions and outside keys, merged on the main process (None elsewhere, and on
     every rank where no rank looked a key up)."""
-    from sharddemo.collect import exchange_objects
+    from sharddemo.rank.collect import exchange_objects
 
     index = table.index
     mine = None if index is None else {**index.events(), "n": index.n,

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from sharddemo.collect import exchange_ints, gather_ragged, narrowest_dtype
+from sharddemo.rank.collect import exchange_ints, gather_ragged, narrowest_dtype
 from sharddemo.options import BITS_FROM
 from sharddemo.rank.counting import KEEP_BATCHES, BitCounts, Counts, slot_ints
 from sharddemo.rank.describe import base_loader, remainder

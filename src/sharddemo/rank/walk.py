@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import collective, exchange_ints, gather_ragged
+from sharddemo.rank.collect import collective, exchange_ints, gather_ragged
 from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.rank.describe import is_prepared, remainder, safe_len
 from sharddemo.rank.ids import ReadIds, read_values, unshift

@@ -39,15 +39,14 @@ STATE_FILE = "sharddemo_loader_state_{rank}.pt"
 def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: str = "auto",
                 trace_out: Optional[str] = None) -> Optional[dict]:
     """One phase on this rank. Returns the phase's trace on the main process."""
-    from sharddemo.audit import build_loader, id_reader, load_factory, set_epoch
-    from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
+    from sharddemo.rank.audit import build_loader, id_reader, load_factory, set_epoch
     from sharddemo.rank.describe import agree_on_fingerprint, is_prepared
+    from sharddemo.rank.session import rank_session
     from sharddemo.rank.walk import EpochWalker
 
     factory = load_factory(opts.target)
-    accelerator = make_accelerator(device, opts.timeout)
-    try:
-        check_world(accelerator.num_processes)
+    with rank_session(device, opts.timeout) as session:
+        accelerator = session.accelerator
         if plan.strategy == "stateful":  # (the parent checked too, before the launch)
             from sharddemo.extras import require
 
@@ -87,15 +86,7 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
             else:  # stateful: the loader continues by itself; restart: from the start
                 walk(plan.epoch)
             walk(plan.epoch + 1)
-        if not accelerator.is_main_process:
-            return None
-        trace = {"phase": phase, "world_size": accelerator.num_processes,
-                 "epochs": walker.records}
-        if trace_out:
-            write_trace(trace, trace_out)
-        return trace
-    finally:
-        teardown(accelerator)
+        return session.finish({"phase": phase, "epochs": walker.records}, trace_out)
 
 
 def _length(loader) -> Optional[int]:
@@ -144,8 +135,8 @@ def _demo_loader(accelerator, opts, workers: int, stateful: bool):
 
     from accelerate.utils import set_seed
 
-    from sharddemo.loaders import build_loader, dataloader_config
-    from sharddemo.sources import build_source
+    from sharddemo.rank.loaders import build_loader, dataloader_config
+    from sharddemo.rank.sources import build_source
 
     set_seed(opts.seed)
     run = dataclasses.replace(opts, num_workers=workers, modes=("prepared",))
@@ -161,11 +152,10 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
     scenarios that need no StatefulDataLoader). Returns {key: epochs} on the main process."""
     from accelerate import Accelerator
 
-    from sharddemo.sources import batch_ids
-    from sharddemo.trace import check_world, make_accelerator, teardown, write_trace
+    from sharddemo.rank.sources import batch_ids
+    from sharddemo.rank.session import rank_session
     from sharddemo.rank.walk import EpochWalker
 
-    first = make_accelerator(device, opts.timeout)
     out: dict[str, Any] = {}
 
     def read(batch, tag):
@@ -174,12 +164,13 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
     def walker(acc, loader) -> EpochWalker:
         return EpochWalker(acc, loader, read, strategy="batch")
 
-    def fresh():
-        # Another Accelerator on the same process group: its own list of prepared loaders.
-        return Accelerator(cpu=first.device.type == "cpu")
+    with rank_session(device, opts.timeout) as session:
+        first = session.accelerator
 
-    try:
-        check_world(first.num_processes)
+        def fresh():
+            # Another Accelerator on the same process group: its own list of prepared loaders.
+            return Accelerator(cpu=first.device.type == "cpu")
+
         steps = None
         if phase == "reference":
             for workers in DEMO_WORKERS:
@@ -216,15 +207,4 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
                         walk.walk(sc["epoch"])
                     walk.walk(sc["epoch"] + 1)
                 out[str(k)] = walk.records
-        if not first.is_main_process:
-            return None
-        trace = {"phase": phase, "world_size": first.num_processes, "steps": steps,
-                 "backend": getattr(first.state, "backend", None) or "none",
-                 "distributed_type": first.state.distributed_type.value,
-                 "device": first.device.type,
-                 "results": out}
-        if trace_out:
-            write_trace(trace, trace_out)
-        return trace
-    finally:
-        teardown(first)
+        return session.finish({"phase": phase, "steps": steps, "results": out}, trace_out)

@@ -15,10 +15,6 @@ from typing import Any, Callable, Optional
 
 from sharddemo.errors import UsageError
 
-# --trainer / --lightning: the optional package each needs (sharddemo.extras)
-FRAMEWORKS = {"trainer": "transformers", "lightning": "lightning"}
-
-
 @dataclass
 class Audited:
     """One loader a framework builds, as a rank iterates it."""
@@ -32,13 +28,6 @@ class Audited:
     settings: dict = field(default_factory=dict)  # the arguments that decide the split
     grad_accum: Optional[int] = None
     note: Optional[str] = None  # what the framework changed of the loader the user wrote
-
-
-def require_extra(kind: str) -> None:
-    """One Error line, before any rank starts, when the framework is not installed."""
-    from sharddemo.extras import require
-
-    require(FRAMEWORKS[kind], f"--{kind}")
 
 
 def call_factory(factory: Callable, target: str, *args: Any) -> Any:

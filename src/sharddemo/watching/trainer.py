@@ -21,7 +21,9 @@ from typing import Optional
 
 from transformers import Trainer, TrainerCallback
 
-from sharddemo.watcher import _attach, _watch, _Watch
+from sharddemo.watching import watch_loader
+from sharddemo.watching.hooks import attach
+from sharddemo.watching.state import WatchState
 
 
 STATE_FILE = "sharddemo_watch.pt"
@@ -57,7 +59,7 @@ class TrainerWatch(TrainerCallback):
         self.report = report
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None
-        self.eval_state: Optional[_Watch] = None
+        self.eval_state: Optional[WatchState] = None
         self.train_loader = None
 
     def _report(self, args) -> str:
@@ -76,18 +78,18 @@ class TrainerWatch(TrainerCallback):
         def get_eval_dataloader(*a, **kw):
             loader = get_eval(*a, **kw)
             if self.eval_state is None:
-                _watch(loader, name="eval", report=self._report(args),
+                watch_loader(loader, name="eval", report=self._report(args),
                        on_violation=self.on_violation, role="eval")
                 self.eval_state = loader.__dict__["_sharddemo_watch"]
             else:  # each evaluation is one more "epoch" of the same eval loader
-                _attach(loader, self.eval_state)
+                attach(loader, self.eval_state)
             return loader
 
         def get_resumed_dataloader(dataloader, num_batches):
             made = get_resumed(dataloader, num_batches)
             state = getattr(dataloader, "__dict__", {}).get("_sharddemo_watch")
             if state is not None and made is not dataloader:
-                _attach(made, state)  # what the resumed epoch's loop receives
+                attach(made, state)  # what the resumed epoch's loop receives
             return made
 
         trainer.get_eval_dataloader = get_eval_dataloader
@@ -100,7 +102,7 @@ class TrainerWatch(TrainerCallback):
         self._hook(args)
         if train_dataloader is not None and train_dataloader is not self.train_loader:
             self.train_loader = train_dataloader
-            _watch(train_dataloader, name="train", report=self._report(args),
+            watch_loader(train_dataloader, name="train", report=self._report(args),
                    on_violation=self.on_violation, start_epoch=int(state.epoch or 0))
             # a resumed run: the watch's place as the checkpoint saved it (on_save below)
             folder = _resuming_from()

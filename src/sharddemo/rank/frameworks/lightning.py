@@ -17,7 +17,7 @@ import importlib
 import os
 from functools import partial
 
-from sharddemo.adapters import Audited, call_factory
+from sharddemo.rank.frameworks import Audited, call_factory
 from sharddemo.errors import RunFailed, UsageError
 
 # Arguments sharddemo sets for the launch; a factory's trainer_kwargs cannot change them.

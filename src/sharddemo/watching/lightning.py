@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from sharddemo.watcher import _watch
+from sharddemo.watching import watch_loader
 
 try:  # what most users have
     from pytorch_lightning import Callback as _PLCallback
@@ -65,7 +65,7 @@ class LightningWatch(*_BASES):
     def _watch_all(self, trainer, combined, name: str, role: str) -> None:
         loaders = _loaders(combined)
         for i, loader in enumerate(loaders):
-            _watch(loader, name=name if len(loaders) == 1 else f"{name}:{i}",
+            watch_loader(loader, name=name if len(loaders) == 1 else f"{name}:{i}",
                    report=self._report(trainer), on_violation=self.on_violation, role=role,
                    start_epoch=trainer.current_epoch if role == "train" else 0)
             state = loader.__dict__["_sharddemo_watch"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharddemo.adapters import Audited, call_factory
+from sharddemo.rank.frameworks import Audited, call_factory
 from sharddemo.errors import RunFailed, UsageError
 
 # The TrainingArguments that decide how the data is split, shown in the report where set.

@@ -14,84 +14,19 @@ prints.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.collect import exchange_ints, exchange_objects, guard_forks, set_timeout
-from sharddemo.sources import batch_values
+from sharddemo.rank.collect import exchange_objects
+from sharddemo.rank.sources import batch_values
 from sharddemo.errors import RunFailed, UsageError, describe_exception
-from sharddemo.options import (EXPECT_ENV, NODE_ENV, STATUS_ENV,
-                               RunOptions, mode_description)
+from sharddemo.options import (RunOptions, mode_description)
 from sharddemo.rank.describe import agree_on_fingerprint, describe_loader
 from sharddemo.rank.tagging import tag_batches
 from sharddemo.rank.walk import EpochWalker
-
-TRACE_SCHEMA = "sharddemo.trace/1"
-
-
-def rank_label(rank: Optional[int] = None, world: Optional[int] = None) -> str:
-    """`[rank r/W]` from the arguments, or from the launcher's environment."""
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0") or 0)
-    if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return f"[rank {rank}/{world}]"
-
-
-def make_accelerator(device: str, timeout: float):
-    """One Accelerator for the whole run, with a short process-group timeout.
-
-    On a machine without CUDA the script asks for `cpu=True`: under torchrun (which is what
-    `accelerate launch` with a MULTI_GPU config runs) that gives MULTI_CPU on gloo with the
-    launcher's real ranks. Without it, each process would set itself up alone.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but CUDA is not available; use --device cpu")
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))]
-    set_timeout(timeout)
-    guard_forks()  # DataLoader workers forked right after a collective (collect.guard_forks)
-    mark_started()
-    return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
-
-
-def check_world(num_processes: int, env: Optional[dict] = None) -> None:
-    """Stop when the launcher asked for several processes but this one finds itself alone.
-
-    That is the silent trap of `accelerate launch --cpu --num_processes 2` and of a
-    MULTI_CPU config without MPI: one process runs, prints, and sees the whole dataset.
-    """
-    env = os.environ if env is None else env
-    asked = 0
-    for key in ("WORLD_SIZE", EXPECT_ENV):
-        try:
-            asked = max(asked, int(env.get(key, "0") or 0))
-        except ValueError:
-            pass
-    if num_processes >= asked and not (
-        # accelerate's plain (non-torchrun) launcher sets MASTER_PORT only when it was asked
-        # for more than one process, never WORLD_SIZE, and always its ACCELERATE_* settings.
-        # MASTER_PORT alone proves nothing: SLURM jobs export it for plain `python` too.
-        num_processes == 1 and "MASTER_PORT" in env and "WORLD_SIZE" not in env
-        and "ACCELERATE_MIXED_PRECISION" in env
-    ):
-        return
-    wanted = f"{asked} processes" if asked > 1 else "several processes"
-    raise UsageError(
-        f"launched for {wanted} but this process is alone (world size {num_processes}); "
-        "accelerate launch --cpu and MULTI_CPU configs without MPI start one process. "
-        "Fix: accelerate launch --config_file accelerate_configs/cpu2.yaml (MULTI_GPU launcher, "
-        "which sharddemo runs on CPU with gloo)"
-    )
+from sharddemo.rank.session import peak_rss_mb, placement, rank_label, rank_session
 
 
 def arithmetic(world: int, opts: RunOptions) -> dict:
@@ -116,7 +51,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     where it differs from the run's arithmetic."""
     from accelerate.utils import set_seed
 
-    from sharddemo.loaders import build_loader
+    from sharddemo.rank.loaders import build_loader
 
     # Reseed per mode so a mode's result does not depend on which modes ran before it
     # (`unseeded` then reseeds each process differently: that is its point).
@@ -180,14 +115,14 @@ def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dic
     """The shard arithmetic of a streamed source, as its library computes it (None for the
     other sources)."""
     if opts.source == "hf-stream":
-        from sharddemo.sources import stream_arithmetic
+        from sharddemo.rank.sources import stream_arithmetic
 
         return stream_arithmetic(dataset, accelerator.num_processes, opts.num_workers,
                                  split=mode == "split",
                                  dispatch=bool(description.get("dispatcher")))
     if opts.source == "webdataset":
-        from sharddemo.loaders import uneven_count
-        from sharddemo.sources import wds_arithmetic
+        from sharddemo.rank.loaders import uneven_count
+        from sharddemo.rank.sources import wds_arithmetic
 
         world = accelerator.num_processes
         urls = dataset.urls(uneven_count(world, opts.num_workers)
@@ -219,25 +154,6 @@ def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
     return batch_values(batch)
 
 
-def peak_rss_mb(accelerator) -> list[float]:
-    """Every rank's peak resident memory so far, in MB, rank by rank. A collective."""
-    import resource
-
-    kb = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
-    return [round(row[0] / 1024, 1) for row in exchange_ints(accelerator, [kb])]
-
-
-def placement(accelerator) -> list[dict]:
-    """Where every rank runs: global rank, local rank, node (machine rank) and host, as the
-    main process sees them after one gather. The reference takes `local_rank` from
-    `get_rank()`, which is only right on the first machine; here both are recorded."""
-    import socket
-
-    node = os.environ.get(NODE_ENV) or os.environ.get("GROUP_RANK") or "0"
-    mine = {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
-            "node": int(node), "host": socket.gethostname()}
-    return sorted(exchange_objects(accelerator, mine), key=lambda p: p["rank"])
-
 
 def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[[str], None]] = None,
               trace_out: Optional[str] = None, allow_alone: bool = False) -> Optional[dict]:
@@ -245,12 +161,10 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
 
     `allow_alone` skips the check that the launcher really started every process asked
     for: `sharddemo trap` uses it to show what that silent failure looks like."""
-    from sharddemo.sources import build_source
+    from sharddemo.rank.sources import build_source
 
-    accelerator = make_accelerator(device, opts.timeout)
-    try:
-        if not allow_alone:
-            check_world(accelerator.num_processes)
+    with rank_session(device, opts.timeout, allow_alone=allow_alone) as session:
+        accelerator = session.accelerator
         opts.check_world(accelerator.num_processes)
         world = accelerator.num_processes
         state = accelerator.state
@@ -290,14 +204,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
-        if not main:
-            return None
-        trace = {
-            "schema": TRACE_SCHEMA,
-            "world_size": world,
-            "backend": backend,
-            "distributed_type": state.distributed_type.value,
-            "device": accelerator.device.type,
+        return session.finish({
             "source": opts.source,
             "dataset_size": opts.dataset_size,
             "batch_size": opts.batch_size,
@@ -310,28 +217,8 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             "modes": modes,
             # Not reproducible, so kept apart from the rest of the trace.
             "timings": {"mode_s": timings, "peak_rss_mb": peak},
-        }
-        if trace_out:
-            write_trace(trace, trace_out)
-        return trace
-    finally:
-        teardown(accelerator)
+        }, trace_out)
 
-
-def write_trace(trace: dict, path: str) -> None:
-    """The main rank's trace, whole or not at all (compact: it can hold 10^7 ids)."""
-    import json
-
-    from sharddemo.fileio import write_atomic
-
-    write_atomic(path, json.dumps(trace, separators=(",", ":")))
-
-
-def teardown(accelerator) -> None:
-    """End the run and leave the process group, as the DDP tutorial's destroy does."""
-    accelerator.end_training()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # Above this dataset size `run` prints counts instead of every value.
@@ -384,59 +271,3 @@ def _print_epoch(talk: Callable[[str], None], record: dict, world: int, n: int) 
     if len(set(steps)) > 1:
         talk(f"steps per rank {steps}: a training loop would hang at step {min(steps)} "
              "(sharddemo kept every rank answering, so it did not)")
-
-
-# STATUS_ENV, set by `sharddemo compare` / `audit` for the ranks they launch: a folder where
-# each rank leaves `rank-R.started` when it starts and `rank-R.json` ({"kind", "message"}) when
-# it fails, so the launcher's side learns what happened from the ranks themselves, not by
-# reading words in their stderr.
-
-
-def _status_path(suffix: str) -> Optional[str]:
-    folder = os.environ.get(STATUS_ENV)
-    rank = os.environ.get("RANK")
-    return os.path.join(folder, f"rank-{rank}.{suffix}") if folder and rank else None
-
-
-def mark_started() -> None:
-    # A rank that dies of a fatal signal (an abort in gloo, a crash in a native library)
-    # leaves no status file; Python's fault handler at least writes which signal, and every
-    # thread's Python stack, to the rank's stderr (shown with SHARDDEMO_DEBUG=1).
-    import faulthandler
-
-    if not faulthandler.is_enabled():
-        faulthandler.enable(all_threads=True)
-    path = _status_path("started")
-    if path:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(str(os.getpid()))
-
-
-def failure_kind(exc: BaseException, usage: bool = False) -> str:
-    """usage, timeout, peer or error: from the exception's own type (CollectiveFailed says how
-    the collective failed), following the chain of causes."""
-    if usage:
-        return "usage"
-    seen = exc
-    while seen is not None:
-        kind = getattr(seen, "kind", None)
-        if kind:
-            return kind
-        seen = seen.__cause__ or seen.__context__
-    return "error"
-
-
-def rank_fail(message: str, kind: str = "error") -> None:
-    """The failing rank speaks for itself: one line on stderr for a person (`[rank r/W] Error:
-    ...`), and its status file for `sharddemo compare` / `audit`, which turn `usage` into exit
-    code 2 and everything else into 1."""
-    import json
-
-    label = "Usage error" if kind == "usage" else "Error"
-    # One write call, so that lines from ranks failing together do not interleave.
-    sys.stderr.write(f"{rank_label()} {label}: {message}\n")
-    sys.stderr.flush()
-    path = _status_path("json")
-    if path:
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump({"rank": int(os.environ["RANK"]), "kind": kind, "message": message}, handle)

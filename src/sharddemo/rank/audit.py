@@ -15,165 +15,15 @@ import importlib.util
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 from sharddemo.errors import RunFailed, UsageError, describe_exception
+from sharddemo.options import AuditOptions
+from sharddemo.record import largest_id
+from sharddemo.targets import FACTORY_CALLS, factory_name, parse_target
 
 AUDIT_MODE = "audit"
-EXPECTATIONS = ("sharded", "replicated")
-
-
-@dataclass(frozen=True)
-class AuditOptions:
-    target: str
-    epochs: int = 2
-    id_field: Optional[str] = None
-    expect: str = "sharded"
-    set_epoch: bool = False
-    dataset_size: Optional[int] = None
-    timeout: float = 60.0
-    gather: str = "auto"
-    # The whole launch's limit: a loader that hangs outside any collective ends here.
-    max_time: float = 3600.0
-    # Set use_stateful_dataloader before the factory runs (the resume audit's `stateful`
-    # strategy, for its uninterrupted reference run).
-    stateful: bool = False
-    # None: `target` is make_loader(accelerator); "trainer" / "lightning": it is make_trainer()
-    # / make_datamodule(), and the framework builds the loaders (sharddemo.adapters).
-    framework: Optional[str] = None
-    # Gradient accumulation: the optimizer steps' windows of K batches (a Trainer's own
-    # gradient_accumulation_steps when not given).
-    grad_accum: Optional[int] = None
-    # The parent needs every id (--plot draws them): `auto` never takes the count path.
-    keep_ids: bool = False
-    # A file of the samples' keys, one per line (the parent's: analysis.keys numbers the
-    # keys the ranks saw by it, and names the missing ones).
-    keys: Optional[str] = None
-
-    def validate(self) -> "AuditOptions":
-        if self.framework not in FACTORY_CALLS:
-            raise UsageError(f"framework must be trainer or lightning, got {self.framework!r}")
-        parse_target(self.target, self.framework)
-        if self.epochs < 1:
-            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
-        if self.expect not in EXPECTATIONS:
-            raise UsageError(f"--expect must be sharded or replicated, got {self.expect!r}")
-        if self.dataset_size is not None and self.dataset_size < 1:
-            raise UsageError(f"--dataset-size must be at least 1, got {self.dataset_size}")
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout}")
-        if not self.max_time > 0:
-            raise UsageError(f"--max-time must be a positive number of seconds, got {self.max_time}")
-        if self.keys is not None and self.id_field is None:
-            raise UsageError(f"--keys {self.keys} names the keys an --id-field holds; pass "
-                             "--id-field too (e.g. --id-field __key__)")
-        if self.grad_accum is not None and self.grad_accum < 1:
-            raise UsageError(f"--grad-accum must be at least 1 batch per optimizer step, got "
-                             f"{self.grad_accum}")
-        if self.framework is not None:
-            who = "the Trainer" if self.framework == "trainer" else "Lightning"
-            if self.set_epoch:
-                raise UsageError(f"--set-epoch: with --{self.framework}, {who} sets the epoch "
-                                 "itself, as in training; leave --set-epoch out")
-            if self.expect != "sharded":
-                raise UsageError(f"--expect {self.expect}: with --{self.framework} the train "
-                                 "loader is meant to be sharded; leave --expect out")
-        return self
-
-    def to_run_args(self) -> list[str]:
-        where = [self.target] if self.framework is None else [f"--{self.framework}", self.target]
-        args = [*where, "--epochs", str(self.epochs), "--expect", self.expect,
-                "--timeout", f"{self.timeout:g}"]
-        if self.grad_accum is not None:
-            args += ["--grad-accum", str(self.grad_accum)]
-        if self.id_field is not None:
-            args += ["--id-field", self.id_field]
-        if self.set_epoch:
-            args.append("--set-epoch")
-        if self.dataset_size is not None:
-            args += ["--dataset-size", str(self.dataset_size)]
-        if self.gather != "auto":
-            args += ["--gather", self.gather]
-        if self.stateful:
-            args.append("--stateful-loader")
-        if self.keep_ids:
-            args.append("--keep-ids")
-        if self.keys is not None:
-            args += ["--keys", os.path.abspath(self.keys)]
-        return args
-
-
-# Each kind of factory, for the messages: how it is called and what it builds (the plain
-# audit's, --trainer's and --lightning's).
-FACTORY_CALLS = {None: ("make_loader(accelerator)", "loader"),
-                 "trainer": ("make_trainer()", "Trainer"),
-                 "lightning": ("make_datamodule()", "LightningDataModule")}
-
-
-def _factory(framework: Optional[str]) -> str:
-    return FACTORY_CALLS[framework][0].split("(")[0]
-
-
-def parse_target(target: str, framework: Optional[str] = None) -> tuple[str, str]:
-    """`module:name` or `file.py:name` -> (module or path, name)."""
-    where, sep, name = target.rpartition(":")
-    if not sep or not where or not name or not name.replace(".", "_").isidentifier():
-        f = _factory(framework)
-        raise UsageError(f"factory {target!r} is not of the form package.module:{f} or "
-                         f"path/to/file.py:{f}")
-    return where, name
-
-
-def read_keys(path: str, dataset_size: Optional[int] = None) -> list[str]:
-    """The samples' keys, one per line of `path` (UTF-8; a trailing newline and a carriage
-    return are not part of a key), or one Error line saying what is wrong with the file."""
-    try:
-        with open(path, encoding="utf-8", newline="") as handle:
-            keys = [line.rstrip("\n").rstrip("\r") for line in handle]
-    except OSError as exc:
-        raise UsageError(f"--keys {path}: cannot read it ({exc.strerror}); pass a file of the "
-                         "samples' keys, one per line") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--keys {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                         "write the keys as UTF-8, one per line") from None
-    if not keys:
-        raise UsageError(f"--keys {path} is empty; it must list every sample's key, one per "
-                         "line")
-    seen: dict[str, int] = {}
-    for line, key in enumerate(keys, 1):
-        if key in seen:
-            raise UsageError(f"--keys {path}: line {line} repeats the key {key!r} of line "
-                             f"{seen[key]}; each sample's key must be listed once")
-        seen[key] = line
-    if dataset_size is not None and dataset_size != len(keys):
-        raise UsageError(f"--keys {path} lists {len(keys)} keys but --dataset-size is "
-                         f"{dataset_size}; leave --dataset-size out (the file gives N)")
-    return keys
-
-
-def precheck_target(target: str, framework: Optional[str] = None) -> None:
-    """Catch a missing file or module before any rank starts (the import itself runs on the
-    ranks, where the factory is used)."""
-    where, _ = parse_target(target, framework)
-    f = _factory(framework)
-    if where.endswith(".py") or os.sep in where:
-        if not os.path.isfile(where):
-            raise UsageError(f"factory file {where} does not exist; pass path/to/file.py:{f}")
-        from sharddemo.extras import require_imports_of
-
-        require_imports_of(where)
-        return
-    try:
-        spec = importlib.util.find_spec(where)
-    except (ImportError, ValueError) as exc:
-        spec, why = None, f" ({exc})"
-    else:
-        why = ""
-    if spec is None:
-        raise UsageError(f"module {where} cannot be found{why}; check the name, or install or add "
-                         f"its folder to PYTHONPATH, or pass path/to/file.py:{f}")
-
 
 def load_factory(target: str, framework: Optional[str] = None) -> Callable:
     where, name = parse_target(target, framework)
@@ -200,7 +50,7 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
     for part in name.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"{where} has no {name!r}; name the function that builds your "
-                             f"{FACTORY_CALLS[framework][1]}, e.g. {where}:{_factory(framework)}")
+                             f"{FACTORY_CALLS[framework][1]}, e.g. {where}:{factory_name(framework)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{where}:{name} is not a function but a {type(obj).__name__}; it must "
@@ -314,7 +164,7 @@ def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: b
     if stateful:
         # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
         accelerator.dataloader_config.use_stateful_dataloader = True
-    from sharddemo.adapters import call_factory
+    from sharddemo.rank.frameworks import call_factory
 
     from sharddemo.rank.tagging import tagging_prepare
 
@@ -339,14 +189,11 @@ def set_epoch(loader, epoch: int) -> None:
 def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[str] = None,
                say: Optional[Callable[[str], None]] = None) -> Optional[dict]:
     """The rank side: build the user's loader(s), walk each, gather what every rank saw."""
-    from sharddemo.trace import (check_world, make_accelerator, peak_rss_mb, placement,
-                                 teardown, write_trace)
+    from sharddemo.rank.session import peak_rss_mb, placement, rank_session
 
     factory = load_factory(opts.target, opts.framework)
-    accelerator = make_accelerator(device, opts.timeout)
-    try:
-        check_world(accelerator.num_processes)
-        world = accelerator.num_processes
+    with rank_session(device, opts.timeout) as session:
+        accelerator = session.accelerator
         targets = audited_loaders(accelerator, factory, opts)
         modes, elapsed = {}, {}
         for target in targets:
@@ -355,45 +202,33 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             elapsed[target.mode] = round(time.perf_counter() - start, 6)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
-        if not accelerator.is_main_process:
+        if not session.is_main:
             return None
-        state = accelerator.state
-        first = modes[targets[0].mode]["sizes"]
-        trace = {
-            "schema": "sharddemo.trace/1",
-            "world_size": world,
-            "backend": getattr(state, "backend", None) or "none",
-            "distributed_type": state.distributed_type.value,
-            "device": accelerator.device.type,
+        first = modes[targets[0].mode]
+        return session.finish({
             "source": "user" if opts.framework is None else opts.framework,
-            **first,
+            **first["sizes"],
             "epochs": opts.epochs,
             "seed": 0,
-            "options": {"audit": asdict(opts),
-                        "drop_last": modes[targets[0].mode]["loader"]["drop_last"]},
+            "options": {"audit": asdict(opts), "drop_last": first["loader"]["drop_last"]},
             "placement": where,
-            "fingerprint": modes[targets[0].mode]["fingerprint"],
+            "fingerprint": first["fingerprint"],
             "modes": modes,
             "timings": {"mode_s": elapsed, "peak_rss_mb": peak},
-        }
-        if trace_out:
-            write_trace(trace, trace_out)
-        return trace
-    finally:
-        teardown(accelerator)
+        }, trace_out)
 
 
 def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
     """What this rank audits: the user's own loader, or the loaders a framework builds."""
-    from sharddemo.adapters import Audited
+    from sharddemo.rank.frameworks import Audited
     from sharddemo.rank.describe import base_loader
 
     if opts.framework == "trainer":
-        from sharddemo.adapters.trainer import trainer_loaders
+        from sharddemo.rank.frameworks.trainer import trainer_loaders
 
         return trainer_loaders(accelerator, factory, opts)
     if opts.framework == "lightning":
-        from sharddemo.adapters.lightning import lightning_loaders
+        from sharddemo.rank.frameworks.lightning import lightning_loaders
 
         return lightning_loaders(accelerator, factory, opts)
     loader = build_loader(accelerator, factory, opts, stateful=opts.stateful)
@@ -410,9 +245,10 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
 
 def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     """Walk one audited loader for its epochs: its trace mode on the main rank ({} elsewhere)."""
-    from sharddemo.collect import exchange_ints
+    from sharddemo.rank.collect import exchange_ints
     from sharddemo.options import per_rank_batch
-    from sharddemo.rank.describe import (agree_on_fingerprint, base_loader, describe_loader, is_prepared)
+    from sharddemo.rank.describe import (agree_on_fingerprint, describe_loader, is_prepared,
+                                         loader_batch_size)
     from sharddemo.rank.walk import EpochWalker
 
     loader = target.loader
@@ -441,11 +277,7 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
     # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
     sizes = exchange_ints(accelerator, [size])
     size = max(row[0] for row in sizes)
-    # The loader's batch size: its own, else its batch sampler's (accelerate's BatchSamplerShard
-    # keeps the batch it splits), as the fingerprint reads it.
-    base = base_loader(loader)
-    batch = (getattr(base, "batch_size", None)
-             or getattr(getattr(base, "batch_sampler", None), "batch_size", None))
+    batch = loader_batch_size(loader)
     if not accelerator.is_main_process:
         return {}
     world = accelerator.num_processes
@@ -501,9 +333,5 @@ def _dataset_size(loader, opts: AuditOptions, records: list,
         return length
     if any(record.get("ids_are_keys") for record in records):
         return 0  # keys: the parent numbers them and sets N (analysis.keys)
-    top = -1
-    for record in records:  # (the main rank's: every rank's batches; a counted one has N)
-        for rank in record["ranks"]:
-            for batch in rank.get("batches", ()):
-                top = max([top, *batch])
-    return top + 1
+    # (the main rank's records: every rank's batches; a counted one has N)
+    return max((largest_id(record) for record in records), default=-1) + 1

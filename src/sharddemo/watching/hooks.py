@@ -1,0 +1,240 @@
+"""How the watch sees a loader without touching a batch: a tap on the loader's own index
+sampler notes the indices it hands out (in the main process, as the loader's iterator asks
+for them), the loader's class is swapped in place for a subclass whose __iter__ hands each
+batch to the watch, and accelerate's prepare / skip_first_batches return watched loaders for
+a watched one. Classes are kept for isinstance, and everything pickles as it was."""
+
+from __future__ import annotations
+
+import collections
+import torch
+
+
+# -- noting the indices the loader's own index sampler hands out ------------------------------
+
+class Tap:
+    """The indices a loader's index sampler handed out, oldest first, noted while that loader
+    (not another built over the same sampler) is being iterated."""
+
+    def __init__(self) -> None:
+        self.fifo: collections.deque = collections.deque()
+        self.active = None  # the pass (a token) now iterating the loader; None: no pass
+        self.drop = 0  # indices to let pass unnoted: drawn and thrown away (_resume_skip)
+
+
+class TapIter:
+    """The index sampler's iterator, noting what it yields."""
+
+    def __init__(self, inner, tap: Tap) -> None:
+        self._inner, self._tap = inner, tap
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = next(self._inner)
+        tap = self._tap
+        if tap.active:
+            if tap.drop:
+                tap.drop -= 1
+            else:
+                tap.fifo.append(index)
+        return index
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_inner"], name)
+
+
+class StatefulTapIter(TapIter):
+    """The same, for an iterator with a state of its own (torchdata's StatefulDataLoader saves
+    and restores it): the state passes through. Only such an iterator gets these methods, since
+    torchdata asks any iterator that has them for its state."""
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self._inner.load_state_dict(state)
+
+
+def _set_class(obj, cls) -> None:
+    """obj.__class__ = cls, also where a class answers __class__ with a property of its own
+    (accelerate's DataLoaderShard names the DataLoader it wraps)."""
+    object.__dict__["__class__"].__set__(obj, cls)
+
+
+def _rebuild(cls, state: dict):
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _as_plain(cls, *ours: str):
+    """__reduce_ex__ of a watched object: it pickles (accelerate's save_state pickles a
+    sampler; a spawned worker, a dataset) as the plain object it was, without the watch."""
+    def __reduce_ex__(self, protocol):
+        state = {k: v for k, v in self.__dict__.items() if k not in ours}
+        return _rebuild, (cls, state)
+
+    return __reduce_ex__
+
+
+def tap_sampler(sampler) -> Tap:
+    """Give `sampler` (the loader's batch sampler, or its sampler) a tap, keeping its class
+    for isinstance and every attribute (set_epoch, batch_size, state_dict) as it was."""
+    tap = sampler.__dict__.get("_sharddemo_tap")
+    if tap is not None:
+        return tap
+    cls = type(sampler)
+
+    def __iter__(self):
+        inner = iter(cls.__iter__(self))
+        kind = StatefulTapIter if hasattr(inner, "state_dict") else TapIter
+        return kind(inner, self.__dict__["_sharddemo_tap"])
+
+    tapped = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "__reduce_ex__": _as_plain(cls, "_sharddemo_tap")})
+    tap = Tap()
+    sampler.__dict__["_sharddemo_tap"] = tap
+    _set_class(sampler, tapped)
+    return tap
+
+
+# -- attaching to a loader -----------------------------------------------------------------
+
+def attach(loader, state):
+    """Make `loader` (in place, its class kept for isinstance) hand its batches to `state` as
+    they reach the loop, and end the epoch when it is exhausted."""
+    from sharddemo.rank.describe import base_loader
+
+    if "_sharddemo_watch" in loader.__dict__:
+        loader.__dict__["_sharddemo_watch"] = state
+        return loader
+    state.describe(loader)
+    tap = None
+    if state.id_field is None:
+        base = base_loader(loader)
+        if isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset):
+            raise ValueError("sharddemo.watch: this loader reads an IterableDataset, whose "
+                             "samples have no index: pass id_field= (the batch's field that "
+                             "holds each sample's id, or '.' for a batch that is the ids)")
+        if state.description.get("dispatcher"):
+            raise ValueError("sharddemo.watch: this loader dispatches batches (rank 0 reads "
+                             "them all and slices them to the ranks), so a rank's own sampler "
+                             "does not say what reached it: pass id_field=")
+        # the loader's index sampler, as torch's iterator draws from it (_index_sampler)
+        tap = tap_sampler(loader.batch_sampler if getattr(loader, "batch_sampler", None) is not None
+                   else loader.sampler)
+    cls = type(loader)
+
+    def __iter__(self):
+        watch_state = self.__dict__["_sharddemo_watch"]
+        my_tap = self.__dict__.get("_sharddemo_loader_tap")
+        this_pass = object()
+        if my_tap is not None:
+            my_tap.fifo.clear()
+            my_tap.drop = resume_skip(self)
+            my_tap.active = this_pass
+        watch_state.closed = False
+        try:
+            for batch in cls.__iter__(self):
+                watch_state.add(batch, my_tap)
+                yield batch
+        finally:
+            # (a pass left unfinished and collected late must not switch off a newer one)
+            if my_tap is not None and my_tap.active is this_pass:
+                my_tap.active = None
+        watch_state.close_epoch(self)
+
+    watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "__reduce_ex__": _as_plain(cls, "_sharddemo_watch",
+                                                                     "_sharddemo_loader_tap")})
+    loader.__dict__["_sharddemo_watch"] = state
+    loader.__dict__["_sharddemo_loader_tap"] = tap
+    _set_class(loader, watched)
+    if tap is not None:
+        drop_untapped_iterator(loader)
+    return loader
+
+
+def stateful_loaders(loader) -> list:
+    """The torchdata StatefulDataLoader(s) behind `loader`: itself, or the one accelerate's
+    stateful DataLoaderShard wraps (base_dataloader)."""
+    found = []
+    for candidate in (loader, loader.__dict__.get("base_dataloader")):
+        if candidate is not None and "_initial_iter_for_state_dict" in candidate.__dict__:
+            found.append(candidate)
+    return found
+
+
+def drop_untapped_iterator(loader) -> None:
+    """A StatefulDataLoader's state_dict() builds its first iterator ahead of time (accelerate
+    calls it as it prepares one), and the first pass reuses it: built before the tap, it
+    would draw the first epoch's indices unnoted (and, with workers, it has drawn some
+    already). Dropped, so that the first pass builds its own through the tap, as every later
+    pass does; the state it would have given is the fresh state a new one gives."""
+    for base in stateful_loaders(loader):
+        built = base.__dict__.get("_iterator")
+        if base.__dict__.get("_initial_iter_for_state_dict") and built is not None:
+            if not isinstance(getattr(built, "_sampler_iter", None), TapIter):
+                base.__dict__["_iterator"] = None
+                base.__dict__["_initial_iter_for_state_dict"] = False
+                if hasattr(built, "_shutdown_workers"):
+                    built._shutdown_workers()
+
+
+def resume_skip(loader) -> int:
+    """How many indices a StatefulDataLoader resuming from a loaded state (torchdata) draws
+    from its index sampler and throws away before its first batch: where the sampler has no
+    state of its own it is fast-forwarded past what was drawn before the save
+    (itertools.islice over `_sampler_iter_yielded`; a sampler, or a sampler's iterator, that
+    saved a state is restored from it instead, drawing nothing through the tap), and a loader
+    with workers also fetches and drops the batches made since its last snapshot
+    (`_steps_since_snapshot`). 0 for a pass that does not resume."""
+    for base in stateful_loaders(loader):
+        state = base.__dict__.get("next_iter_state")
+        if not state:
+            continue
+        snapshot = state.get("_snapshot")
+        main = snapshot.get("_main_snapshot", {}) if snapshot else state
+        sampler = (base.batch_sampler if getattr(base, "batch_sampler", None) is not None
+                   else base.sampler)
+        restored = ((hasattr(sampler, "state_dict") and hasattr(sampler, "load_state_dict"))
+                    or main.get("_index_sampler_state") is not None
+                    or main.get("_sampler_iter_state") is not None)
+        skip = 0 if restored else int(main.get("_sampler_iter_yielded", 0) or 0)
+        return skip + int(state.get("_steps_since_snapshot", 0) or 0)
+    return 0
+
+
+def follow(accelerator, state) -> None:
+    """accelerator.prepare and accelerator.skip_first_batches return watched loaders for a
+    watched one (instance attributes: this Accelerator only, nothing global)."""
+    if accelerator.__dict__.get("_sharddemo_follows"):
+        return
+    prepare, skip = accelerator.prepare, accelerator.skip_first_batches
+
+    def watched_prepare(*objects, **kwargs):
+        out = prepare(*objects, **kwargs)
+        results = out if isinstance(out, tuple) else (out,)
+        for given, made in zip(objects, results):
+            mine = getattr(given, "__dict__", {}).get("_sharddemo_watch")
+            if mine is not None and made is not given:
+                attach(made, mine)
+        return out
+
+    def watched_skip(loader, num_batches: int = 0):
+        made = skip(loader, num_batches)
+        mine = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
+        if mine is not None and made is not loader:
+            attach(made, mine)
+        return made
+
+    accelerator.prepare = watched_prepare
+    accelerator.skip_first_batches = watched_skip
+    accelerator.__dict__["_sharddemo_follows"] = True
+
+
+def checkpoint(accelerator, state) -> None:
+    """Save and load the watch with accelerate's own checkpoint (save_state / load_state)."""
+    accelerator.register_for_checkpointing(state)

@@ -1,0 +1,247 @@
+"""The watch's state on one rank: the ranks it exchanges with (an Accelerator, or
+torch.distributed alone), the loader's description, its recorder for the open epoch, the epoch
+count, the checkpointed state (accelerate's register_for_checkpointing, the Trainer's and
+Lightning's callbacks), and the epoch's end: one exchange, the judgement (analysis.watch), the
+line and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from sharddemo.errors import ShardingViolation
+from sharddemo.watching.hooks import Tap
+
+ON_VIOLATION = ("warn", "raise", "ignore")
+
+
+class TorchRanks:
+    """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
+    srun) or a single process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.num_processes = self.dist.get_world_size() if self.dist else 1
+        self.process_index = self.dist.get_rank() if self.dist else 0
+        self.is_main_process = self.process_index == 0
+        backend = self.dist.get_backend() if self.dist else "none"
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if backend == "nccl" else torch.device("cpu"))
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.new_empty((self.num_processes * tensor.numel(),))
+        self.dist.all_gather_into_tensor(out, tensor.contiguous())
+        return out
+
+
+def ranks_of(accelerator):
+    """The accelerator, or torch.distributed's ranks where there is none."""
+    return accelerator if accelerator is not None else TorchRanks()
+
+
+class WatchState:
+    """One watched loader (and the loaders accelerate makes from it): its recorder, the epoch
+    count, the last epoch's record (for the order), and where the report goes."""
+
+    def __init__(self, accelerator, name: str, report: Optional[str], id_field,
+                 on_violation: str, role: str = "train") -> None:
+        self.accelerator = accelerator
+        self.role = role  # "eval": each sample must be counted once (eval padding fails)
+        self.ranks = None  # resolved at the first epoch's end: the process group exists then
+        self.name = name
+        self.report = report
+        self.id_field = id_field
+        self.on_violation = on_violation
+        self.epoch = 0
+        self.recorder = None
+        self.previous: Optional[dict] = None
+        self.description: Optional[dict] = None
+        self.n: Optional[int] = None
+        self.mapping = None  # Subset positions -> root ids
+        self.batch_size: Optional[int] = None
+        self.entries: list[dict] = []
+        # the epoch was ended by the framework's epoch-end event (a loop that stops pulling at
+        # the epoch's last batch, as the Trainer does), not by the loader's exhaustion
+        self.closed = False
+        self.unattributed = 0  # batches of this epoch whose indices were not noted
+        # a resumed run: how many ranks received each sample of this epoch before the stop
+        # (main process; from the checkpoint, see state_dict)
+        self.before: Optional[np.ndarray] = None
+        self.loaded = False
+
+    # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
+    # rank, and writes the main process's state_dict)
+    def state_dict(self) -> dict:
+        """The watch's place in the run, reduced across the ranks: the epoch, which samples
+        this epoch has delivered so far (a collective, where N is known), and the last
+        finished epoch's record (for the order)."""
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        before = None
+        if self.n is not None:  # (every rank alike: N is the dataset's length)
+            if self.recorder is None:
+                self.recorder = self.new_recorder()
+            before = self.recorder.log.present_so_far(self.ranks)
+            if self.before is not None and before is not None:  # resumed, then saved again
+                before = np.maximum(before, self.before)
+        # (a tensor, not a numpy array: Lightning loads checkpoints with weights_only=True)
+        return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
+                "dataset_size": self.n, "previous": self.previous,
+                "before": None if before is None else torch.from_numpy(before)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.previous = state.get("previous")
+        self.loaded = self.previous is not None  # the next epoch's order is the checkpoint's
+        before = state.get("before")
+        if isinstance(before, torch.Tensor):
+            before = before.numpy()
+        self.before = before if before is not None and int(before.sum()) > 0 else None
+
+    def close_epoch(self, loader=None) -> None:
+        """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
+        framework's epoch-end event)."""
+        if not self.closed:
+            self.end_epoch(loader)
+
+    # -- set-up, once per loader attached
+    def describe(self, loader) -> None:
+        from sharddemo.rank.describe import (describe_loader, loader_batch_size, root_length,
+                                             subset_mapping)
+
+        from sharddemo.rank.describe import base_loader
+
+        # the loader that runs now (prepare and skip_first_batches make new ones)
+        self.description = describe_loader(loader)
+        self.batch_size = loader_batch_size(loader)
+        dataset = getattr(base_loader(loader), "dataset", None)
+        if self.n is None:
+            self.n = root_length(dataset)
+        if self.id_field is None and self.mapping is None:
+            self.mapping = subset_mapping(dataset)
+
+    def new_recorder(self):
+        from sharddemo.rank.recorder import Recorder
+
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        how = "count" if self.n is not None else "epoch"
+        # the epoch's end: one all-reduce (the count path, up to 15 ranks), after which every
+        # rank holds the record, so that on_violation="raise" needs no collective of its own
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True,
+                        one_collective=True, batch=self.batch_size)
+
+    def add(self, batch, tap: Optional[Tap]) -> None:
+        if self.recorder is None:
+            self.recorder = self.new_recorder()
+        if self.id_field is not None:
+            ids = read_field(batch, self.id_field)
+        elif not tap.fifo:
+            # no index noted for this batch (a loader that yields batches its sampler did not
+            # draw): counted as unattributed, never a failure of the user's loop
+            self.unattributed += 1
+            return
+        else:
+            index = tap.fifo.popleft()
+            # (numpy then a view: a third of torch.as_tensor's 6 us for a list of 64)
+            ids = torch.from_numpy(np.asarray(index if isinstance(index, (list, tuple))
+                                              else [index], dtype=np.int64))
+            if self.mapping is not None:
+                ids = self.mapping[ids]
+        self.recorder.add_ids(ids)
+
+    def end_epoch(self, loader=None) -> Optional[dict]:
+        """The epoch's end on every rank: one collective (the recorder's), then the verdict on
+        the main process, the line and the report; ShardingViolation on every rank where
+        asked (each rank judges the record it holds: no second collective). `loader`: the
+        loader the epoch came from (what accelerate's gather_for_metrics keeps of its last
+        step is read from it)."""
+        from sharddemo.rank.collect import exchange_ints
+
+        if self.recorder is None:
+            self.recorder = self.new_recorder()
+        raising = self.on_violation == "raise"
+        everywhere = self.recorder.delivers_everywhere
+        record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
+        self.recorder = None
+        self.closed = True
+        entry = None
+        if record is not None:
+            entry = self.judge(record)
+            self.previous = record
+            self.entries.append(entry)
+        if self.ranks.is_main_process:
+            say(entry["line"])
+            if self.report:
+                append_entry(self.report, entry)
+        self.epoch += 1
+        if not raising:
+            return entry if self.ranks.is_main_process else None
+        if everywhere:
+            ok = entry["ok"]
+        else:  # more than 15 ranks: the record is the main process's alone
+            ok = exchange_ints(self.ranks, [int(entry["ok"]) if entry is not None else 0])[0][0]
+        if not ok:
+            raise ShardingViolation(entry["line"] if entry else
+                                    f"sharddemo: epoch {self.epoch - 1} {self.name}: a sharding "
+                                    "verdict failed (the main process printed it)",
+                                    entry or {})
+        return entry
+
+    def judge(self, record: dict) -> dict:
+        """The record -> the report's entry and verdicts (analysis.watch, as `audit`)."""
+        from sharddemo.analysis.watch import judge_epoch
+        from sharddemo.rank.session import trace_header
+
+        present = record.pop("_present", None)
+        entry = judge_epoch(trace_header(self.ranks), record, self.previous, epoch=self.epoch,
+                            name=self.name, role=self.role, description=self.description,
+                            n=self.n, batch_size=self.batch_size, before=self.before,
+                            present=present, loaded=self.loaded,
+                            unattributed=self.unattributed)
+        if present is not None:
+            self.before = None
+        self.loaded = False
+        self.unattributed = 0
+        return entry
+
+
+def read_field(batch, field) -> torch.Tensor:
+    if field == ".":
+        values = batch
+    elif isinstance(batch, dict):
+        values = batch[field]
+    else:
+        values = batch[int(field)]
+    if not torch.is_tensor(values):
+        from sharddemo.rank.keys import key_values
+
+        if key_values(values) is not None:
+            raise ValueError(f"sharddemo.watch: id_field {field!r} holds keys (str, bytes); "
+                             "the watch counts integer ids 0..N-1 (audit a keyed loader with "
+                             "`sharddemo audit --id-field`, which names samples by key)")
+    values = torch.as_tensor(values)
+    if values.is_floating_point() or values.dtype is torch.bool:
+        raise ValueError(f"sharddemo.watch: id_field {field!r} holds {values.dtype} values; "
+                         "it must hold each sample's integer id 0..N-1")
+    return values.reshape(-1)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def append_entry(path: str, entry: dict) -> None:
+    """One JSON object per line, written with one call (a reader never sees half a line)."""
+    data = json.dumps({k: v for k, v in entry.items() if k != "line"}) + "\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(data)
+        handle.flush()
