@@ -11,18 +11,14 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import click
 
 from sharddemo import __version__
 from sharddemo.errors import ShardDemoError, UsageError
-from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
-                               DEFAULT_SEED, DEFAULT_SHARDS, DEFAULT_TIMEOUT, GATHER_STRATEGIES,
-                               MODES, SOURCE_HELP, SOURCES, RunOptions, parse_modes)
-
-if TYPE_CHECKING:  # imported lazily at run time: `--help` must not pay for it
-    from sharddemo.options import AuditOptions
+from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, STRATEGIES,
+                               AuditOptions, ResumePlan, RunOptions, audit_target, parse_modes)
 
 FORMATS = ("table", "json", "markdown")
 
@@ -113,67 +109,45 @@ def _error(message: str) -> None:
     click.echo(f"Error: {message}", err=True)
 
 
-def loader_options(func: Callable) -> Callable:
-    """The options that decide what each rank receives, shared by run and compare."""
-    options = [
-        click.option("--dataset-size", type=int, default=DEFAULT_DATASET_SIZE, show_default=True,
-                     help="Number of samples N (sample i holds the value i + 1)."),
-        click.option("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, show_default=True,
-                     help="Per-rank batch size B."),
-        click.option("--epochs", type=int, default=DEFAULT_EPOCHS, show_default=True,
-                     help="Epochs to walk."),
-        click.option("--seed", type=int, default=DEFAULT_SEED, show_default=True,
-                     help="Seed for every shuffle (set_seed, sampler seed, loader generator)."),
-        click.option("--shuffle/--no-shuffle", default=True, show_default=True,
-                     help="Shuffle each epoch; --no-shuffle shows the plain strided split."),
-        click.option("--drop-last", is_flag=True, help="Drop incomplete batches / rounds."),
-        click.option("--set-epoch/--no-set-epoch", default=True, show_default=True,
-                     help="sampler mode: call sampler.set_epoch(epoch) each epoch."),
-        click.option("--num-workers", type=int, default=0, show_default=True,
-                     help="DataLoader worker processes."),
-        click.option("--source", type=click.Choice(SOURCES), default="toy", show_default=True,
-                     help="Where samples come from: " + "; ".join(
-                         f"{k}: {v}" for k, v in SOURCE_HELP.items()) + "."),
-        click.option("--shards", type=int, default=DEFAULT_SHARDS, show_default=True,
-                     help="hf-stream, webdataset: number of files (shards) the stream is "
-                          "written as."),
-        click.option("--even-batches/--no-even-batches", default=True, show_default=True,
-                     help="prepared: accelerate fills the last round so every rank gets as many "
-                          "batches (--no-even-batches: unequal counts, a DDP hang)."),
-        click.option("--split-batches", is_flag=True,
-                     help="prepared: slice each batch of --batch-size across the ranks "
-                          "(the batch size must divide by the world size)."),
-        click.option("--dispatch-batches/--no-dispatch-batches", default=None,
-                     help="prepared: rank 0 reads and broadcasts slices [default: accelerate's: "
-                          "on for iterable sources, off for map-style]."),
-        click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
-                     show_default=True,
-                     help="batch: accelerator.gather every batch; epoch: each rank's ids once "
-                          "per epoch; count: no id lists, each rank counts its ids (1 byte per "
-                          "sample) and one reduce sums them; auto: count from 1,000,000 "
-                          "samples, else batch up to 100 steps per rank and epoch, else "
-                          "epoch."),
-        click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
-                     help="Seconds a rank waits on a collective before the run fails."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+def declared(cls, *names: str) -> Callable[[Callable], Callable]:
+    """The click options of the fields `names` of an options dataclass, as options.py declares
+    them (options.option): flag, help, default, type, choices. Nothing is declared twice."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def decorate(func: Callable) -> Callable:
+        for name in reversed(names):
+            f = fields[name]
+            meta = dict(f.metadata)
+            kw: dict[str, Any] = {"help": meta["help"]}
+            if "/" in meta["flag"]:
+                kw.update(default=f.default, show_default=f.default is not None)
+            elif f.default is False:
+                kw["is_flag"] = True
+            else:
+                kw["default"] = f.default
+                kw["show_default"] = f.default is not None
+                if meta.get("choices"):
+                    kw["type"] = click.Choice(meta["choices"])
+                else:
+                    kw["type"] = meta.get("type", type(f.default))
+            if meta.get("metavar"):
+                kw["metavar"] = meta["metavar"]
+            func = click.option(meta["flag"], name, **kw)(func)
+        return func
+
+    return decorate
+
+
+# The options that decide what each rank receives, shared by run and compare.
+loader_options = declared(RunOptions, "dataset_size", "batch_size", "epochs", "seed", "shuffle",
+                          "drop_last", "set_epoch", "num_workers", "source", "shards",
+                          "even_batches", "split_batches", "dispatch_batches", "gather",
+                          "timeout")
 
 
 def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
-    if kw["source"] == "webdataset":
-        from sharddemo.extras import require
-
-        require("webdataset", "--source webdataset")
-    return RunOptions(
-        dataset_size=kw["dataset_size"], batch_size=kw["batch_size"], epochs=kw["epochs"],
-        seed=kw["seed"], modes=parse_modes(modes, kw["source"]), shuffle=kw["shuffle"],
-        drop_last=kw["drop_last"], set_epoch=kw["set_epoch"], num_workers=kw["num_workers"],
-        source=kw["source"], shards=kw["shards"], even_batches=kw["even_batches"],
-        split_batches=kw["split_batches"], dispatch_batches=kw["dispatch_batches"],
-        gather=kw["gather"], timeout=kw["timeout"],
-    ).validate()
+    given = {f.name: kw[f.name] for f in dataclasses.fields(RunOptions) if f.name in kw}
+    return RunOptions(**given, modes=parse_modes(modes, kw["source"])).validate()
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -226,11 +200,11 @@ def cli(debug: bool) -> None:
 @click.option("--trace-out", type=click.Path(dir_okay=False),
               help="Write the raw trace (every rank's batches, the gathers) as JSON here.")
 @click.option("--quiet", is_flag=True, help="Print nothing; use with --trace-out.")
-@click.option("--allow-alone", is_flag=True, hidden=True,
-              help="Run even when the launcher asked for more processes than joined "
-                   "(used by `sharddemo trap`).")
-def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, allow_alone: bool,
-        **kw: Any) -> None:
+@click.option("--options", "options_file", hidden=True, type=click.Path(dir_okay=False),
+              help="The options file a launch of sharddemo compare wrote (its flags then do "
+                   "not apply).")
+def run(modes: str, device: str, trace_out: Optional[str], quiet: bool,
+        options_file: Optional[str], **kw: Any) -> None:
     """The Accelerate script: build each mode's DataLoader, walk it, gather every batch.
 
     Start it with accelerate so that it runs on several ranks; the main process prints
@@ -240,7 +214,14 @@ def run(modes: str, device: str, trace_out: Optional[str], quiet: bool, allow_al
 
         accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
     """
-    opts = _options(modes, kw)
+    allow_alone = False
+    if options_file:
+        from sharddemo.options import read_rank_options
+
+        given = read_rank_options(options_file)
+        opts, allow_alone = given["run"], bool(given.get("allow_alone"))
+    else:
+        opts = _options(modes, kw)
     if "resume" in opts.modes:
         raise UsageError("mode resume stops and restarts launches, which only compare can do: "
                          "sharddemo compare --modes resume --dataset-size 40")
@@ -282,37 +263,6 @@ def launch_options(func: Callable) -> Callable:
     for option in reversed(options):
         func = option(func)
     return func
-
-
-def parse_size(text: str, option: str) -> int:
-    """'512MB', '2GB', '1.5G', '300' (MB) -> bytes."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
-    if not match:
-        raise UsageError(f"{option} {text!r} is not a size; write it like 512MB or 2GB")
-    value, unit = float(match.group(1)), match.group(2) or "M"
-    return int(value * 1024 ** "KMGT".index(unit) * 1024)
-
-
-def _check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
-    """One Error line before any rank starts when the ids would not fit in `limit`."""
-    from sharddemo.options import counted, counter_bytes
-
-    n = opts.dataset_size
-    is_counted = counted(opts.gather, n)
-    if is_counted:
-        need = counter_bytes(n, world or 1)
-        what, where = f"the count path's counter of {n:,} samples", "per rank"
-    else:
-        # Replicated modes send every rank's whole epoch: up to W x N ids.
-        need = 40 * n * (world or 2)
-        what, where = f"every id of an epoch of {n:,} samples (--gather {opts.gather})", "on rank 0"
-    if need > limit:
-        hint = "" if is_counted else "; --gather count holds 1 byte per sample"
-        raise UsageError(f"--max-memory {limit / 2**20:,.0f} MB is less than {what} needs, about "
-                         f"{need / 2**20:,.0f} MB {where}: raise --max-memory or lower "
-                         f"--dataset-size{hint}")
 
 
 def _settings(kw: dict):
@@ -402,32 +352,16 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     if "resume" in opts.modes:
         _refuse_resume_options()
     _check_files(output, plot)
-    if max_memory is not None:
-        _check_memory(opts, settings.num_processes, parse_size(max_memory, "--max-memory"))
-    if plot:
-        if "resume" in opts.modes:
-            from sharddemo.plot import NO_EPOCHS_TO_PLOT
-
-            raise UsageError(NO_EPOCHS_TO_PLOT)
-        _refuse_counted_plot(opts.gather, opts.dataset_size)
     from sharddemo.commands.compare import compare_run
 
-    result = compare_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+    result = compare_run(opts, settings, plot=bool(plot), max_memory=max_memory, debug=_debug(),
+                         progress=_progress(fmt))
     if not _show(result, fmt, output, plot):
         return 0
     if check and result["broken_promises"]:
         _error("broken promise(s): " + "; ".join(result["broken_promises"]))
         return 1
     return 0
-
-
-def _refuse_counted_plot(gather: str, n: Optional[int]) -> None:
-    """--plot draws every id: refuse, before any rank starts, a run that would be counted."""
-    from sharddemo.options import counted
-    from sharddemo.plot import COUNTED_NO_PLOT
-
-    if gather == "count" or counted(gather, n):
-        raise UsageError(COUNTED_NO_PLOT)
 
 
 def _refuse_resume_options() -> None:
@@ -446,98 +380,27 @@ def _refuse_resume_options() -> None:
 
 
 def audit_options(func: Callable) -> Callable:
-    """Options of `audit` that the ranks need too."""
-    options = [
-        click.argument("factory", required=False),
-        click.option("--trainer", metavar="FACTORY",
-                     help="Audit the loaders a transformers Trainer builds: FACTORY is "
-                          "file.py:make_trainer or module:make_trainer, make_trainer() -> "
-                          "Trainer. Its own get_train_dataloader() and get_eval_dataloader() "
-                          "run on every rank; nothing is trained. Needs the [hf] extra."),
-        click.option("--lightning", metavar="FACTORY",
-                     help="Audit a LightningDataModule's train and val loaders as Lightning's "
-                          "Trainer(strategy='ddp') gives them to each rank: make_datamodule() "
-                          "-> LightningDataModule (or (datamodule, trainer_kwargs)). Needs the "
-                          "[lightning] extra."),
-        click.option("--grad-accum", type=int, metavar="K",
-                     help="Show the gradient-accumulation windows: which ids each optimizer step "
-                          "(K batches per rank) consumed, per rank and in all [default with "
-                          "--trainer: its gradient_accumulation_steps]."),
-        click.option("--epochs", type=int, default=2, show_default=True,
-                     help="Epochs to walk (eval loaders: one)."),
-        click.option("--id-field", help="The field (dict key, or tuple position) of each batch "
-                     "that holds the sample ids (integers 0..N-1, or keys: str or bytes, such "
-                     "as WebDataset's __key__; see --keys), or '.' when each batch is itself "
-                     "the tensor of ids. Default: the dataset indices each batch was made of, "
-                     "recorded as the dataset is asked for them (map-style datasets only)."),
-        click.option("--expect", type=click.Choice(["sharded", "replicated"]), default="sharded",
-                     show_default=True, help="What the loader is meant to do across ranks."),
-        click.option("--set-epoch", is_flag=True,
-                     help="Call set_epoch(epoch) on the loader's sampler each epoch, as your "
-                          "training loop does (prepared loaders do it themselves; a "
-                          "DistributedSampler inside a batch sampler is found)."),
-        click.option("--dataset-size", type=int,
-                     help="N, for streams without a length; a loader whose dataset has a "
-                          "length uses that [default: len(dataset)]."),
-        click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
-                     help="Seconds a rank waits on a collective before the run fails."),
-        click.option("--gather", type=click.Choice(GATHER_STRATEGIES), default="auto",
-                     show_default=True, help="How ids reach the main process (as in compare)."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    """The loader audit's own options (what to audit, how to walk it), declared in
+    options.AuditOptions."""
+    func = declared(AuditOptions, "grad_accum", "epochs", "id_field", "expect", "set_epoch",
+                    "dataset_size", "timeout", "gather")(func)
+    func = click.option("--lightning", metavar="FACTORY",
+                        help="Audit a LightningDataModule's train and val loaders as Lightning's "
+                             "Trainer(strategy='ddp') gives them to each rank: make_datamodule() "
+                             "-> LightningDataModule (or (datamodule, trainer_kwargs)). Needs the "
+                             "[lightning] extra.")(func)
+    func = click.option("--trainer", metavar="FACTORY",
+                        help="Audit the loaders a transformers Trainer builds: FACTORY is "
+                             "file.py:make_trainer or module:make_trainer, make_trainer() -> "
+                             "Trainer. Its own get_train_dataloader() and get_eval_dataloader() "
+                             "run on every rank; nothing is trained. Needs the [hf] extra.")(func)
+    return click.argument("factory", required=False)(func)
 
 
-def _audit_options(kw: dict) -> "AuditOptions":
-    from sharddemo.options import AuditOptions
-
-    given = [(name, kw.get(key)) for name, key in (("FACTORY", "factory"),
-                                                    ("--trainer", "trainer"),
-                                                    ("--lightning", "lightning"))
-             if kw.get(key)]
-    if len(given) != 1:
-        what = " and ".join(name for name, _ in given) if given else "none"
-        raise UsageError(f"audit takes one of FACTORY (make_loader), --trainer or --lightning "
-                         f"(got {what}); e.g. sharddemo audit examples/good.py:make_loader")
-    framework = None if given[0][0] == "FACTORY" else given[0][0][2:]
-    if framework is not None:
-        from sharddemo.extras import require_framework
-
-        require_framework(framework)
-    return AuditOptions(target=given[0][1], framework=framework, grad_accum=kw["grad_accum"],
-                        epochs=kw["epochs"], id_field=kw["id_field"],
-                        expect=kw["expect"], set_epoch=kw["set_epoch"],
-                        dataset_size=kw["dataset_size"], timeout=kw["timeout"],
-                        gather=kw["gather"], max_time=kw.get("max_time") or 3600.0,
-                        stateful=bool(kw.get("stateful_loader")),
-                        keep_ids=bool(kw.get("keep_ids")),
-                        keys=kw.get("keys")).validate()
-
-
-def _resume_plan(kw: dict, epochs: int):
-    from sharddemo.options import ResumePlan
-
-    return ResumePlan.parse(kw["resume_at"], kw["resume_strategy"], epochs,
-                            kw.get("resume_num_processes"))
-
-
-# The rank commands' side of AuditOptions.keep_ids.
-keep_ids_option = click.option(
-    "--keep-ids", is_flag=True,
-    help="Never take the count path: the parent needs every id (audit --plot, --resume-at).")
-
-resume_options = [
-    click.option("--resume-at", metavar="EPOCH:STEP",
-                 help="Also stop after STEP steps (batches per rank) of EPOCH (0-based), save "
-                      "the state, restart in fresh processes, resume, and compare with the "
-                      "uninterrupted run (verdict resume-exact)."),
-    click.option("--resume-strategy", type=click.Choice(["skip", "stateful", "restart"]),
-                 default="skip", show_default=True,
-                 help="How the restarted run resumes: accelerator.skip_first_batches, the "
-                      "stateful loader's own state (use_stateful_dataloader), or the epoch "
-                      "from its start."),
-]
+def _audit_options(kw: dict) -> AuditOptions:
+    target, framework = audit_target(kw.pop("factory"), kw.pop("trainer"), kw.pop("lightning"))
+    given = {f.name: kw[f.name] for f in dataclasses.fields(AuditOptions) if f.name in kw}
+    return AuditOptions(target=target, framework=framework, **given).validate()
 
 
 @cli.command()
@@ -547,19 +410,17 @@ resume_options = [
               help="How to print the report.")
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
-@click.option("--max-time", type=float, default=3600.0, show_default=True,
-              help="Seconds the whole audit may take before it is stopped.")
-@click.option("--keys", type=click.Path(dir_okay=False), metavar="FILE",
-              help="With an --id-field of keys (str, bytes: a WebDataset __key__, a string "
-                   "id column): the samples' keys, one per line. N is then the file's "
-                   "length and the missing samples are named; the count path (1,000,000 "
-                   "samples and more) numbers the keys by it [default: a datasets.Dataset's "
-                   "own column of keys does the same; else N from --dataset-size or the "
-                   "dataset's length, missing samples counted, not named, and keys on the "
-                   "id path only].")
+@declared(AuditOptions, "max_time", "keys")
 @plot_option
-@resume_options[0]
-@resume_options[1]
+@click.option("--resume-at", metavar="EPOCH:STEP",
+              help="Also stop after STEP steps (batches per rank) of EPOCH (0-based), save the "
+                   "state, restart in fresh processes, resume, and compare with the "
+                   "uninterrupted run (verdict resume-exact).")
+@click.option("--resume-strategy", type=click.Choice(STRATEGIES), default="skip",
+              show_default=True,
+              help="How the restarted run resumes: accelerator.skip_first_batches, the "
+                   "stateful loader's own state (use_stateful_dataloader), or the epoch from "
+                   "its start.")
 @click.option("--resume-num-processes", type=int,
               help="Resume on this many ranks instead (a world size that changed).")
 @click.option("--keep-checkpoint", type=click.Path(file_okay=False),
@@ -592,40 +453,21 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     settings = _settings(kw)
     opts = _audit_options(kw)
     _check_files(output, plot)
-    if plot:
-        _refuse_counted_plot(opts.gather, opts.dataset_size)
-        # --plot draws every id: `auto` keeps them at any size (as --gather epoch does)
-        opts = dataclasses.replace(opts, keep_ids=True)
-    if resume_at is not None and opts.keys is not None:
-        raise UsageError("--keys names the samples of an --id-field of keys, which the resume "
-                         "audit does not compare yet; leave --keys (or --resume-at) out")
-    if resume_at is not None and opts.framework is not None:
-        raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
-                         f"--{opts.framework}")
-    if resume_at is None:
-        if resume_num_processes is not None or keep_checkpoint is not None:
-            raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "
-                             "EPOCH:STEP")
+    plan = None
+    if resume_at is not None:
+        plan = ResumePlan.parse(resume_at, resume_strategy, opts.epochs, resume_num_processes)
+    if plan is None:
         from sharddemo.commands.audit import audit_run
 
-        result = audit_run(opts, settings, debug=_debug(), progress=_progress(fmt))
+        result = audit_run(opts, settings, plot=bool(plot), keep_checkpoint=keep_checkpoint,
+                           resume_num_processes=resume_num_processes, debug=_debug(),
+                           progress=_progress(fmt))
     else:
         from sharddemo.commands.resume import resume_audit_run
 
-        if resume_strategy == "stateful":
-            from sharddemo.extras import require
-
-            require("torchdata", "--resume-strategy stateful")
-        if opts.gather == "count":
-            raise UsageError("--resume-at compares every id of the stopped, the resumed and the "
-                             "uninterrupted run, and --gather count keeps none: pass --gather "
-                             "epoch (or leave --gather out)")
-        # the comparison needs every id: `auto` keeps them at any size
-        opts = dataclasses.replace(opts, keep_ids=True)
-        plan = _resume_plan({"resume_at": resume_at, "resume_strategy": resume_strategy,
-                             "resume_num_processes": resume_num_processes}, opts.epochs)
-        result = resume_audit_run(opts, plan, settings, keep_checkpoint=keep_checkpoint,
-                                  debug=_debug(), progress=_progress(fmt))
+        result = resume_audit_run(opts, plan, settings, plot=bool(plot),
+                                  keep_checkpoint=keep_checkpoint, debug=_debug(),
+                                  progress=_progress(fmt))
     if not _show(result, fmt, output, plot):
         return 0
     failed = _failed_verdicts(result)
@@ -645,75 +487,61 @@ def _failed_verdicts(report: dict) -> list[str]:
     return [f"{name} (epoch {', '.join(map(str, epochs))})" for name, epochs in failed.items()]
 
 
-@cli.command("resume-demo-rank", hidden=True)
-@click.option("--modes", "--mode", "modes", default="resume")
-@loader_options
-@click.option("--phase", type=click.Choice(["reference", "stop", "resume"]), required=True)
-@click.option("--without-stateful", is_flag=True,
-              help="Leave out the scenarios that need torchdata (the parent found it absent).")
-@click.option("--checkpoint", required=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--trace-out", type=click.Path(dir_okay=False))
-@click.option("--quiet", is_flag=True)
-def resume_demo_rank_command(modes: str, phase: str, checkpoint: str, device: str,
-                             trace_out: Optional[str], quiet: bool, without_stateful: bool,
-                             **kw: Any) -> None:
-    """The rank side of `sharddemo compare --modes resume`, started through accelerate launch.
+# The rank commands: `compare` and `audit` start them through accelerate launch and hand them
+# their options as one JSON file (options.write_rank_options), so nothing is parsed twice.
+rank_command_options = [
+    click.option("--options", "options_file", required=True, type=click.Path(dir_okay=False),
+                 help="The options file the launch wrote."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto"),
+    click.option("--trace-out", type=click.Path(dir_okay=False)),
+    click.option("--quiet", is_flag=True),
+]
 
-    Example:
 
-        accelerate launch -m sharddemo resume-demo-rank --dataset-size 40 --phase stop --checkpoint ckpt
-    """
+def rank_command(name: str) -> Callable[[Callable], Callable]:
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(rank_command_options):
+            func = option(func)
+        return cli.command(name, hidden=True)(func)
+
+    return decorate
+
+
+@rank_command("resume-demo-rank")
+def resume_demo_rank_command(options_file: str, device: str, trace_out: Optional[str],
+                             quiet: bool) -> None:
+    """The rank side of `sharddemo compare --modes resume`, started through accelerate launch
+    with the options file its parent wrote (phase, checkpoint, the run's options)."""
+    from sharddemo.options import read_rank_options
     from sharddemo.rank.resume import demo_rank
 
-    demo_rank(_options(modes, kw), phase, checkpoint, device=device, trace_out=trace_out,
-              stateful=not without_stateful)
+    given = read_rank_options(options_file)
+    demo_rank(given["run"], given["phase"], given["checkpoint"], device=device,
+              trace_out=trace_out, stateful=given["stateful"])
 
 
-@cli.command("resume-rank", hidden=True)
-@audit_options
-@keep_ids_option
-@resume_options[0]
-@resume_options[1]
-@click.option("--phase", type=click.Choice(["stop", "resume"]), required=True)
-@click.option("--checkpoint", required=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--trace-out", type=click.Path(dir_okay=False))
-@click.option("--quiet", is_flag=True)
-def resume_rank_command(phase: str, checkpoint: str, device: str, trace_out: Optional[str],
-                        quiet: bool, **kw: Any) -> None:
+@rank_command("resume-rank")
+def resume_rank_command(options_file: str, device: str, trace_out: Optional[str],
+                        quiet: bool) -> None:
     """The rank side of `sharddemo audit --resume-at` (one launch that stops and saves, or one
-    that loads and resumes), started through accelerate launch.
-
-    Example:
-
-        accelerate launch -m sharddemo resume-rank F.py:make_loader --resume-at 0:3 --phase stop --checkpoint ckpt
-    """
+    that loads and resumes), started through accelerate launch with its options file."""
+    from sharddemo.options import read_rank_options
     from sharddemo.rank.resume import resume_rank
 
-    opts = _audit_options(kw)
-    resume_rank(opts, _resume_plan(kw, opts.epochs), phase, checkpoint, device=device,
-                trace_out=trace_out)
+    given = read_rank_options(options_file)
+    resume_rank(given["audit"], given["plan"], given["phase"], given["checkpoint"],
+                device=device, trace_out=trace_out)
 
 
-@cli.command("audit-rank", hidden=True)
-@audit_options
-@keep_ids_option
-@click.option("--keys", type=click.Path(dir_okay=False))
-@click.option("--stateful-loader", is_flag=True)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--trace-out", type=click.Path(dir_okay=False))
-@click.option("--quiet", is_flag=True)
-def audit_rank_command(device: str, trace_out: Optional[str], quiet: bool, **kw: Any) -> None:
-    """The rank side of `audit` (started by `sharddemo audit` through accelerate launch).
-
-    Example:
-
-        accelerate launch -m sharddemo audit-rank examples/good.py:make_loader --trace-out t.json
-    """
+@rank_command("audit-rank")
+def audit_rank_command(options_file: str, device: str, trace_out: Optional[str],
+                       quiet: bool) -> None:
+    """The rank side of `audit` (started by `sharddemo audit` through accelerate launch with
+    its options file)."""
+    from sharddemo.options import read_rank_options
     from sharddemo.rank.audit import audit_rank
 
-    audit_rank(_audit_options(kw), device=device, trace_out=trace_out)
+    audit_rank(read_rank_options(options_file)["audit"], device=device, trace_out=trace_out)
 
 
 @cli.command()

@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV, RunOptions
+from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
+                               write_rank_options)
 
 
 def free_port() -> int:
@@ -50,7 +51,10 @@ class LaunchSettings:
 class Launch:
     config_file: Optional[str]
     num_processes: int
-    run_args: list[str]
+    # What the ranks are asked to do: the options file's contents (options.read_rank_options)
+    options: dict
+    # The flags of `command` that do the same by hand (options.command_line), for display()
+    display_args: list[str]
     device: str = "auto"
     port: Optional[int] = None
     # The launch flags instead of a config file (`sharddemo trap` uses `--cpu`).
@@ -79,19 +83,18 @@ class Launch:
         device = [] if self.device == "auto" else ["--device", self.device]
         port = ["--main_process_port", str(self.port)] if self.port else []
         words = (["accelerate", "launch", *self.accelerate_args(), *port, "-m", "sharddemo",
-                  self.command, *self.run_args, *device])
+                  self.command, *self.display_args, *device])
         return shlex.join(words)
 
 
-def outer_timeout(opts: RunOptions) -> float:
-    """How long the whole launch may take: start-up, plus the process-group timeout, plus
-    room for the work itself. A hang always ends here at the latest."""
-    work = opts.epochs * opts.dataset_size * len(opts.modes) * 2e-5
-    return 60.0 + 2 * opts.timeout + work
+def outer_timeout(timeout: float, samples: int = 0) -> float:
+    """How long the whole launch may take: start-up, plus the process-group timeout
+    (`timeout`), plus room for the work itself (`samples` walked in all). A hang always ends
+    here at the latest."""
+    return 60.0 + 2 * timeout + samples * 2e-5
 
 
-def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
-               timeout: Optional[float] = None, progress: bool = False,
+def run_launch(launch: Launch, limit: float, *, debug: bool = False, progress: bool = False,
                retried: bool = False) -> dict:
     """Run the launch; return the trace the main process wrote. Raises RunFailed."""
     port = launch.port or free_port()
@@ -104,9 +107,12 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
         # os._exit (cli._end_rank), so their own atexit cleanup never runs.
         scratch = os.path.join(tmp, "scratch")
         os.mkdir(scratch)
+        # the ranks read what to do from one file beside the trace (options.read_rank_options)
+        options_path = os.path.join(tmp, "options.json")
+        write_rank_options(options_path, launch.options)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch.accelerate_args(),
                "--main_process_port", str(port),
-               "-m", "sharddemo", launch.command, *launch.run_args, "--quiet",
+               "-m", "sharddemo", launch.command, "--options", options_path, "--quiet",
                "--trace-out", trace_path]
         if launch.device != "auto":
             cmd += ["--device", launch.device]
@@ -124,7 +130,6 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
             env["SHARDDEMO_DEBUG"] = "1"
         out_path = os.path.join(tmp, "stdout.log")
         err_path = os.path.join(tmp, "stderr.log")
-        limit = timeout if timeout is not None else outer_timeout(opts)
         with open(out_path, "wb") as out, open(err_path, "wb") as err, \
                 _signals_raise(Interrupted):
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -154,8 +159,7 @@ def run_launch(launch: Launch, opts: RunOptions, *, debug: bool = False,
             if (not failed and launch.port is None and not retried
                     and PORT_TAKEN.search(stderr)):
                 # Someone took the free port before the launcher bound it: once more, anew.
-                return run_launch(launch, opts, debug=debug, timeout=timeout,
-                                  progress=progress, retried=True)
+                return run_launch(launch, limit, debug=debug, progress=progress, retried=True)
             message, usage = explain_failure(failed, started, stderr, code, debug,
                                              first_rank=first)
             raise (UsageError if usage else RunFailed)(message)
@@ -507,8 +511,8 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
     return f"the launch exited with code {code}: " + (" | ".join(tail) or "no output"), False
 
 
-def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "run",
-                check: Optional[Callable[[int], object]] = None) -> Launch:
+def make_launch(settings: LaunchSettings, options: dict, display_args: list[str],
+                command: str = "run", check: Optional[Callable[[int], object]] = None) -> Launch:
     """Settings from the command line + the config file -> the launch to run."""
     path = settings.config_file or default_config_path()
     config = load_config(path)
@@ -539,6 +543,7 @@ def make_launch(settings: LaunchSettings, run_args: list[str], command: str = "r
         check(world)
     # A config that says use_cpu stays on CPU even where GPUs are visible.
     device = "cpu" if config.raw.get("use_cpu") else "auto"
-    return Launch(config_file=path, num_processes=world, run_args=run_args, device=device,
+    return Launch(config_file=path, num_processes=world, options=options,
+                  display_args=display_args, device=device,
                   port=int(port) if port else None, command=command, num_machines=machines,
                   machine_rank=rank, main_process_ip=ip)

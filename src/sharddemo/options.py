@@ -151,6 +151,43 @@ def parse_modes(text: str, source: str = "toy") -> tuple[str, ...]:
     return tuple(out)
 
 
+def option(default, flag: str, help: str, **more):
+    """A field of an options dataclass that the command line sets: its flag (`--x`, or
+    `--x/--no-x` for a switch), its help, and for the CLI what the default does not say
+    (`type`, `choices`, `metavar`). The CLI builds its options from these (cli.declared), and
+    `command_line` writes them back: an option is declared here and nowhere else."""
+    return field(default=default, metadata={"flag": flag, "help": help, **more})
+
+
+def command_line(opts) -> list[str]:
+    """The flags that reproduce `opts` on the command line (those that differ from their
+    defaults), for the line a user can paste to rerun a launch by hand."""
+    args: list[str] = []
+    for f in dataclasses.fields(opts):
+        flag = f.metadata.get("flag")
+        value = getattr(opts, f.name)
+        if flag is None or value == f.default:
+            continue
+        if "/" in flag:
+            on, off = flag.split("/")
+            args.append(on if value else off)
+        elif isinstance(value, bool):
+            args.append(flag)
+        else:
+            text = f"{value:g}" if isinstance(value, float) else str(value)
+            args += [flag, os.path.abspath(text) if f.metadata.get("path") else text]
+    return args
+
+
+def from_dict(cls, data: dict):
+    """An options dataclass from its `dataclasses.asdict` (the JSON file a launch hands its
+    ranks), tuples restored."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    values = {k: tuple(v) if isinstance(v, list) and k == "modes" else v
+              for k, v in data.items() if k in names}
+    return cls(**values)
+
+
 def per_rank_batch(batch: int, world: int, split: bool) -> int:
     """The batch one rank receives of a loader with batch size `batch`: with split_batches
     that is the global batch, which accelerate slices across the ranks."""
@@ -161,27 +198,47 @@ def per_rank_batch(batch: int, world: int, split: bool) -> int:
 class RunOptions:
     """Everything that decides which ids each rank receives."""
 
-    dataset_size: int = DEFAULT_DATASET_SIZE
-    batch_size: int = DEFAULT_BATCH_SIZE
-    epochs: int = DEFAULT_EPOCHS
-    seed: int = DEFAULT_SEED
+    dataset_size: int = option(DEFAULT_DATASET_SIZE, "--dataset-size",
+                               "Number of samples N (sample i holds the value i + 1).")
+    batch_size: int = option(DEFAULT_BATCH_SIZE, "--batch-size", "Per-rank batch size B.")
+    epochs: int = option(DEFAULT_EPOCHS, "--epochs", "Epochs to walk.")
+    seed: int = option(DEFAULT_SEED, "--seed",
+                       "Seed for every shuffle (set_seed, sampler seed, loader generator).")
     modes: tuple[str, ...] = field(default=BASIC_MODES)
-    shuffle: bool = True
-    drop_last: bool = False
-    set_epoch: bool = True
-    num_workers: int = 0
-    source: str = "toy"
-    shards: int = DEFAULT_SHARDS
+    shuffle: bool = option(True, "--shuffle/--no-shuffle",
+                           "Shuffle each epoch; --no-shuffle shows the plain strided split.")
+    drop_last: bool = option(False, "--drop-last", "Drop incomplete batches / rounds.")
+    set_epoch: bool = option(True, "--set-epoch/--no-set-epoch",
+                             "sampler mode: call sampler.set_epoch(epoch) each epoch.")
+    num_workers: int = option(0, "--num-workers", "DataLoader worker processes.")
+    source: str = option("toy", "--source", "Where samples come from: " + "; ".join(
+        f"{k}: {v}" for k, v in SOURCE_HELP.items()) + ".", choices=SOURCES)
+    shards: int = option(DEFAULT_SHARDS, "--shards",
+                         "hf-stream, webdataset: number of files (shards) the stream is written "
+                         "as.")
     # accelerate's DataLoaderConfiguration, for the prepared loaders. None: accelerate's
     # default (dispatch for iterable datasets, not for map-style ones).
-    even_batches: bool = True
-    split_batches: bool = False
-    dispatch_batches: Optional[bool] = None
+    even_batches: bool = option(True, "--even-batches/--no-even-batches",
+                                "prepared: accelerate fills the last round so every rank gets as "
+                                "many batches (--no-even-batches: unequal counts, a DDP hang).")
+    split_batches: bool = option(False, "--split-batches",
+                                 "prepared: slice each batch of --batch-size across the ranks "
+                                 "(the batch size must divide by the world size).")
+    dispatch_batches: Optional[bool] = option(
+        None, "--dispatch-batches/--no-dispatch-batches",
+        "prepared: rank 0 reads and broadcasts slices [default: accelerate's: on for iterable "
+        "sources, off for map-style].")
     # How ids reach the main process: every batch (`batch`), once per epoch (`epoch`), not at
     # all (`count`), or `auto`: as rank.walk.choose_gather decides.
-    gather: str = "auto"
+    gather: str = option("auto", "--gather",
+                         "batch: accelerator.gather every batch; epoch: each rank's ids once per "
+                         "epoch; count: no id lists, each rank counts its ids (1 byte per sample) "
+                         "and one reduce sums them; auto: count from 1,000,000 samples, else "
+                         "batch up to 100 steps per rank and epoch, else epoch.",
+                         choices=GATHER_STRATEGIES)
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: float = option(DEFAULT_TIMEOUT, "--timeout",
+                            "Seconds a rank waits on a collective before the run fails.")
 
     def per_rank_batch(self, world: int) -> int:
         return per_rank_batch(self.batch_size, world, self.split_batches)
@@ -214,6 +271,10 @@ class RunOptions:
                 raise UsageError(f"unknown mode {mode!r}; choose from: " + ", ".join(MODES))
         if self.source not in SOURCES:
             raise UsageError(f"unknown source {self.source!r}; choose from: " + ", ".join(SOURCES))
+        if self.source == "webdataset":
+            from sharddemo.extras import require
+
+            require("webdataset", "--source webdataset")
         if self.shards < 1:
             raise UsageError(f"--shards must be at least 1, got {self.shards}")
         if "resume" in self.modes and (len(self.modes) > 1 or self.source not in MAP_SOURCES):
@@ -252,39 +313,6 @@ class RunOptions:
         data = dataclasses.asdict(self)
         data["modes"] = list(self.modes)
         return data
-
-    def to_run_args(self) -> list[str]:
-        """The `sharddemo run` arguments that reproduce these options in a launched run."""
-        args = [
-            "--mode", ",".join(self.modes),
-            "--dataset-size", str(self.dataset_size),
-            "--batch-size", str(self.batch_size),
-            "--epochs", str(self.epochs),
-            "--seed", str(self.seed),
-        ]
-        if not self.shuffle:
-            args.append("--no-shuffle")
-        if self.drop_last:
-            args.append("--drop-last")
-        if not self.set_epoch:
-            args.append("--no-set-epoch")
-        if self.num_workers:
-            args += ["--num-workers", str(self.num_workers)]
-        if self.source != "toy":
-            args += ["--source", self.source]
-        if self.shards != DEFAULT_SHARDS:
-            args += ["--shards", str(self.shards)]
-        if not self.even_batches:
-            args.append("--no-even-batches")
-        if self.split_batches:
-            args.append("--split-batches")
-        if self.dispatch_batches is not None:
-            args.append("--dispatch-batches" if self.dispatch_batches else "--no-dispatch-batches")
-        if self.gather != "auto":
-            args += ["--gather", self.gather]
-        if self.timeout != DEFAULT_TIMEOUT:
-            args += ["--timeout", f"{self.timeout:g}"]
-        return args
 
 
 # --resume-at: where a run stops, how it resumes (sharddemo audit; the resume demo's scenarios)
@@ -340,15 +368,31 @@ EXPECTATIONS = ("sharded", "replicated")
 @dataclass(frozen=True)
 class AuditOptions:
     target: str
-    epochs: int = 2
-    id_field: Optional[str] = None
-    expect: str = "sharded"
-    set_epoch: bool = False
-    dataset_size: Optional[int] = None
-    timeout: float = 60.0
-    gather: str = "auto"
+    epochs: int = option(2, "--epochs", "Epochs to walk (eval loaders: one).")
+    id_field: Optional[str] = option(
+        None, "--id-field",
+        "The field (dict key, or tuple position) of each batch that holds the sample ids "
+        "(integers 0..N-1, or keys: str or bytes, such as WebDataset's __key__; see --keys), or "
+        "'.' when each batch is itself the tensor of ids. Default: the dataset indices each "
+        "batch was made of, recorded as the dataset is asked for them (map-style datasets "
+        "only).", type=str)
+    expect: str = option("sharded", "--expect", "What the loader is meant to do across ranks.",
+                         choices=EXPECTATIONS)
+    set_epoch: bool = option(False, "--set-epoch",
+                             "Call set_epoch(epoch) on the loader's sampler each epoch, as your "
+                             "training loop does (prepared loaders do it themselves; a "
+                             "DistributedSampler inside a batch sampler is found).")
+    dataset_size: Optional[int] = option(
+        None, "--dataset-size",
+        "N, for streams without a length; a loader whose dataset has a length uses that "
+        "[default: len(dataset)].", type=int)
+    timeout: float = option(DEFAULT_TIMEOUT, "--timeout",
+                            "Seconds a rank waits on a collective before the run fails.")
+    gather: str = option("auto", "--gather", "How ids reach the main process (as in compare).",
+                         choices=GATHER_STRATEGIES)
     # The whole launch's limit: a loader that hangs outside any collective ends here.
-    max_time: float = 3600.0
+    max_time: float = option(3600.0, "--max-time",
+                             "Seconds the whole audit may take before it is stopped.")
     # Set use_stateful_dataloader before the factory runs (the resume audit's `stateful`
     # strategy, for its uninterrupted reference run).
     stateful: bool = False
@@ -357,16 +401,31 @@ class AuditOptions:
     framework: Optional[str] = None
     # Gradient accumulation: the optimizer steps' windows of K batches (a Trainer's own
     # gradient_accumulation_steps when not given).
-    grad_accum: Optional[int] = None
+    grad_accum: Optional[int] = option(
+        None, "--grad-accum",
+        "Show the gradient-accumulation windows: which ids each optimizer step (K batches per "
+        "rank) consumed, per rank and in all [default with --trainer: its "
+        "gradient_accumulation_steps].", type=int, metavar="K")
     # The parent needs every id (--plot draws them): `auto` never takes the count path.
     keep_ids: bool = False
     # A file of the samples' keys, one per line (the parent's: analysis.keys numbers the
     # keys the ranks saw by it, and names the missing ones).
-    keys: Optional[str] = None
+    keys: Optional[str] = option(
+        None, "--keys",
+        "With an --id-field of keys (str, bytes: a WebDataset __key__, a string id column): the "
+        "samples' keys, one per line. N is then the file's length and the missing samples are "
+        "named; the count path (1,000,000 samples and more) numbers the keys by it [default: a "
+        "datasets.Dataset's own column of keys does the same; else N from --dataset-size or the "
+        "dataset's length, missing samples counted, not named, and keys on the id path only].",
+        type=str, metavar="FILE", path=True)
 
     def validate(self) -> "AuditOptions":
         if self.framework not in FACTORY_CALLS:
             raise UsageError(f"framework must be trainer or lightning, got {self.framework!r}")
+        if self.framework is not None:
+            from sharddemo.extras import require_framework
+
+            require_framework(self.framework)
         parse_target(self.target, self.framework)
         if self.epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
@@ -394,24 +453,138 @@ class AuditOptions:
                                  "loader is meant to be sharded; leave --expect out")
         return self
 
-    def to_run_args(self) -> list[str]:
+    def command_line(self) -> list[str]:
+        """The `sharddemo audit` arguments that reproduce these options."""
         where = [self.target] if self.framework is None else [f"--{self.framework}", self.target]
-        args = [*where, "--epochs", str(self.epochs), "--expect", self.expect,
-                "--timeout", f"{self.timeout:g}"]
-        if self.grad_accum is not None:
-            args += ["--grad-accum", str(self.grad_accum)]
-        if self.id_field is not None:
-            args += ["--id-field", self.id_field]
-        if self.set_epoch:
-            args.append("--set-epoch")
-        if self.dataset_size is not None:
-            args += ["--dataset-size", str(self.dataset_size)]
-        if self.gather != "auto":
-            args += ["--gather", self.gather]
-        if self.stateful:
-            args.append("--stateful-loader")
-        if self.keep_ids:
-            args.append("--keep-ids")
-        if self.keys is not None:
-            args += ["--keys", os.path.abspath(self.keys)]
-        return args
+        return [*where, *command_line(self)]
+
+
+# -- refusals that need more than one option: every entry point (the CLI, the command functions,
+# sharddemo.testing) refuses them with the same line, before any rank starts
+
+COUNTED_NO_PLOT = ("--plot draws every id a rank received, and this run was counted (the count "
+                   "path keeps no id lists; it is chosen from 1,000,000 samples on): pass "
+                   "--gather epoch to draw it")
+NO_EPOCHS_TO_PLOT = ("--plot draws each mode's epochs, and mode resume reports its scenarios as "
+                     "rows, not epochs: drop --plot (the table, markdown and JSON show every "
+                     "scenario)")
+
+
+def parse_size(text: str, option: str) -> int:
+    """'512MB', '2GB', '1.5G', '300' (MB) -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(I?B)?\s*", text.upper())
+    if not match:
+        raise UsageError(f"{option} {text!r} is not a size; write it like 512MB or 2GB")
+    value, unit = float(match.group(1)), match.group(2) or "M"
+    return int(value * 1024 ** "KMGT".index(unit) * 1024)
+
+
+def check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
+    """One Error line before any rank starts when the ids would not fit in `limit` bytes."""
+    n = opts.dataset_size
+    is_counted = counted(opts.gather, n)
+    if is_counted:
+        need = counter_bytes(n, world or 1)
+        what, where = f"the count path's counter of {n:,} samples", "per rank"
+    else:
+        # Replicated modes send every rank's whole epoch: up to W x N ids.
+        need = 40 * n * (world or 2)
+        what, where = f"every id of an epoch of {n:,} samples (--gather {opts.gather})", "on rank 0"
+    if need > limit:
+        hint = "" if is_counted else "; --gather count holds 1 byte per sample"
+        raise UsageError(f"--max-memory {limit / 2**20:,.0f} MB is less than {what} needs, about "
+                         f"{need / 2**20:,.0f} MB {where}: raise --max-memory or lower "
+                         f"--dataset-size{hint}")
+
+
+def refuse_counted_plot(gather: str, n: Optional[int]) -> None:
+    """--plot draws every id: refuse, before any rank starts, a run that would be counted."""
+    if gather == "count" or counted(gather, n):
+        raise UsageError(COUNTED_NO_PLOT)
+
+
+def check_compare(opts: RunOptions, *, world: Optional[int] = None, plot: bool = False,
+                  max_memory: Optional[str] = None) -> None:
+    """What `compare` refuses beyond RunOptions.validate: --max-memory too small, --plot of a
+    resume demo or of a counted run."""
+    if max_memory is not None:
+        check_memory(opts, world, parse_size(max_memory, "--max-memory"))
+    if plot:
+        if "resume" in opts.modes:
+            raise UsageError(NO_EPOCHS_TO_PLOT)
+        refuse_counted_plot(opts.gather, opts.dataset_size)
+
+
+def check_audit(opts: "AuditOptions", *, plot: bool = False,
+                resume: Optional["ResumePlan"] = None, keep_checkpoint: Optional[str] = None,
+                resume_num_processes: Optional[int] = None) -> "AuditOptions":
+    """What `audit` refuses beyond AuditOptions.validate; returns the options the launch runs
+    with (--plot and --resume-at need every id: `auto` then keeps them at any size)."""
+    if plot:
+        refuse_counted_plot(opts.gather, opts.dataset_size)
+        opts = dataclasses.replace(opts, keep_ids=True)
+    if resume is None:
+        if resume_num_processes is not None or keep_checkpoint is not None:
+            raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "
+                             "EPOCH:STEP")
+        return opts
+    if opts.keys is not None:
+        raise UsageError("--keys names the samples of an --id-field of keys, which the resume "
+                         "audit does not compare yet; leave --keys (or --resume-at) out")
+    if opts.framework is not None:
+        raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
+                         f"--{opts.framework}")
+    if resume.strategy == "stateful":
+        from sharddemo.extras import require
+
+        require("torchdata", "--resume-strategy stateful")
+    if opts.gather == "count":
+        raise UsageError("--resume-at compares every id of the stopped, the resumed and the "
+                         "uninterrupted run, and --gather count keeps none: pass --gather "
+                         "epoch (or leave --gather out)")
+    return dataclasses.replace(opts, keep_ids=True)
+
+
+def audit_target(factory: Optional[str], trainer: Optional[str],
+                 lightning: Optional[str]) -> tuple[str, Optional[str]]:
+    """(target, framework) from audit's FACTORY, --trainer and --lightning: exactly one."""
+    given = [(name, value) for name, value in (("FACTORY", factory), ("--trainer", trainer),
+                                               ("--lightning", lightning)) if value]
+    if len(given) != 1:
+        what = " and ".join(name for name, _ in given) if given else "none"
+        raise UsageError(f"audit takes one of FACTORY (make_loader), --trainer or --lightning "
+                         f"(got {what}); e.g. sharddemo audit examples/good.py:make_loader")
+    name, target = given[0]
+    return target, None if name == "FACTORY" else name[2:]
+
+
+# -- the options a launch hands its ranks: one JSON file beside the trace (launch.run_launch)
+
+def write_rank_options(path: str, payload: dict) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle)
+
+
+def read_rank_options(path: str) -> dict:
+    """The options file a launch wrote -> its parts as objects: `run` (RunOptions), `audit`
+    (AuditOptions), `plan` (ResumePlan), and the plain values beside them (phase, checkpoint,
+    stateful, allow_alone)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            payload = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--options {path}: cannot read the options a launch wrote ({exc}); "
+                         "rank commands are started by sharddemo compare / audit") from None
+    if "run" in payload:
+        payload["run"] = from_dict(RunOptions, payload["run"]).validate()
+    if "audit" in payload:
+        payload["audit"] = from_dict(AuditOptions, payload["audit"]).validate()
+    if "plan" in payload:
+        payload["plan"] = ResumePlan(**payload["plan"])
+    return payload

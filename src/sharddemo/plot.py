@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from sharddemo.errors import UsageError
+from sharddemo.options import COUNTED_NO_PLOT, NO_EPOCHS_TO_PLOT
 
 # The PNG is WIDTH_PX wide and HEADER_PX + PANEL_PX per mode high (docs/pictures.md).
 WIDTH_PX = 1200
@@ -67,16 +68,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-COUNTED_NO_PLOT = ("--plot draws every id a rank received, and this run was counted (the count "
-                   "path keeps no id lists; it is chosen from 1,000,000 samples on): pass "
-                   "--gather epoch to draw it")
-
-
-NO_EPOCHS_TO_PLOT = ("--plot draws each mode's epochs, and mode resume reports its scenarios as "
-                     "rows, not epochs: drop --plot (the table, markdown and JSON show every "
-                     "scenario)")
 
 
 def plot_report(report: dict, path: str) -> dict:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from typing import Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
@@ -9,18 +12,33 @@ from sharddemo.targets import read_keys
 from sharddemo.commands import report_of
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import RunOptions
+from sharddemo.options import AuditOptions, check_audit
 
-def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = False,
+
+def audit_launch(settings: LaunchSettings, opts: AuditOptions, command: str = "audit-rank",
+                 **more):
+    """A launch of the audit's rank command with these options (and `more` beside them in the
+    options file: a resume's plan, phase and checkpoint)."""
+    if opts.keys is not None:  # the ranks read it too, wherever they run
+        opts = dataclasses.replace(opts, keys=os.path.abspath(opts.keys))
+    return make_launch(settings, {"audit": dataclasses.asdict(opts), **more},
+                       opts.command_line(), command=command)
+
+
+def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *,
+              plot: bool = False, keep_checkpoint: Optional[str] = None,
+              resume_num_processes: Optional[int] = None, debug: bool = False,
               progress: bool = False) -> dict:
-    """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts."""
+    """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts.
+    Refuses what the CLI refuses (options.check_audit) before any rank starts."""
     from sharddemo.targets import precheck_target
 
+    opts = check_audit(opts, plot=plot, keep_checkpoint=keep_checkpoint,
+                       resume_num_processes=resume_num_processes)
     precheck_target(opts.target, opts.framework)
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
-    launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
-    trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
-                       debug=debug, timeout=opts.max_time, progress=progress)
+    launch = audit_launch(settings, opts)
+    trace = run_launch(launch, opts.max_time, debug=debug, progress=progress)
     keys = number_trace_keys(trace, opts, known)
     report = report_of(launch, trace, keys, opts.id_field)
     if keys is not None:

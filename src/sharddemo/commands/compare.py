@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from sharddemo.analysis import build_report
-from sharddemo.commands import report_of
-from sharddemo.launch import Launch, LaunchSettings, make_launch, run_launch
-from sharddemo.options import RunOptions
+from typing import Optional
 
-def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
-                debug: bool = False, progress: bool = False) -> dict:
+from sharddemo.analysis import build_report
+from sharddemo.commands import compare_limit, report_of, run_args
+from sharddemo.launch import Launch, LaunchSettings, make_launch, run_launch
+from sharddemo.options import RunOptions, check_compare
+
+
+def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *,
+                plot: bool = False, max_memory: Optional[str] = None, debug: bool = False,
+                progress: bool = False) -> dict:
+    """`sharddemo compare`: every mode in one launch (or the resume demo's three), then the
+    report. Refuses what the CLI refuses (options.check_compare) before any rank starts."""
+    check_compare(opts, world=settings.num_processes, plot=plot, max_memory=max_memory)
     if opts.modes == ("resume",):
         from sharddemo.commands.resume import resume_demo_run
 
         return resume_demo_run(opts, settings, debug=debug)
-    launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
-    return report_of(launch, run_launch(launch, opts, debug=debug, progress=progress))
+    launch = make_launch(settings, {"run": opts.to_dict()}, run_args(opts),
+                         check=opts.check_world)
+    return report_of(launch, run_launch(launch, compare_limit(opts), debug=debug,
+                                        progress=progress))
 
 
 TRAP_FLAGS = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -25,9 +34,9 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
     from sharddemo.render import render_table
 
     launch = Launch(config_file=None, num_processes=num_processes, flags=TRAP_FLAGS,
-                    run_args=opts.to_run_args() + ["--allow-alone"], device="cpu",
-                    expect_world=False)
-    trace = run_launch(launch, opts)
+                    options={"run": opts.to_dict(), "allow_alone": True},
+                    display_args=run_args(opts), device="cpu", expect_world=False)
+    trace = run_launch(launch, compare_limit(opts))
     report = build_report(trace, launch_command=launch.display())
     world, n = report["world_size"], opts.dataset_size
     seen = report["modes"]["prepared"]["epochs"][0]["seen"]

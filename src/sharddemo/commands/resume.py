@@ -7,13 +7,15 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis.keys import holds_keys
-from sharddemo.commands import report_of
-from sharddemo.commands.audit import refuse_ids_outside
+from sharddemo.commands import compare_limit, report_of, run_args
+from sharddemo.commands.audit import audit_launch, refuse_ids_outside
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import RunOptions
+from sharddemo.options import AuditOptions, ResumePlan, RunOptions, check_audit
 
-def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
+
+def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
+                     settings: LaunchSettings = LaunchSettings(), *, plot: bool = False,
                      keep_checkpoint: Optional[str] = None, debug: bool = False,
                      progress: bool = False) -> dict:
     """`sharddemo audit --resume-at`: the uninterrupted audit, a launch that stops and saves,
@@ -27,6 +29,7 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
     from sharddemo.targets import precheck_target
     from sharddemo.analysis.resume import compare_resume, explain
 
+    opts = check_audit(opts, plot=plot, resume=plan, keep_checkpoint=keep_checkpoint)
     precheck_target(opts.target, opts.framework)
     if keep_checkpoint:
         _check_checkpoint_dir(keep_checkpoint)
@@ -34,24 +37,24 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
     stateful = plan.strategy == "stateful"
     reference_opts = dataclasses.replace(opts, epochs=max(opts.epochs, plan.epoch + 2),
                                          stateful=stateful)
-    limits = RunOptions(epochs=reference_opts.epochs, timeout=opts.timeout)
+    phase_opts = dataclasses.replace(opts, stateful=False)
+
+    def phase(where: LaunchSettings, name: str) -> dict:
+        launch = audit_launch(where, phase_opts, "resume-rank", plan=dataclasses.asdict(plan),
+                              phase=name, checkpoint=checkpoint)
+        launch.display_args += ["--resume-at", f"{plan.epoch}:{plan.step}",
+                                "--resume-strategy", plan.strategy]
+        return run_launch(launch, opts.max_time, debug=debug)
+
     try:
         # The stopping launch first: a STEP past the epoch's end or a loader that cannot save
         # its state fails there, after one launch.
-        phase_args = [*dataclasses.replace(opts, stateful=False).to_run_args(),
-                      "--resume-at", f"{plan.epoch}:{plan.step}",
-                      "--resume-strategy", plan.strategy, "--checkpoint", checkpoint]
-        stop = run_launch(make_launch(settings, [*phase_args, "--phase", "stop"],
-                                      command="resume-rank"),
-                          limits, debug=debug, timeout=opts.max_time)
-        launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
-        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
-                               progress=progress)
+        stop = phase(settings, "stop")
+        launch = audit_launch(settings, reference_opts)
+        reference = run_launch(launch, opts.max_time, debug=debug, progress=progress)
         after = dataclasses.replace(settings, num_processes=plan.num_processes
                                     or settings.num_processes)
-        resumed = run_launch(make_launch(after, [*phase_args, "--phase", "resume"],
-                                         command="resume-rank"),
-                             limits, debug=debug, timeout=opts.max_time)
+        resumed = phase(after, "resume")
     finally:
         if not keep_checkpoint:
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -95,6 +98,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
                     debug: bool = False) -> dict:
     """`compare --modes resume`: three launches (stop and save, uninterrupted, load and
     resume) run every scenario of resume.demo_scenarios; a report with a `resume` list."""
+    import dataclasses
     import shutil
     import tempfile
 
@@ -105,17 +109,17 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
 
     # the stateful strategy needs torchdata's StatefulDataLoader: without it, the others
     stateful = available("torchdata")
-    extra = [] if stateful else ["--without-stateful"]
     checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
     # A resume launch also runs epochs 0..2 for 12 scenarios: more work than one mode.
-    limits = RunOptions(epochs=3 * 12, dataset_size=opts.dataset_size, timeout=opts.timeout)
+    limit = compare_limit(dataclasses.replace(opts, epochs=3), scale=36)
     traces = {}
     try:
         for phase in ("stop", "reference", "resume"):
-            launch = make_launch(settings, [*opts.to_run_args(), "--phase", phase,
-                                            "--checkpoint", checkpoint, *extra],
-                                 command="resume-demo-rank", check=opts.check_world)
-            traces[phase] = run_launch(launch, limits, debug=debug)
+            launch = make_launch(settings, {"run": opts.to_dict(), "phase": phase,
+                                            "checkpoint": checkpoint, "stateful": stateful},
+                                 run_args(opts), command="resume-demo-rank",
+                                 check=opts.check_world)
+            traces[phase] = run_launch(launch, limit, debug=debug)
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
     if not traces.get("resume"):
