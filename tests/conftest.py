@@ -108,7 +108,7 @@ def verdicts(proc):
 # -- the `ranks` marker: tests that start processes (real ranks, the CLI, an install) ----------
 # `python -m pytest -m "not ranks"` is the fast subset (one process, about a minute). A test is
 # marked where its own code, or a fixture it uses, calls one of these.
-STARTS_PROCESSES = ("accelerate_launch(", "sharddemo(", "audit(", "run_cmd(", "subprocess.",
+STARTS_PROCESSES = ("accelerate_launch(", "sharddemo(", "audit(", "run_cmd(", "subprocess.", "run_launch(",
                     "Popen(", "debug_launcher(")
 
 

@@ -91,12 +91,10 @@ class SafeGroup(click.Group):
 
 def _end_rank(code: int) -> None:
     """End a rank process now that its work is done (its trace or its failure written, its
-    process group left), without the interpreter's teardown. With transformers or Lightning
-    imported, a native thread some library leaves behind is still joinable when its owner is
-    destroyed at exit ("terminate called without an active exception", SIGABRT, with no
-    Python frame left on any thread): seen in about 1 launch in 8 in test runs here. The launcher then
-    stops the other ranks, and a main rank still writing its report is killed with it. Nothing
-    of ours runs in teardown: the files are closed; the streams are flushed here."""
+    process group left), without the interpreter's teardown, where a native thread some
+    library leaves behind can abort the process (SIGABRT) and have the launcher kill a main
+    rank still writing its report (docs/reliability.md, "A rank that aborts as it exits").
+    Nothing of ours runs in teardown: the files are closed; the streams are flushed here."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

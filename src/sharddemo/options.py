@@ -124,7 +124,7 @@ EXPECT_ENV = "SHARDDEMO_EXPECT_WORLD_SIZE"
 NODE_ENV = "SHARDDEMO_MACHINE_RANK"
 # Set by `sharddemo compare` / `audit` when a person watches: the main rank reports progress.
 PROGRESS_ENV = "SHARDDEMO_PROGRESS"
-# Set by `sharddemo compare` / `audit`: where each rank leaves its status (trace.py).
+# Set by `sharddemo compare` / `audit`: where each rank leaves its status (rank/session.py).
 STATUS_ENV = "SHARDDEMO_STATUS_DIR"
 
 

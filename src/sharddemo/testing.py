@@ -38,10 +38,27 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
           dataset_size: Optional[int] = None, timeout: float = 60.0,
           max_time: float = 600.0, framework: Optional[str] = None,
           grad_accum: Optional[int] = None) -> dict:
-    """Run the audit and return its report (the JSON `sharddemo audit --format json` prints).
-    `framework="trainer"` or `"lightning"`: the factory is make_trainer() / make_datamodule(),
-    as `audit --trainer` / `--lightning`. Raises sharddemo.errors.ShardDemoError when the
-    factory cannot be run."""
+    """Run the audit on `num_processes` CPU ranks (gloo) and return its report (the JSON
+    `sharddemo audit --format json` prints). It refuses what `sharddemo audit` refuses, with
+    the same one line (sharddemo.errors.UsageError), before any rank starts.
+
+    Args:
+        factory: "pkg.module:make_loader", "path/to/file.py:make_loader", or a module-level
+            function make_loader(accelerator) -> DataLoader.
+        num_processes: ranks to launch.
+        epochs, id_field, expect, set_epoch, dataset_size, timeout, grad_accum: as the
+            options of `sharddemo audit` of the same names.
+        max_time: seconds the whole audit may take.
+        framework: "trainer" or "lightning": the factory is make_trainer() /
+            make_datamodule(), as `audit --trainer` / `--lightning`.
+
+    Raises sharddemo.errors.ShardDemoError when the factory cannot be run.
+
+    Example::
+
+        report = audit("examples/good.py:make_loader", num_processes=3)
+        assert all(v["ok"] for v in report["modes"]["audit"]["verdicts"])
+    """
     from sharddemo.commands.audit import audit_run
     from sharddemo.config import CPU_CONFIG, shipped_config_path
     from sharddemo.launch import LaunchSettings

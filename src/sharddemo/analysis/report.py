@@ -20,8 +20,24 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
                  config_file: Optional[str] = None, keys: Optional[dict] = None,
                  key_field: Optional[str] = None) -> dict:
     """Trace (what the ranks did) -> report (what it means). Deterministic for a given trace.
-    `keys`: where the samples are named by key, analysis.keys.number_keys's names (the
-    trace numbered by it): every epoch names its samples by key before its verdicts."""
+
+    Args:
+        trace: what the ranks wrote (docs/trace.schema.json).
+        launch_command: the line to rerun the launch by hand, shown in the report.
+        config_file: the accelerate config the launch used.
+        keys: where the samples are named by key, analysis.keys.number_keys's names (the
+            trace numbered by it): every epoch names its samples by key before its verdicts.
+        key_field: the id field that held the keys.
+
+    Returns the report of docs/report.md (docs/report.schema.json).
+
+    Example::
+
+        import json
+        from sharddemo.analysis import build_report
+        report = build_report(json.load(open("trace.json")))  # `sharddemo run --trace-out`
+        print(report["modes"]["prepared"]["conclusion"])
+    """
     modes: dict[str, Any] = {}
     problems: list[str] = []
     for mode, data in trace["modes"].items():

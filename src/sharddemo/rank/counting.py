@@ -404,12 +404,11 @@ def reduce_to_main(accelerator, code: np.ndarray,
     """Start summing `code` over the ranks into the main process's `code` (in place; the other
     ranks' arrays are left as they were) and return `wait`, which returns once the sums are
     there. A reduce, not an all-reduce: only the main process reads the sums, and on gloo a
-    reduce of 1 MB takes about half the time of an all-reduce (2 ranks, measured).
+    reduce costs less than an all-reduce (docs/benchmarks.md).
 
     Where the code is sent as it is (uint8 on the CPU: up to 15 ranks on gloo), the reduce
     runs in the background (gloo's own thread) while the rank goes on with the small
-    exchanges of the epoch's end (at N = 10^6 on 2 ranks that end took 0.4-1.5 ms less, of
-    4-6). Until `wait` returns no rank may touch `code` (gloo may use a rank's array as its
+    exchanges of the epoch's end. Until `wait` returns no rank may touch `code` (gloo may use a rank's array as its
     scratch). A code that must be converted (wider, or to a device for NCCL) is reduced a
     chunk at a time before this returns: in flight at once its copies would take memory in
     proportion to N."""
@@ -449,7 +448,7 @@ def encode(counts: np.ndarray, world: int) -> tuple[np.ndarray, int]:
     65536 in uint32), so the sum holds the ranks that received a sample and, times shift, the
     ranks that received it more than once. In place in `counts` for uint8, a chunk at a time
     (no N-sized temporary). Not `np.take(table, counts, out=counts)`: numpy buffers an output
-    that overlaps its input, which took 10 s at N = 10^8 against 0.06 s for this."""
+    that overlaps its input, far slower at large N."""
     shift, dtype = code_layout(world)
     if dtype is np.uint8 and int(counts.max(initial=0)) <= 1:
         return counts, shift  # 0 -> 0, 1 -> 1: the counter is its own code

@@ -11,8 +11,8 @@ import torch
 from sharddemo.rank.tagging import UNKNOWN_WORKER, unwrap
 
 # read_ids(batch, tag) -> the batch's 0-based ids: `batch` is the loader's own batch, `tag` what
-# sharddemo attached to it (see tag_batches below; None when untagged). It may instead return
-# (values, shift), the ids being values - shift (sources.batch_values: the toy sources hold
+# sharddemo attached to it (rank.tagging.tag_batches; None when untagged). It may instead return
+# (values, shift), the ids being values - shift (rank.sources.batch_values: the toy sources hold
 # id + 1); the walk then subtracts where it is cheapest (the count path: once per flush).
 ReadIds = Callable[[Any, Optional[dict]], Any]
 

@@ -121,6 +121,23 @@ class Recorder:
     one all-reduce (up to 15 ranks; its slots sized for batches of up to `batch` ids, 64
     when not given: a larger batch costs a second collective), after which every rank can
     hold the record (finish's `everyone`).
+
+    Args:
+        accelerator: the rank's Accelerator, or any object with `num_processes`,
+            `process_index`, `is_main_process` and `device`.
+        read_ids: `read_ids(batch, tag)` -> the batch's ids; None for `add_ids` only.
+        how: "epoch" or "count".
+        n: the dataset's length (required for "count").
+        loader: the loader walked (its workers, accelerate's remainder).
+        background, keep_present, one_collective, batch: as above.
+
+    Example (on every rank; the record arrives on the main process)::
+
+        recorder = Recorder(accelerator, lambda batch, tag: batch["id"], how="count", n=len(ds))
+        for epoch in range(2):
+            for batch in loader:
+                recorder.add(batch)
+            record = recorder.finish(epoch, loader)   # None on the other ranks
     """
 
     def __init__(self, accelerator, read_ids: Optional[ReadIds] = None, *, how: str = "epoch",

@@ -4,7 +4,7 @@ it, and compare: commands/resume.py launches, analysis/resume.py compares) and o
 
 Three real launches of the user's factory, each in fresh processes:
 
-- reference: the plain audit (audit.py), epochs 0 .. EPOCH+1 without stopping;
+- reference: the plain audit (rank/audit.py), epochs 0 .. EPOCH+1 without stopping;
 - stop: walks epochs 0 .. EPOCH-1, then STEP steps of EPOCH, then saves the state the way the
   user's stack would (`accelerator.save_state`, which saves the prepared loaders' and samplers'
   state, plus `state_dict()` of a loader that has one and is not prepared), and exits;

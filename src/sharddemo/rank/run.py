@@ -5,7 +5,7 @@ Launch it with accelerate, for example
     accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
 
 Every rank builds one Accelerator, then, for each mode, the DataLoader that mode describes
-(see loaders.py) and walks it for the requested epochs. Each batch is moved to the
+(see rank/loaders.py) and walks it for the requested epochs. Each batch is moved to the
 accelerator's device and gathered with `accelerator.gather`, as the reference's
 `all_gather` does (rank/walk.py: lengths exchanged first, padded, trimmed, so ranks with unequal
 batches or step counts never meet in a collective of unequal shapes). Only the main process
@@ -150,7 +150,7 @@ def probe_loader(accelerator, loader) -> list[dict]:
 
 def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
     """The built-in sources carry their ids in the batch itself: (values, shift), see
-    walk.ReadIds."""
+    rank.ids.ReadIds."""
     return batch_values(batch)
 
 

@@ -257,7 +257,7 @@ def batch_values(batch: Any) -> tuple[torch.Tensor, int]:
     whose entries are the batch's 0-based ids + shift. The toy sources hold id + 1 (shift 1),
     the HF sources an `id` column (shift 0). The walk takes the shift off where it is cheap:
     the count path once per flush of counting.FLUSH_IDS ids rather than once per batch
-    (walk.ReadIds)."""
+    (rank.ids.ReadIds)."""
     if isinstance(batch, dict):
         return batch["id"].reshape(-1).to("cpu", torch.int64), 0
     # Called on every batch: the reshape and conversion only where needed.

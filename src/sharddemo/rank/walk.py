@@ -1,6 +1,6 @@
 """Drive any loader on a rank exactly as a training loop does and record the ids it yields.
 
-The public interface, used by `sharddemo run`/`compare` (script.py) and `audit` alike:
+The public interface, used by `sharddemo run`/`compare` (rank/run.py) and `audit` alike:
 
     record = walk_epoch(accelerator, loader, read_ids, epoch=0, strategy="auto")
 
