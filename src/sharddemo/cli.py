@@ -120,7 +120,7 @@ def declared(cls, *names: str) -> Callable[[Callable], Callable]:
             if "/" in meta["flag"]:
                 kw.update(default=f.default, show_default=f.default is not None)
             elif f.default is False:
-                kw["is_flag"] = True
+                kw.update(is_flag=True, default=False)
             else:
                 kw["default"] = f.default
                 kw["show_default"] = f.default is not None

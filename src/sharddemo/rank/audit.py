@@ -70,10 +70,11 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
     from sharddemo.rank.tagging import is_tagged, tag_batches
 
     if id_field is not None:
+        from sharddemo.rank.ids import field_values, integer_ids
         from sharddemo.rank.keys import KeyTable, file_keys, key_values, source_keys
 
-        whole = id_field in (".", "batch")
-        key: Any = int(id_field) if id_field.lstrip("-").isdigit() else id_field
+        whole = id_field == "."
+        label = f"--id-field {id_field}"
         # keys (str, bytes) -> this rank's ids (rank.keys); the set of all keys where known:
         # --keys FILE, else the dataset's own column
         own = None if keys_file is not None or whole else source_keys(loader, id_field)
@@ -87,26 +88,18 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
             table = KeyTable(id_field)
 
         def by_field(batch, tag):
-            if whole:
-                ids = batch  # the batch is the ids themselves
-            else:
-                try:
-                    ids = batch[key]
-                except (KeyError, IndexError, TypeError) as exc:
-                    kind = type(batch).__name__
-                    raise UsageError(f"--id-field {id_field}: the batches ({kind}) have no such "
-                                     f"field ({type(exc).__name__}: {exc})") from None
-            keys = key_values(ids)
+            values = field_values(batch, id_field, label)
+            keys = key_values(values)
             if keys is not None:
                 return table.lookup(keys)
             table.numbers = True
-            ids = _as_ids(ids, id_field)
-            if not whole and ids.dim() == 0 and torch.is_tensor(batch) and batch.dim() > 0:
+            if (not whole and torch.is_tensor(values) and values.dim() == 0
+                    and torch.is_tensor(batch) and batch.dim() > 0):
                 raise UsageError(f"--id-field {id_field} selects one number per batch (the "
                                  f"batches are tensors of shape {tuple(batch.shape)}), not the "
                                  "ids of its samples; pass --id-field . when each batch is "
                                  "itself the tensor of ids")
-            return ids.reshape(-1).to("cpu", torch.int64)
+            return integer_ids(values, label)
 
         tag_batches(loader, record_indices=False)  # which worker made each batch
         by_field.keys = table  # the walk exchanges it at each epoch's end
@@ -132,29 +125,6 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
         return tag["index"].to("cpu", torch.int64)
 
     return by_index
-
-
-def _as_ids(values, id_field: str):
-    """The id field's values as a tensor of whole numbers, or one Error line (the same on every
-    rank, so that the ranks' errors read as one): sharddemo counts samples by integer id, and
-    strings (a question id like "q0003") or fractions are none."""
-    import torch
-
-    hint = (f"--id-field {id_field} must hold each sample's id: an integer 0..N-1 or a key "
-            "(str, bytes); pass such a field, or leave --id-field out to audit by the "
-            "dataset's positions")
-    try:
-        ids = torch.as_tensor(values)
-    except (TypeError, ValueError, RuntimeError):
-        first = values
-        while isinstance(first, (list, tuple)) and first:
-            first = first[0]
-        raise UsageError(f"{hint} (it holds {type(first).__name__} values)") from None
-    if ids.dtype is torch.bool or ids.is_complex():
-        raise UsageError(f"{hint} (it holds {ids.dtype} values)")
-    if ids.is_floating_point() and not bool(torch.all(ids == ids.round())):
-        raise UsageError(f"{hint} (it holds {ids.dtype} values that are not whole numbers)")
-    return ids
 
 
 def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: bool = False):

@@ -213,24 +213,18 @@ class WatchState:
 
 
 def read_field(batch, field) -> torch.Tensor:
-    if field == ".":
-        values = batch
-    elif isinstance(batch, dict):
-        values = batch[field]
-    else:
-        values = batch[int(field)]
-    if not torch.is_tensor(values):
-        from sharddemo.rank.keys import key_values
+    """The ids of a batch by `id_field`, by the rule `audit --id-field` follows
+    (rank.ids.field_values, integer_ids); keys are refused: the watch counts integer ids."""
+    from sharddemo.rank.ids import field_values, integer_ids
+    from sharddemo.rank.keys import key_values
 
-        if key_values(values) is not None:
-            raise ValueError(f"sharddemo.watch: id_field {field!r} holds keys (str, bytes); "
-                             "the watch counts integer ids 0..N-1 (audit a keyed loader with "
-                             "`sharddemo audit --id-field`, which names samples by key)")
-    values = torch.as_tensor(values)
-    if values.is_floating_point() or values.dtype is torch.bool:
-        raise ValueError(f"sharddemo.watch: id_field {field!r} holds {values.dtype} values; "
-                         "it must hold each sample's integer id 0..N-1")
-    return values.reshape(-1)
+    label = f"sharddemo.watch: id_field {field!r}"
+    values = field_values(batch, field, label, ValueError)
+    if not torch.is_tensor(values) and key_values(values) is not None:
+        raise ValueError(f"{label} holds keys (str, bytes); the watch counts integer ids "
+                         "0..N-1 (audit a keyed loader with `sharddemo audit --id-field`, which "
+                         "names samples by key)")
+    return integer_ids(values, label, ValueError, keep_device=True)
 
 
 def say(line: str) -> None:
