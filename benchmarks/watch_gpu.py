@@ -131,8 +131,7 @@ def nccl(device) -> dict:
     import torch.distributed as dist
 
     from sharddemo.rank.collect import gather_ragged
-    from sharddemo.rank.counting import all_reduce_bytes
-    from sharddemo.watching.state import TorchRanks
+    from sharddemo.rank.collect import TorchRanks, all_reduce_bytes
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")

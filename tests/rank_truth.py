@@ -60,7 +60,8 @@ def reduced_codes(accelerator) -> dict:
     uint32), reduced onto the main process over these real ranks."""
     import numpy as np
 
-    from sharddemo.rank.counting import encode, reduce_to_main
+    from sharddemo.rank.collect import reduce_to_main
+    from sharddemo.rank.counting import encode
 
     out = {}
     for layout in (2, 16, 256):

@@ -29,6 +29,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from sharddemo.errors import CollectiveFailed
@@ -133,3 +134,89 @@ def guard_forks() -> None:
 
 def _pause_before_fork() -> None:
     time.sleep(FORK_PAUSE_S)
+
+
+def all_reduce_bytes(accelerator, buffer: np.ndarray) -> None:
+    """Sum the uint8 `buffer` over the ranks, in place on every rank: one all-reduce (through
+    the device where the process group's backend needs one: NCCL)."""
+    import torch.distributed as dist
+
+    tensor = torch.from_numpy(buffer)
+    device = accelerator.device
+    if device.type == "cpu":
+        collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
+        return
+    sent = tensor.to(device)
+    collective(dist.all_reduce, sent, op=dist.ReduceOp.SUM)
+    tensor.copy_(sent.to("cpu"))
+
+
+# What the code is reduced as: gloo and NCCL sum uint8 but no 16- or 32-bit unsigned integers
+# ("Invalid scalar type" on gloo), so a wider code goes as int32 / int64 a chunk at a time.
+WIRE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int32,
+         np.dtype(np.uint32): torch.int64}
+
+
+def reduce_to_main(accelerator, code: np.ndarray, background: bool = True,
+                   chunk: int = 1 << 22) -> Callable[[], None]:
+    """Start summing `code` over the ranks into the main process's `code` (in place; the other
+    ranks' arrays are left as they were) and return `wait`, which returns once the sums are
+    there. A reduce, not an all-reduce: only the main process reads the sums, and on gloo a
+    reduce costs less than an all-reduce (docs/benchmarks.md).
+
+    Where the code is sent as it is (uint8 on the CPU: up to 15 ranks on gloo), the reduce
+    runs in the background (gloo's own thread) while the rank goes on with the small
+    exchanges of the epoch's end. Until `wait` returns no rank may touch `code` (gloo may use a rank's array as its
+    scratch). A code that must be converted (wider, or to a device for NCCL) is reduced a
+    chunk at a time before this returns: in flight at once its copies would take memory in
+    proportion to N."""
+    import torch.distributed as dist
+
+    device = accelerator.device
+    wire = WIRE[code.dtype]
+    main = accelerator.is_main_process
+    works = []
+    for lo in range(0, code.size, chunk):
+        part = torch.from_numpy(code[lo:lo + chunk])
+        if background and wire == part.dtype and device.type == "cpu":
+            works.append(collective(dist.reduce, part, dst=0, op=dist.ReduceOp.SUM,
+                                    async_op=True))
+            continue
+        sent = part.to(device, wire)
+        collective(dist.reduce, sent, dst=0, op=dist.ReduceOp.SUM)
+        if main:
+            part.copy_(sent.to("cpu"))
+
+    def wait() -> None:
+        for work in works:
+            collective(work.wait)
+
+    return wait
+
+
+# -- the ranks, with or without accelerate
+
+class TorchRanks:
+    """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
+    srun) or a single process."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.num_processes = self.dist.get_world_size() if self.dist else 1
+        self.process_index = self.dist.get_rank() if self.dist else 0
+        self.is_main_process = self.process_index == 0
+        backend = self.dist.get_backend() if self.dist else "none"
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if backend == "nccl" else torch.device("cpu"))
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.new_empty((self.num_processes * tensor.numel(),))
+        collective(self.dist.all_gather_into_tensor, out, tensor.contiguous())
+        return out
+
+
+def ranks_of(accelerator):
+    """The accelerator, or torch.distributed's ranks where there is none."""
+    return accelerator if accelerator is not None else TorchRanks()

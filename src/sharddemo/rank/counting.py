@@ -36,7 +36,8 @@ import numpy as np
 import torch
 import xxhash
 
-from sharddemo.rank.collect import collective, exchange_ints, gather_ragged
+from sharddemo.rank.collect import (all_reduce_bytes, exchange_ints,
+                                    gather_ragged, reduce_to_main)
 from sharddemo.options import code_width
 from sharddemo.rank.describe import index_domain, is_prepared, remainder
 from sharddemo.rank.ids import unshift
@@ -226,7 +227,7 @@ class Counts:
             heads, parts = self._exchange_at_once(accelerator, row, mine)
             _too_many_copies(heads, epoch)
         else:
-            reduced = (reduce_to_main(accelerator, code, self.background) if world > 1
+            reduced = (reduce_to_main(accelerator, code, self.background, CHUNK) if world > 1
                        else (lambda: None))
             heads = exchange_ints(accelerator, row)
             if any(h[0] for h in heads):
@@ -279,7 +280,7 @@ class Counts:
         self.state.to_host(self.counts)
         mine = np.minimum(self.counts, 1).astype(np.uint8)
         if accelerator.num_processes > 1:
-            reduce_to_main(accelerator, mine, background=False)()
+            reduce_to_main(accelerator, mine, background=False, chunk=CHUNK)()
         return mine if accelerator.is_main_process else None
 
 
@@ -331,7 +332,7 @@ class BitCounts(Counts):
             hi = min(n, lo + CHUNK)
             code = state.code(lo, hi, shift, dtype)
             if world > 1:
-                reduce_to_main(accelerator, code, background=False)()
+                reduce_to_main(accelerator, code, background=False, chunk=CHUNK)()
             if main:
                 tally.add(code, lo)
         if not main:
@@ -372,68 +373,12 @@ def _too_many_copies(heads: list[list[int]], epoch: int) -> None:
                             "--gather epoch")
 
 
-def all_reduce_bytes(accelerator, buffer: np.ndarray) -> None:
-    """Sum the uint8 `buffer` over the ranks, in place on every rank: one all-reduce (through
-    the device where the process group's backend needs one: NCCL)."""
-    import torch.distributed as dist
-
-    tensor = torch.from_numpy(buffer)
-    device = accelerator.device
-    if device.type == "cpu":
-        collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM)
-        return
-    sent = tensor.to(device)
-    collective(dist.all_reduce, sent, op=dist.ReduceOp.SUM)
-    tensor.copy_(sent.to("cpu"))
-
 
 def code_layout(world: int) -> tuple[int, type]:
     """(shift, numpy dtype) of the per-sample code for `world` ranks (options.code_width)."""
     shift, width = code_width(world)
     return shift, {1: np.uint8, 2: np.uint16, 4: np.uint32}[width]
 
-
-# What the code is reduced as: gloo and NCCL sum uint8 but no 16- or 32-bit unsigned integers
-# ("Invalid scalar type" on gloo), so a wider code goes as int32 / int64 a chunk at a time.
-_WIRE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int32,
-         np.dtype(np.uint32): torch.int64}
-
-
-def reduce_to_main(accelerator, code: np.ndarray,
-                   background: bool = True) -> Callable[[], None]:
-    """Start summing `code` over the ranks into the main process's `code` (in place; the other
-    ranks' arrays are left as they were) and return `wait`, which returns once the sums are
-    there. A reduce, not an all-reduce: only the main process reads the sums, and on gloo a
-    reduce costs less than an all-reduce (docs/benchmarks.md).
-
-    Where the code is sent as it is (uint8 on the CPU: up to 15 ranks on gloo), the reduce
-    runs in the background (gloo's own thread) while the rank goes on with the small
-    exchanges of the epoch's end. Until `wait` returns no rank may touch `code` (gloo may use a rank's array as its
-    scratch). A code that must be converted (wider, or to a device for NCCL) is reduced a
-    chunk at a time before this returns: in flight at once its copies would take memory in
-    proportion to N."""
-    import torch.distributed as dist
-
-    device = accelerator.device
-    wire = _WIRE[code.dtype]
-    main = accelerator.is_main_process
-    works = []
-    for lo in range(0, code.size, CHUNK):
-        part = torch.from_numpy(code[lo:lo + CHUNK])
-        if background and wire == part.dtype and device.type == "cpu":
-            works.append(collective(dist.reduce, part, dst=0, op=dist.ReduceOp.SUM,
-                                    async_op=True))
-            continue
-        sent = part.to(device, wire)
-        collective(dist.reduce, sent, dst=0, op=dist.ReduceOp.SUM)
-        if main:
-            part.copy_(sent.to("cpu"))
-
-    def wait() -> None:
-        for work in works:
-            collective(work.wait)
-
-    return wait
 
 
 def _add_made(made: dict[int, list[int]], worker: int, batches: int, samples: int) -> None:

@@ -66,27 +66,41 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
                              if opts.set_epoch else None,
                              failure=lambda epoch, exc: f"{phase} launch, epoch {epoch}: "
                                                         f"{describe_exception(exc)}")
-        walk = walker.walk
-
         if phase == "stop":
             length = _length(loader)
             if length is not None and plan.step >= length:
                 raise UsageError(f"--resume-at {plan.epoch}:{plan.step}: an epoch of this loader "
                                  f"has {length} steps per rank (0..{length - 1}); stop at an "
                                  f"earlier step, or at {plan.epoch + 1}:0 for the next epoch")
-            for epoch in range(plan.epoch):
-                walk(epoch)
-            walk(plan.epoch, max_steps=plan.step)
-            _save(accelerator, loader, prepared, checkpoint)
+            stop_and_save(walker, accelerator, loader, prepared, checkpoint, plan.epoch,
+                          plan.step)
         else:
-            _load(accelerator, loader, prepared, checkpoint)
-            if plan.strategy == "skip":
-                walk(plan.epoch, accelerator.skip_first_batches(loader, plan.step)
-                     if plan.step else loader)
-            else:  # stateful: the loader continues by itself; restart: from the start
-                walk(plan.epoch)
-            walk(plan.epoch + 1)
+            load_and_resume(walker, accelerator, loader, prepared, checkpoint, plan.epoch,
+                            plan.step, skip=plan.strategy == "skip")
         return session.finish({"phase": phase, "epochs": walker.records}, trace_out)
+
+
+def stop_and_save(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
+                  step: int) -> None:
+    """The stopping launch: epochs 0..epoch-1 whole, `step` batches of `epoch`, then the
+    state saved (accelerate's save_state for a prepared loader, the loader's own else)."""
+    for earlier in range(epoch):
+        walker.walk(earlier)
+    walker.walk(epoch, max_steps=step)
+    _save(accelerator, loader, prepared, checkpoint)
+
+
+def load_and_resume(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
+                    step: int, *, skip: bool) -> None:
+    """The resuming launch: the state loaded, the rest of `epoch` (`skip`: past the first
+    `step` batches with accelerator.skip_first_batches; else the loader continues by itself,
+    stateful, or from the epoch's start, restart), then the next epoch whole."""
+    _load(accelerator, loader, prepared, checkpoint)
+    if skip and step:
+        walker.walk(epoch, source=accelerator.skip_first_batches(loader, step))
+    else:
+        walker.walk(epoch)
+    walker.walk(epoch + 1)
 
 
 def _length(loader) -> Optional[int]:
@@ -195,16 +209,9 @@ def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
                 folder = os.path.join(checkpoint, f"scenario-{k}")
                 walk = walker(acc, loader)
                 if phase == "stop":
-                    for epoch in range(sc["epoch"]):
-                        walk.walk(epoch)
-                    walk.walk(sc["epoch"], max_steps=sc["step"])
-                    _save(acc, loader, True, folder)
+                    stop_and_save(walk, acc, loader, True, folder, sc["epoch"], sc["step"])
                 else:
-                    _load(acc, loader, True, folder)
-                    if sc["strategy"] == "skip" and sc["step"]:
-                        walk.walk(sc["epoch"], source=acc.skip_first_batches(loader, sc["step"]))
-                    else:
-                        walk.walk(sc["epoch"])
-                    walk.walk(sc["epoch"] + 1)
+                    load_and_resume(walk, acc, loader, True, folder, sc["epoch"], sc["step"],
+                                    skip=sc["strategy"] == "skip")
                 out[str(k)] = walk.records
         return session.finish({"phase": phase, "steps": steps, "results": out}, trace_out)

@@ -14,35 +14,10 @@ import numpy as np
 import torch
 
 from sharddemo.errors import ShardingViolation
+from sharddemo.rank.collect import ranks_of
 from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
-
-
-class TorchRanks:
-    """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
-    srun) or a single process."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist if dist.is_available() and dist.is_initialized() else None
-        self.num_processes = self.dist.get_world_size() if self.dist else 1
-        self.process_index = self.dist.get_rank() if self.dist else 0
-        self.is_main_process = self.process_index == 0
-        backend = self.dist.get_backend() if self.dist else "none"
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if backend == "nccl" else torch.device("cpu"))
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.new_empty((self.num_processes * tensor.numel(),))
-        self.dist.all_gather_into_tensor(out, tensor.contiguous())
-        return out
-
-
-def ranks_of(accelerator):
-    """The accelerator, or torch.distributed's ranks where there is none."""
-    return accelerator if accelerator is not None else TorchRanks()
 
 
 class WatchState:
