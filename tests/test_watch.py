@@ -140,6 +140,97 @@ def test_bad_arguments_say_what_to_do():
         next(iter(watch(DataLoader(Keyed(), batch_size=2), report=None, id_field="key")))
 
 
+def test_arguments_are_checked_when_watch_is_called(tmp_path):
+    """Each mistake stops watch() itself with one error naming the argument, before any step
+    (the issue's reproductions: a list, a generator, accelerator="cpu", id_field=5.0, a report
+    folder that does not exist)."""
+    data = TensorDataset(torch.arange(4))
+    for loader in ([1, 2], (b for b in [1, 2]), 7):
+        with pytest.raises(TypeError, match="loader must be a DataLoader"):
+            watch(loader, report=None)
+    for accelerator in ("cpu", ["cpu"], (a for a in [1])):
+        with pytest.raises(TypeError, match="accelerator must be your accelerate.Accelerator"):
+            watch(DataLoader(data), accelerator, report=None)
+    for field in (["x"], 0.5, True):
+        with pytest.raises(TypeError, match="id_field must be a str .* or an int"):
+            watch(DataLoader(data), report=None, id_field=field)
+    with pytest.raises(TypeError, match="report must be a file path"):
+        watch(DataLoader(data), report=5)
+    with pytest.raises(ValueError, match="is a folder; give a file path"):
+        watch(DataLoader(data), report=str(tmp_path))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="its folder cannot be made"):
+        watch(DataLoader(data), report=str(tmp_path / "a-file" / "w.jsonl"))
+    # a folder that does not exist yet is made at watch(), so the epoch's end can write there
+    report = tmp_path / "new" / "deeper" / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=2), report=str(report))
+    assert report.parent.is_dir()
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert [e["seen"] for e in entries(report)] == [4]
+
+
+def test_an_id_field_missing_from_the_batch_names_the_fields_it_has():
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": float(i), "y": i}
+
+    with pytest.raises(ValueError, match="id_field 'nope' is not in the batch; its fields: "
+                                         "'x', 'y'"):
+        next(iter(watch(DataLoader(Rows(), batch_size=2), report=None, id_field="nope")))
+    # TensorDataset's batches are lists of one tensor: position 0 only
+    data = TensorDataset(torch.arange(4))
+    with pytest.raises(ValueError, match=r"id_field 5 is not in the batch, a list of 1 "
+                                         r"field\(s\): give a position 0..0"):
+        next(iter(watch(DataLoader(data, batch_size=2), report=None, id_field=5)))
+
+
+@pytest.mark.parametrize("on_violation", ["warn", "raise"])
+def test_an_error_in_the_watchs_own_reporting_does_not_stop_the_training(tmp_path,
+                                                                       on_violation):
+    """The report's folder disappears after watch() (a file takes its place): the epoch's end
+    cannot write its entry. With "warn" that is a warning and every step still runs (2 epochs
+    of 2 steps, by hand); with "raise" the error stops the loop, as asked."""
+    folder = tmp_path / "reports"
+    loader = watch(DataLoader(TensorDataset(torch.arange(4)), batch_size=2),
+                   report=str(folder / "w.jsonl"), on_violation=on_violation)
+    folder.rmdir()
+    folder.write_text("not a folder any more")
+    steps = 0
+    if on_violation == "raise":
+        with pytest.raises(OSError):
+            for _ in loader:
+                steps += 1
+        assert steps == 2
+        return
+    with pytest.warns(RuntimeWarning, match=r"epoch \d train: the watch could not report "
+                                            ".*training goes on") as said:
+        for _ in range(2):
+            for _ in loader:
+                steps += 1
+    assert steps == 4 and "epoch 0 train" in str(said[0].message)
+
+
+def test_ignore_prints_nothing(tmp_path, capsys):
+    report = tmp_path / "w.jsonl"
+    data = TensorDataset(torch.arange(6))
+
+    class Twice(torch.utils.data.Sampler):  # 0, 1, 2 twice: 3, 4, 5 never (a FAIL)
+        def __iter__(self):
+            return iter([0, 1, 2, 0, 1, 2])
+
+        def __len__(self):
+            return 6
+
+    loader = watch(DataLoader(data, batch_size=3, sampler=Twice()), report=str(report),
+                   on_violation="ignore")
+    assert len(list(loader)) == 2
+    assert capsys.readouterr().out == ""  # the file only
+    assert [e["missing"]["ids"] for e in entries(report)] == [[3, 4, 5]]
+
+
 def test_raise_in_one_process(tmp_path):
     data = TensorDataset(torch.arange(6))
 
@@ -426,3 +517,16 @@ def test_torchrun_without_accelerate(tmp_path, set_epoch):
     changed = [dealt(r, 0) != dealt(r, 1) for r in range(2)]
     assert got[1]["order_changed"] == any(changed) == set_epoch
     assert got[1]["ok"] == set_epoch
+
+
+def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path):
+    """2 ranks, a prepared loader of dict batches, id_field="nope": each rank's loop raises at
+    its first step with the fields the batch has (the dataset's own "x" and "y"), and the
+    script then ends cleanly on both: no rank waits in a collective of the watch's."""
+    proc = accelerate_launch([LOOP, "bad-field", "--ids", str(tmp_path),
+                              "--report", str(tmp_path / "w.jsonl")], check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said == ["sharddemo.watch: id_field 'nope' is not in the batch; its fields: "
+                    "'x', 'y'"] * 2
+    assert not (tmp_path / "w.jsonl").exists()  # no epoch ended

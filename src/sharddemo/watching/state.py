@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Mapping
 from typing import Optional
 
 import numpy as np
@@ -172,14 +174,22 @@ class WatchState:
         self.recorder = None
         self.closed = True
         entry = None
-        if record is not None:
-            entry = self.judge(record)
-            self.previous = record
-            self.entries.append(entry)
-        if self.ranks.is_main_process:
-            say(entry["line"])
-            if self.report:
-                append_entry(self.report, entry)
+        try:  # the watch's own reporting: a failure here never stops the training by itself
+            if record is not None:
+                entry = self.judge(record)
+                self.previous = record
+                self.entries.append(entry)
+            if self.ranks.is_main_process:
+                if self.on_violation != "ignore":
+                    say(entry["line"])
+                if self.report:
+                    append_entry(self.report, entry)
+        except Exception as error:
+            if raising:
+                raise
+            warnings.warn(f"sharddemo.watch: epoch {self.epoch} {self.name}: the watch could not "
+                          f"report ({type(error).__name__}: {error}); training goes on",
+                          RuntimeWarning, stacklevel=2)
         self.epoch += 1
         if not raising:
             return entry if self.ranks.is_main_process else None
@@ -215,10 +225,8 @@ class WatchState:
 def read_field(batch, field) -> torch.Tensor:
     if field == ".":
         values = batch
-    elif isinstance(batch, dict):
-        values = batch[field]
     else:
-        values = batch[int(field)]
+        values = field_of(batch, field)
     if not torch.is_tensor(values):
         from sharddemo.rank.keys import key_values
 
@@ -231,6 +239,31 @@ def read_field(batch, field) -> torch.Tensor:
         raise ValueError(f"sharddemo.watch: id_field {field!r} holds {values.dtype} values; "
                          "it must hold each sample's integer id 0..N-1")
     return values.reshape(-1)
+
+
+def field_of(batch, field):
+    """batch[field], or a ValueError naming id_field and the fields the batch does have (each
+    rank raises it at its first batch, before any collective of the watch's)."""
+    if isinstance(batch, Mapping):
+        if field in batch:
+            return batch[field]
+        have = ", ".join(repr(k) for k in list(batch)[:20]) or "none"
+        raise ValueError(f"sharddemo.watch: id_field {field!r} is not in the batch; its fields: "
+                         f"{have}")
+    if isinstance(field, str) and field.lstrip("-").isdigit():
+        field = int(field)  # a position given as text
+    if isinstance(batch, (list, tuple)):
+        if isinstance(field, int) and -len(batch) <= field < len(batch):
+            return batch[field]
+        raise ValueError(f"sharddemo.watch: id_field {field!r} is not in the batch, a "
+                         f"{type(batch).__name__} of {len(batch)} field(s): give a position "
+                         f"0..{len(batch) - 1}, or '.' for a batch that is the ids")
+    try:
+        return batch[field]
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ValueError(f"sharddemo.watch: id_field {field!r} is not in the batch, a "
+                         f"{type(batch).__name__}: give its key or position, or '.' for a "
+                         "batch that is the ids") from None
 
 
 def say(line: str) -> None:
