@@ -231,6 +231,61 @@ def test_ignore_prints_nothing(tmp_path, capsys):
     assert [e["missing"]["ids"] for e in entries(report)] == [[3, 4, 5]]
 
 
+def test_ok_lines_read_calmly_with_plurals(tmp_path, capsys):
+    """A sampler that draws with replacement repeats samples by design: the ok line says
+    "once and K again (the sampler's own draw)", not an alarm; one sample, one step: singular
+    words; an order that did not change where nothing shuffles: "no", not "NO". Expected from
+    the ids the loop itself received."""
+    data = TensorDataset(torch.arange(6))
+    sampler = torch.utils.data.RandomSampler(data, replacement=True, num_samples=6,
+                                             generator=torch.Generator().manual_seed(1))
+    loader = watch(DataLoader(data, batch_size=3, sampler=sampler), report=None)
+    got = [i for b in loader for i in b[0].tolist()]
+    unique = len(set(got))
+    assert unique < len(got)  # (seed 1 draws some sample twice)
+    one = watch(DataLoader(TensorDataset(torch.arange(1)), batch_size=1), report=None,
+                name="one")
+    for _ in range(2):
+        list(one)
+    lines = [line for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        f"sharddemo: epoch 0 train: {unique} of 6 samples once and {len(got) - unique} again "
+        "(the sampler's own draw) across 1 rank, 2 steps each, order changed: -: ok",
+        "sharddemo: epoch 0 one: 1 of 1 sample once across 1 rank, 1 step each, order "
+        "changed: -: ok",
+        "sharddemo: epoch 1 one: 1 of 1 sample once across 1 rank, 1 step each, order "
+        "changed: no: ok"]
+
+
+def test_every_entry_names_its_run(tmp_path):
+    """Two runs of the same script append to one report: each entry carries its run's id and
+    start, the same within a run (2 epochs of 2 loaders) and different between the runs."""
+    import datetime
+    import subprocess
+
+    report = tmp_path / "w.jsonl"
+    script = ("import torch\n"
+              "from torch.utils.data import DataLoader, TensorDataset\n"
+              "from sharddemo import watch\n"
+              "data = TensorDataset(torch.arange(4))\n"
+              f"a = watch(DataLoader(data, batch_size=2), report={str(report)!r}, name='a')\n"
+              f"b = watch(DataLoader(data, batch_size=4), report={str(report)!r}, name='b')\n"
+              "for epoch in range(2):\n"
+              "    list(a); list(b)\n")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                       timeout=120)
+    got = entries(report)
+    assert [(e["loader"], e["epoch"]) for e in got] == [("a", 0), ("b", 0), ("a", 1),
+                                                         ("b", 1)] * 2
+    runs = [{(e["run_id"], e["run_started"]) for e in got[:4]},
+            {(e["run_id"], e["run_started"]) for e in got[4:]}]
+    assert len(runs[0]) == len(runs[1]) == 1 and runs[0] != runs[1]
+    started = [datetime.datetime.fromisoformat(e["run_started"]) for e in (got[0], got[4])]
+    assert all(s.utcoffset() == datetime.timedelta(0) for s in started)
+    assert started[0] <= started[1]
+
+
 def test_raise_in_one_process(tmp_path):
     data = TensorDataset(torch.arange(6))
 

@@ -8,7 +8,7 @@ and accelerate in hooks.py, the Trainer and Lightning callbacks in trainer.py an
         for batch in loader:                     # your batches, untouched
             ...
     # at the end of each epoch the main process prints one line, e.g.
-    # sharddemo: epoch 1 train: 40 of 40 samples once across 2 ranks, 5 steps each, order changed: ok
+    # sharddemo: epoch 1 train: 40 of 40 samples once across 2 ranks, 5 steps each, order changed: yes: ok
     # and appends one JSON object to sharddemo-watch.jsonl (docs/watch.md)
 
 It is the recorder of `sharddemo audit` (rank.recorder.Recorder) inside your own loop, and the

@@ -6,8 +6,10 @@ line and the report."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Optional
@@ -19,6 +21,20 @@ from sharddemo.errors import ShardingViolation
 from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
+
+
+RUN: dict = {}
+
+
+def run_stamp() -> dict:
+    """This process's run, in every entry: an id (random, 12 hex digits) and when its first
+    watch started (UTC, ISO 8601), so that the lines of two runs appended to one report can be
+    told apart. A resumed run is a new launch, with a new id."""
+    if not RUN:
+        RUN["run_id"] = uuid.uuid4().hex[:12]
+        RUN["run_started"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds")
+    return dict(RUN)
 
 
 class TorchRanks:
@@ -53,6 +69,7 @@ class WatchState:
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
                  on_violation: str, role: str = "train") -> None:
+        run_stamp()  # the run starts with its first watch
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
         self.ranks = None  # resolved at the first epoch's end: the process group exists then
@@ -215,6 +232,7 @@ class WatchState:
                             n=self.n, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
                             unattributed=self.unattributed)
+        entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         if present is not None:
             self.before = None
         self.loaded = False
