@@ -46,6 +46,40 @@ def test_trainer_watch_checks_train_and_eval_as_it_trains(tmp_path, monkeypatch,
     assert len(lines) == 4 and all(line.endswith(": ok") for line in lines)
 
 
+def test_trainer_watch_on_a_transformers_without_get_resumed_dataloader(
+        tmp_path, monkeypatch, fresh_accelerate_state):  # noqa: F811
+    """transformers 5.17.0 (allowed by the extra's transformers>=5.0) has no
+    Trainer.get_resumed_dataloader, and TrainerWatch made Trainer(...) raise AttributeError
+    there. Shown here with the attribute removed from the class, in one process: the Trainer
+    is built and trains an epoch, watched; and the skip_first_batches such a transformers
+    calls for a resume (transformers.trainer's own name) returns a loader the same watch
+    holds. Expected: the Trainer's own loader (its length) and the ids the loop received."""
+    import transformers.trainer as module
+    from transformers import Trainer
+
+    from sharddemo.integrations import TrainerWatch
+
+    monkeypatch.delattr(Trainer, "get_resumed_dataloader")
+    monkeypatch.setattr(module, "skip_first_batches", module.skip_first_batches)  # restored
+    trainer = example("watch_trainer").make_trainer(str(tmp_path / "run"), 1)
+    assert not hasattr(trainer, "get_resumed_dataloader")
+    trainer.train()
+    steps = len(trainer.get_train_dataloader())  # 40 samples, batches of 4, one process
+    got = entries(tmp_path / "run" / "sharddemo-watch.jsonl")
+    train = [e for e in got if e["loader"] == "train"]
+    assert [(e["epoch"], e["seen"], e["steps"], e["ok"]) for e in train] == [(0, 40, [steps],
+                                                                              True)]
+    assert [e["loader"] for e in got].count("eval") == 1
+    watcher = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerWatch))
+    loader = watcher.train_loader
+    resumed = module.skip_first_batches(loader, 3)  # what a resumed epoch's loop receives
+    assert resumed is not loader
+    assert resumed.__dict__["_sharddemo_watch"] is loader.__dict__["_sharddemo_watch"]
+    ids = [int(i) for batch in resumed for i in batch["x"][:, 0]]
+    last = entries(tmp_path / "run" / "sharddemo-watch.jsonl")[-1]
+    assert (last["loader"], last["seen"], last["steps"]) == ("train", len(ids), [steps - 3])
+
+
 def lightning_run(tmp_path, hide=None):
     env = launch_env()
     if hide:
