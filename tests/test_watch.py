@@ -585,3 +585,30 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path):
     assert said == ["sharddemo.watch: id_field 'nope' is not in the batch; its fields: "
                     "'x', 'y'"] * 2
     assert not (tmp_path / "w.jsonl").exists()  # no epoch ended
+
+
+def test_the_readme_first_screen_watch_runs_as_shown(tmp_path):
+    """The README's first screen: its watch snippet, launched on 2 ranks word for word, prints
+    the lines the README shows, and `sharddemo check` passes its report as shown."""
+    import subprocess
+
+    from conftest import CPU_CONFIG, OUTER_TIMEOUT, free_port, launch_env
+
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split("3\\. `watch`", 1)[1]
+    script, rest = after.split("```python\n", 1)[1].split("```", 1)
+    shown = rest.split("```\n", 1)[1].split("```", 1)[0].splitlines()  # the output block
+    assert "accelerator.end_training()" in script  # its clean end
+    (tmp_path / "train.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           CPU_CONFIG, "--num_processes", "2", "--main_process_port",
+                           str(free_port()), "train.py"], cwd=tmp_path, env=launch_env(),
+                          capture_output=True, text=True, timeout=OUTER_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
+    assert lines == [line for line in shown if line.startswith("sharddemo:")]
+    gate = subprocess.run([sys.executable, "-m", "sharddemo", "check", "sharddemo-watch.jsonl"],
+                          cwd=tmp_path, env=launch_env(), capture_output=True, text=True,
+                          timeout=OUTER_TIMEOUT)
+    assert gate.returncode == 0 and gate.stdout.splitlines() == [
+        line for line in shown if line.startswith("sharddemo check:")], gate.stderr
