@@ -169,6 +169,27 @@ def test_arguments_are_checked_when_watch_is_called(tmp_path):
     assert [e["seen"] for e in entries(report)] == [4]
 
 
+def test_a_process_alone_where_the_launcher_asked_for_more_is_warned(monkeypatch):
+    """The CPU trap: the launcher started 2 processes (WORLD_SIZE=2) but the Accelerator has a
+    world of 1 (Accelerator() without cpu=True on a machine without GPUs): each process trains
+    on the whole dataset alone, and its watch would see one rank. Here: an Accelerator of this
+    one process, then the launcher's WORLD_SIZE."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.num_processes == 1
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.warns(RuntimeWarning, match="launched for 2 processes .WORLD_SIZE. but this "
+                                                "accelerator has 1: this process is alone"):
+            watch(DataLoader(TensorDataset(torch.arange(4))), accelerator, report=None)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+
 def test_an_id_field_missing_from_the_batch_names_the_fields_it_has():
     class Rows(torch.utils.data.Dataset):
         def __len__(self):

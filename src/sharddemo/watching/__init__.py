@@ -33,6 +33,7 @@ given to `watch` (the skipped batches never reach the loop, and are not counted)
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -83,6 +84,15 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
             raise TypeError("sharddemo.watch: accelerator must be your accelerate.Accelerator, "
                             f"or None (torch.distributed alone, or one process); got "
                             f"{type(accelerator).__name__} {accelerator!r:.40}")
+        launched = os.environ.get("WORLD_SIZE", "")
+        if launched.isdigit() and int(launched) > accelerator.num_processes:
+            # the CPU trap (README, "Launching on CPU"): every process trains alone on the
+            # whole dataset, and each one's watch, seeing one rank, would call that sharded
+            warnings.warn(f"sharddemo.watch: launched for {launched} processes (WORLD_SIZE) but "
+                          f"this accelerator has {accelerator.num_processes}: this process is "
+                          "alone and trains on the whole dataset, and the watch sees it alone; "
+                          "without GPUs build Accelerator(cpu=True) for real ranks on gloo",
+                          RuntimeWarning, stacklevel=3)
     if id_field is not None and (isinstance(id_field, bool)
                                  or not isinstance(id_field, (str, int))):
         raise TypeError("sharddemo.watch: id_field must be a str (a dict key, or '.' for a "
