@@ -80,6 +80,30 @@ def test_trainer_watch_on_a_transformers_without_get_resumed_dataloader(
     assert (last["loader"], last["seen"], last["steps"]) == ("train", len(ids), [steps - 3])
 
 
+def test_a_resumed_trainer_numbers_its_evaluations_on(tmp_path, fresh_accelerate_state):  # noqa: F811
+    """One process, 40 samples in batches of 4: 10 steps an epoch, an evaluation (7 samples)
+    at each epoch's end. Stopped at step 13, with a checkpoint there (after epoch 0's
+    evaluation), then resumed from it in a new Trainer: the resumed run numbers its
+    evaluations on from the checkpoint's, as many as the Trainer's own log history in that
+    checkpoint holds, instead of starting again at eval epoch 0. (The Trainer also evaluates
+    as the stopped run ends, after the checkpoint: the resumed run does that part again, and
+    its evaluation has that number again, as its steps do.)"""
+    import json
+
+    wt = example("watch_trainer")
+    out = tmp_path / "run"
+    report = out / "sharddemo-watch.jsonl"
+    wt.make_trainer(str(out), 2, stop_at=13).train()
+    stopped = [e["epoch"] for e in entries(report) if e["loader"] == "eval"]
+    assert stopped == list(range(len(stopped)))
+    history = json.loads((out / "checkpoint-13" / "trainer_state.json").read_text())
+    before = sum("eval_loss" in h for h in history["log_history"])
+    assert before >= 1  # epoch 0's evaluation
+    wt.make_trainer(str(out), 2).train(resume_from_checkpoint=True)
+    resumed = [e for e in entries(report) if e["loader"] == "eval"][len(stopped):]
+    assert [(e["epoch"], e["seen"], e["ok"]) for e in resumed] == [(before, 7, True)]
+
+
 def lightning_run(tmp_path, hide=None):
     env = launch_env()
     if hide:

@@ -90,6 +90,7 @@ class TrainerWatch(TrainerCallback):
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None
         self.eval_state: Optional[WatchState] = None
+        self.evaluations = 0  # evaluations of the run before this process (a resumed run)
         self.train_loader = None
 
     def _report(self, args) -> str:
@@ -109,7 +110,8 @@ class TrainerWatch(TrainerCallback):
             loader = get_eval(*a, **kw)
             if self.eval_state is None:
                 watch_loader(loader, name="eval", report=self._report(args),
-                       on_violation=self.on_violation, role="eval")
+                       on_violation=self.on_violation, role="eval",
+                       start_epoch=self.evaluations)  # numbered per evaluation of the run
                 self.eval_state = loader.__dict__["_sharddemo_watch"]
             else:  # each evaluation is one more "epoch" of the same eval loader
                 attach(loader, self.eval_state)
@@ -143,8 +145,9 @@ class TrainerWatch(TrainerCallback):
             if saved and os.path.exists(saved):
                 import torch
 
-                train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(
-                    torch.load(saved, weights_only=False))
+                place = torch.load(saved, weights_only=False)
+                train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(place)
+                self.evaluations = int(place.get("evaluations", 0))
 
     def on_save(self, args, state, control, train_dataloader=None, **kwargs):
         """Beside the Trainer's checkpoint: the watch's place, reduced across the ranks (every
@@ -153,6 +156,8 @@ class TrainerWatch(TrainerCallback):
         if watched is None or self.trainer is None:
             return
         saved = watched.state_dict()  # a collective
+        # the evaluations so far, so that a resumed run numbers its next one on
+        saved["evaluations"] = self.eval_state.epoch if self.eval_state else self.evaluations
         if watched.ranks.is_main_process:
             import torch
 
