@@ -145,8 +145,8 @@ def test_arguments_are_checked_when_watch_is_called(tmp_path):
     (the issue's reproductions: a list, a generator, accelerator="cpu", id_field=5.0, a report
     folder that does not exist)."""
     data = TensorDataset(torch.arange(4))
-    for loader in ([1, 2], (b for b in [1, 2]), 7):
-        with pytest.raises(TypeError, match="loader must be a DataLoader"):
+    for loader in ([1, 2], (b for b in [1, 2]), 7, data):
+        with pytest.raises(TypeError, match="loader must be a torch.utils.data.DataLoader"):
             watch(loader, report=None)
     for accelerator in ("cpu", ["cpu"], (a for a in [1])):
         with pytest.raises(TypeError, match="accelerator must be your accelerate.Accelerator"):

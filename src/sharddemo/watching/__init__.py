@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
@@ -70,13 +69,14 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
     if not isinstance(name, str) or not name:
         raise TypeError(f"sharddemo.watch: name must be a non-empty str, got {name!r}")
-    # a loader is iterated once per epoch and takes the watch's attributes: a list, a tuple or
-    # a generator (one pass, no attributes) is not one
-    if (not hasattr(loader, "__iter__") or not hasattr(loader, "__dict__")
-            or isinstance(loader, Iterator)):
-        raise TypeError("sharddemo.watch: loader must be a DataLoader (torch's, or one that "
-                        "accelerate or torchdata made), iterated once per epoch; got "
-                        f"{type(loader).__name__}")
+    # the watch taps a DataLoader's own sampler and iterator: accelerate's and torchdata's
+    # loaders are DataLoaders too; a list, a generator or a datasets stream is not one
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        raise TypeError("sharddemo.watch: loader must be a torch.utils.data.DataLoader (or one "
+                        "that accelerate or torchdata made), iterated once per epoch; got "
+                        f"{type(loader).__name__} (wrap a dataset in a DataLoader first)")
     if accelerator is not None:
         from accelerate import Accelerator
 
