@@ -145,6 +145,40 @@ def test_lightning_watch_checks_train_and_val_as_it_fits(tmp_path, hide):
     assert torch.__version__  # (torch imported for the sampler)
 
 
+def test_a_resumed_lightning_fit_numbers_its_validations_on(tmp_path):
+    """One device, in this process: 40 samples in batches of 4 (10 steps an epoch), a
+    validation pass at each epoch's end. A checkpoint at step 13 (after epoch 0's validation
+    at step 10, by hand), the fit stopped there, then fit(ckpt_path=...) in a new Trainer: the
+    resumed fit's validation is the run's second, val epoch 1, not a second val epoch 0.
+    (Lightning also validates as the stopped fit ends, after the checkpoint: the resumed fit
+    does that pass again, with that number again.)"""
+    pytest.importorskip("pytorch_lightning")
+    from torch.utils.data import DataLoader
+
+    wl = example("watch_lightning")
+    pl = wl.pl
+    from sharddemo.integrations import LightningWatch
+
+    def fit(*callbacks, ckpt_path=None):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2,
+                             default_root_dir=str(tmp_path), callbacks=[LightningWatch(),
+                                                                        *callbacks],
+                             enable_progress_bar=False, enable_model_summary=False,
+                             logger=False, enable_checkpointing=bool(callbacks),
+                             num_sanity_val_steps=0)
+        trainer.fit(wl.Tiny(), DataLoader(wl.Numbers(40), batch_size=4, shuffle=True),
+                    DataLoader(wl.Numbers(7), batch_size=2), ckpt_path=ckpt_path)
+
+    fit(wl.StopAt(13), pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"),
+                                                     every_n_train_steps=13, save_top_k=-1))
+    report = tmp_path / "sharddemo-watch.jsonl"
+    stopped = [e["epoch"] for e in entries(report) if e["loader"] == "val"]
+    assert stopped == [0, 1]  # epoch 0's end, and the stop
+    fit(ckpt_path=str(tmp_path / "checkpoints" / "epoch=1-step=13.ckpt"))
+    resumed = [e for e in entries(report) if e["loader"] == "val"][len(stopped):]
+    assert [(e["epoch"], e["seen"], e["ok"]) for e in resumed] == [(1, 7, True)]
+
+
 def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
     """Stopped after 3 steps (a checkpoint at step 3), then Trainer.train(
     resume_from_checkpoint=True) in fresh processes: the resumed epoch is checked against what
