@@ -140,6 +140,173 @@ def test_bad_arguments_say_what_to_do():
         next(iter(watch(DataLoader(Keyed(), batch_size=2), report=None, id_field="key")))
 
 
+def test_arguments_are_checked_when_watch_is_called(tmp_path):
+    """Each mistake stops watch() itself with one error naming the argument, before any step
+    (the issue's reproductions: a list, a generator, accelerator="cpu", id_field=5.0, a report
+    folder that does not exist)."""
+    data = TensorDataset(torch.arange(4))
+    for loader in ([1, 2], (b for b in [1, 2]), 7, data):
+        with pytest.raises(TypeError, match="loader must be a torch.utils.data.DataLoader"):
+            watch(loader, report=None)
+    for accelerator in ("cpu", ["cpu"], (a for a in [1])):
+        with pytest.raises(TypeError, match="accelerator must be your accelerate.Accelerator"):
+            watch(DataLoader(data), accelerator, report=None)
+    for field in (["x"], 0.5, True):
+        with pytest.raises(TypeError, match="id_field must be a str .* or an int"):
+            watch(DataLoader(data), report=None, id_field=field)
+    with pytest.raises(TypeError, match="report must be a file path"):
+        watch(DataLoader(data), report=5)
+    with pytest.raises(ValueError, match="is a folder; give a file path"):
+        watch(DataLoader(data), report=str(tmp_path))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="its folder cannot be made"):
+        watch(DataLoader(data), report=str(tmp_path / "a-file" / "w.jsonl"))
+    # a folder that does not exist yet is made at watch(), so the epoch's end can write there
+    report = tmp_path / "new" / "deeper" / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=2), report=str(report))
+    assert report.parent.is_dir()
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3]]
+    assert [e["seen"] for e in entries(report)] == [4]
+
+
+def test_a_process_alone_where_the_launcher_asked_for_more_is_warned(monkeypatch):
+    """The CPU trap: the launcher started 2 processes (WORLD_SIZE=2) but the Accelerator has a
+    world of 1 (Accelerator() without cpu=True on a machine without GPUs): each process trains
+    on the whole dataset alone, and its watch would see one rank. Here: an Accelerator of this
+    one process, then the launcher's WORLD_SIZE."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.num_processes == 1
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.warns(RuntimeWarning, match="launched for 2 processes .WORLD_SIZE. but this "
+                                                "accelerator has 1: this process is alone"):
+            watch(DataLoader(TensorDataset(torch.arange(4))), accelerator, report=None)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+
+def test_an_id_field_missing_from_the_batch_names_the_fields_it_has():
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": float(i), "y": i}
+
+    with pytest.raises(ValueError, match="id_field 'nope': the batches \\(dict\\) have no field "
+                                         "'nope'; they have 'x', 'y'"):
+        next(iter(watch(DataLoader(Rows(), batch_size=2), report=None, id_field="nope")))
+    # TensorDataset's batches are lists of one tensor: position 0 only
+    data = TensorDataset(torch.arange(4))
+    with pytest.raises(ValueError, match=r"id_field 5: the batches \(list of 1\) have no "
+                                         r"position 5; they have positions 0..0"):
+        next(iter(watch(DataLoader(data, batch_size=2), report=None, id_field=5)))
+
+
+@pytest.mark.parametrize("on_violation", ["warn", "raise"])
+def test_an_error_in_the_watchs_own_reporting_does_not_stop_the_training(tmp_path,
+                                                                       on_violation):
+    """The report's folder disappears after watch() (a file takes its place): the epoch's end
+    cannot write its entry. With "warn" that is a warning and every step still runs (2 epochs
+    of 2 steps, by hand); with "raise" the error stops the loop, as asked."""
+    folder = tmp_path / "reports"
+    loader = watch(DataLoader(TensorDataset(torch.arange(4)), batch_size=2),
+                   report=str(folder / "w.jsonl"), on_violation=on_violation)
+    folder.rmdir()
+    folder.write_text("not a folder any more")
+    steps = 0
+    if on_violation == "raise":
+        with pytest.raises(OSError):
+            for _ in loader:
+                steps += 1
+        assert steps == 2
+        return
+    with pytest.warns(RuntimeWarning, match=r"epoch \d train: the watch could not report "
+                                            ".*training goes on") as said:
+        for _ in range(2):
+            for _ in loader:
+                steps += 1
+    assert steps == 4 and "epoch 0 train" in str(said[0].message)
+
+
+def test_ignore_prints_nothing(tmp_path, capsys):
+    report = tmp_path / "w.jsonl"
+    data = TensorDataset(torch.arange(6))
+
+    class Twice(torch.utils.data.Sampler):  # 0, 1, 2 twice: 3, 4, 5 never (a FAIL)
+        def __iter__(self):
+            return iter([0, 1, 2, 0, 1, 2])
+
+        def __len__(self):
+            return 6
+
+    loader = watch(DataLoader(data, batch_size=3, sampler=Twice()), report=str(report),
+                   on_violation="ignore")
+    assert len(list(loader)) == 2
+    assert capsys.readouterr().out == ""  # the file only
+    assert [e["missing"]["ids"] for e in entries(report)] == [[3, 4, 5]]
+
+
+def test_ok_lines_read_calmly_with_plurals(tmp_path, capsys):
+    """A sampler that draws with replacement repeats samples by design: the ok line says
+    "once and K again (the sampler's own draw)", not an alarm; one sample, one step: singular
+    words; an order that did not change where nothing shuffles: "no", not "NO". Expected from
+    the ids the loop itself received."""
+    data = TensorDataset(torch.arange(6))
+    sampler = torch.utils.data.RandomSampler(data, replacement=True, num_samples=6,
+                                             generator=torch.Generator().manual_seed(1))
+    loader = watch(DataLoader(data, batch_size=3, sampler=sampler), report=None)
+    got = [i for b in loader for i in b[0].tolist()]
+    unique = len(set(got))
+    assert unique < len(got)  # (seed 1 draws some sample twice)
+    one = watch(DataLoader(TensorDataset(torch.arange(1)), batch_size=1), report=None,
+                name="one")
+    for _ in range(2):
+        list(one)
+    lines = [line for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        f"sharddemo: epoch 0 train: {unique} of 6 samples once and {len(got) - unique} again "
+        "(the sampler's own draw) across 1 rank, 2 steps each, order changed: -: ok",
+        "sharddemo: epoch 0 one: 1 of 1 sample once across 1 rank, 1 step each, order "
+        "changed: -: ok",
+        "sharddemo: epoch 1 one: 1 of 1 sample once across 1 rank, 1 step each, order "
+        "changed: no: ok"]
+
+
+def test_every_entry_names_its_run(tmp_path):
+    """Two runs of the same script append to one report: each entry carries its run's id and
+    start, the same within a run (2 epochs of 2 loaders) and different between the runs."""
+    import datetime
+    import subprocess
+
+    report = tmp_path / "w.jsonl"
+    script = ("import torch\n"
+              "from torch.utils.data import DataLoader, TensorDataset\n"
+              "from sharddemo import watch\n"
+              "data = TensorDataset(torch.arange(4))\n"
+              f"a = watch(DataLoader(data, batch_size=2), report={str(report)!r}, name='a')\n"
+              f"b = watch(DataLoader(data, batch_size=4), report={str(report)!r}, name='b')\n"
+              "for epoch in range(2):\n"
+              "    list(a); list(b)\n")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                       timeout=120)
+    got = entries(report)
+    assert [(e["loader"], e["epoch"]) for e in got] == [("a", 0), ("b", 0), ("a", 1),
+                                                         ("b", 1)] * 2
+    runs = [{(e["run_id"], e["run_started"]) for e in got[:4]},
+            {(e["run_id"], e["run_started"]) for e in got[4:]}]
+    assert len(runs[0]) == len(runs[1]) == 1 and runs[0] != runs[1]
+    started = [datetime.datetime.fromisoformat(e["run_started"]) for e in (got[0], got[4])]
+    assert all(s.utcoffset() == datetime.timedelta(0) for s in started)
+    assert started[0] <= started[1]
+
+
 def test_raise_in_one_process(tmp_path):
     data = TensorDataset(torch.arange(6))
 
@@ -426,3 +593,43 @@ def test_torchrun_without_accelerate(tmp_path, set_epoch):
     changed = [dealt(r, 0) != dealt(r, 1) for r in range(2)]
     assert got[1]["order_changed"] == any(changed) == set_epoch
     assert got[1]["ok"] == set_epoch
+
+
+def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path):
+    """2 ranks, a prepared loader of dict batches, id_field="nope": each rank's loop raises at
+    its first step with the fields the batch has (the dataset's own "x" and "y"), and the
+    script then ends cleanly on both: no rank waits in a collective of the watch's."""
+    proc = accelerate_launch([LOOP, "bad-field", "--ids", str(tmp_path),
+                              "--report", str(tmp_path / "w.jsonl")], check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said == ["sharddemo.watch: id_field 'nope': the batches (dict) have no field "
+                    "'nope'; they have 'x', 'y'"] * 2
+    assert not (tmp_path / "w.jsonl").exists()  # no epoch ended
+
+
+def test_the_readme_first_screen_watch_runs_as_shown(tmp_path):
+    """The README's first screen: its watch snippet, launched on 2 ranks word for word, prints
+    the lines the README shows, and `sharddemo check` passes its report as shown."""
+    import subprocess
+
+    from conftest import CPU_CONFIG, OUTER_TIMEOUT, free_port, launch_env
+
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split("3\\. `watch`", 1)[1]
+    script, rest = after.split("```python\n", 1)[1].split("```", 1)
+    shown = rest.split("```\n", 1)[1].split("```", 1)[0].splitlines()  # the output block
+    assert "accelerator.end_training()" in script  # its clean end
+    (tmp_path / "train.py").write_text(script)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           CPU_CONFIG, "--num_processes", "2", "--main_process_port",
+                           str(free_port()), "train.py"], cwd=tmp_path, env=launch_env(),
+                          capture_output=True, text=True, timeout=OUTER_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
+    assert lines == [line for line in shown if line.startswith("sharddemo:")]
+    gate = subprocess.run([sys.executable, "-m", "sharddemo", "check", "sharddemo-watch.jsonl"],
+                          cwd=tmp_path, env=launch_env(), capture_output=True, text=True,
+                          timeout=OUTER_TIMEOUT)
+    assert gate.returncode == 0 and gate.stdout.splitlines() == [
+        line for line in shown if line.startswith("sharddemo check:")], gate.stderr

@@ -8,6 +8,10 @@ watched; the main process prints one line, COLLECTIVES <json>.
 `torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
 DistributedSampler's loader.
 
+`bad-field`: a prepared loader of dict batches ("x", "y") watched with id_field="nope": each
+rank writes the error its loop raised at the first step to `--ids`/rank<r>.txt, then ends
+cleanly (no rank is left waiting in a collective).
+
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
 and resumed with load_state; each rank writes the ids it received (the library's own
@@ -118,6 +122,29 @@ def stateful(args, accelerator) -> None:
     accelerator.end_training()
 
 
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i)]), "y": torch.tensor(i)}
+
+
+def bad_field(args, accelerator) -> None:
+    loader = watch(DataLoader(Rows(), batch_size=4, shuffle=True), accelerator,
+                   report=args.report, id_field="nope")
+    loader = accelerator.prepare(loader)
+    said = "no error"
+    try:
+        for _ in loader:
+            pass
+    except ValueError as error:
+        said = str(error)
+    with open(os.path.join(args.ids, f"rank{accelerator.process_index}.txt"), "w") as handle:
+        handle.write(said)
+    accelerator.end_training()
+
+
 def plain_torch(args) -> None:
     """torch.distributed alone (torchrun, SLURM srun): no Accelerator, a DistributedSampler,
     watch(loader) with no accelerator; --no-set-epoch leaves set_epoch uncalled."""
@@ -137,7 +164,7 @@ def plain_torch(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "stateful", "torch"])
+    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "bad-field"])
     parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")
     parser.add_argument("--uneven", action="store_true")
@@ -151,6 +178,8 @@ def main() -> None:
         plain_torch(args)
     elif args.mode == "collectives":
         collectives(args, Accelerator(cpu=True))
+    elif args.mode == "bad-field":
+        bad_field(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
         stateful(args, Accelerator(cpu=True, dataloader_config=config))

@@ -594,6 +594,34 @@ def configs(name: Optional[str]) -> None:
         click.echo(f"{config_name:<{width}}  {first_line}")
 
 
+@cli.command()
+@click.argument("report", metavar="REPORT.jsonl")
+def check(report: str) -> int:
+    """Gate CI on a watch report: print its failed entries; exit 1 if any failed.
+
+    REPORT.jsonl is the file sharddemo.watch appended to (docs/watch.md). Exit 0 when every
+    entry held, 1 when any failed (each printed in one line), 2 with one Error: line for a
+    file that is not a watch report. A last line cut short by a crash is skipped with a
+    warning.
+
+    Example:
+
+        sharddemo check runs/sharddemo-watch.jsonl
+    """
+    from sharddemo.check import check_report, entry_line, summary
+
+    result = check_report(report)
+    for warning in result.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+    for entry in result.failed:
+        click.echo(entry_line(entry))
+    if result.failed:
+        _error(summary(result))
+        return 1
+    click.echo(summary(result))
+    return 0
+
+
 def main() -> None:
     cli()
 

@@ -109,29 +109,44 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
 
 
+def plural(count: int, word: str, many: str = "") -> str:
+    """'1 step', '5 steps' ('1 copy', '2 copies' with `many`)."""
+    return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
 def watch_line(entry: dict, failed: list[dict]) -> str:
-    n, world, deals = entry["dataset_size"], entry["world_size"], entry["deals"]
-    steps = entry["steps"]
-    each = (f"{steps[0]} steps each" if len(set(steps)) == 1 else f"steps per rank {steps}")
-    once = ("once" if entry["seen"] == entry["unique"] else
-            f"{entry['seen'] - entry['unique']} repeated")
-    order = {True: "yes", False: "NO", None: "-"}[entry["order_changed"]]
-    part = f"{deals} (a part of {n})" if deals < n else f"{n}"
-    resumed = entry.get("resume")
-    if resumed:
-        once = (f"{resumed['seen_before']} before the stop, {resumed['repeated']['count']} "
-                f"repeated after the restart, {resumed['skipped']['count']} skipped")
-    text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']} of {part} "
-            f"samples {once} across {world} rank{'s' if world != 1 else ''}, {each}, order "
-            f"changed: {order}")
-    if not failed:
-        return text + ": ok"
+    """The entry's one line: what the ranks received, in calm words where every verdict held
+    ('once and 1 again (DistributedSampler padding)', 'order changed: no'), with the failed
+    verdicts after FAIL."""
     from sharddemo.analysis.reasons import REASON_LABEL
 
+    n, world, deals = entry["dataset_size"], entry["world_size"], entry["deals"]
+    steps = entry["steps"]
+    each = (f"{plural(steps[0], 'step')} each" if len(set(steps)) == 1
+            else f"steps per rank {steps}")
+    again = entry["seen"] - entry["unique"]
+    labels = [REASON_LABEL.get(r, r) for r in entry["duplicated"]["reasons"]]
+    if not again:
+        once = "once"
+    elif failed:
+        once = plural(again, "repeat")
+    else:  # repeats the verdicts explain: the loader's own padding or fill
+        once = f"once and {again:,} again" + (f" ({'; '.join(labels)})" if labels else "")
+    order_failed = any(v["verdict"] == "order-changes-each-epoch" for v in failed)
+    order = {True: "yes", False: "NO" if order_failed else "no",
+             None: "-"}[entry["order_changed"]]
+    part = f"{deals:,} (a part of {n:,})" if deals < n else f"{n:,}"
+    resumed = entry.get("resume")
+    if resumed:
+        once = (f"{resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
+                f"repeated after the restart, {resumed['skipped']['count']:,} skipped")
+    text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
+            f"{'sample' if n == 1 else 'samples'} {once} across {plural(world, 'rank')}, "
+            f"{each}, order changed: {order}")
+    if not failed:
+        return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
     reasons = [REASON_LABEL.get(r, r) for r in
                [entry["missing"]["reason"], *entry["duplicated"]["reasons"]] if r]
     reasons = [r for r in dict.fromkeys(reasons) if r not in details]  # not said twice
     return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")
-
-

@@ -8,7 +8,7 @@ and accelerate in hooks.py, the Trainer and Lightning callbacks in trainer.py an
         for batch in loader:                     # your batches, untouched
             ...
     # at the end of each epoch the main process prints one line, e.g.
-    # sharddemo: epoch 1 train: 40 of 40 samples once across 2 ranks, 5 steps each, order changed: ok
+    # sharddemo: epoch 1 train: 40 of 40 samples once across 2 ranks, 5 steps each, order changed: yes: ok
     # and appends one JSON object to sharddemo-watch.jsonl (docs/watch.md)
 
 It is the recorder of `sharddemo audit` (rank.recorder.Recorder) inside your own loop, and the
@@ -32,6 +32,8 @@ given to `watch` (the skipped batches never reach the loop, and are not counted)
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
@@ -52,13 +54,84 @@ def watch(loader, accelerator=None, *, name: str = "train",
     sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
     `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
     the epoch's end) or "ignore" (the report only)."""
+    check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
+                    on_violation=on_violation)
+    return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
+                  on_violation=on_violation)
+
+
+def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
+    """watch()'s arguments, checked when it is called, so that a mistake stops the script
+    before its first step (never at an epoch's end, hours later): one error naming the
+    argument. The report's folder is made here if it does not exist."""
     if on_violation not in ON_VIOLATION:
         raise ValueError(f"sharddemo.watch: on_violation must be one of "
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
-    if not hasattr(loader, "__iter__"):
-        raise TypeError(f"sharddemo.watch: expected a DataLoader, got {type(loader).__name__}")
-    return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
-                  on_violation=on_violation)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"sharddemo.watch: name must be a non-empty str, got {name!r}")
+    # the watch taps a DataLoader's own sampler and iterator: accelerate's and torchdata's
+    # loaders are DataLoaders too; a list, a generator or a datasets stream is not one
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader):
+        raise TypeError("sharddemo.watch: loader must be a torch.utils.data.DataLoader (or one "
+                        "that accelerate or torchdata made), iterated once per epoch; got "
+                        f"{type(loader).__name__} (wrap a dataset in a DataLoader first)")
+    if accelerator is not None:
+        from accelerate import Accelerator
+
+        if not isinstance(accelerator, Accelerator):
+            raise TypeError("sharddemo.watch: accelerator must be your accelerate.Accelerator, "
+                            f"or None (torch.distributed alone, or one process); got "
+                            f"{type(accelerator).__name__} {accelerator!r:.40}")
+        launched = os.environ.get("WORLD_SIZE", "")
+        if launched.isdigit() and int(launched) > accelerator.num_processes:
+            # the CPU trap (README, "Launching on CPU"): every process trains alone on the
+            # whole dataset, and each one's watch, seeing one rank, would call that sharded
+            warnings.warn(f"sharddemo.watch: launched for {launched} processes (WORLD_SIZE) but "
+                          f"this accelerator has {accelerator.num_processes}: this process is "
+                          "alone and trains on the whole dataset, and the watch sees it alone; "
+                          "without GPUs build Accelerator(cpu=True) for real ranks on gloo",
+                          RuntimeWarning, stacklevel=3)
+    if id_field is not None and (isinstance(id_field, bool)
+                                 or not isinstance(id_field, (str, int))):
+        raise TypeError("sharddemo.watch: id_field must be a str (a dict key, or '.' for a "
+                        "batch that is the ids) or an int (a tuple position), got "
+                        f"{type(id_field).__name__} {id_field!r:.40}")
+    if report is not None:
+        check_report(report, accelerator)
+
+
+def check_report(report, accelerator) -> None:
+    """The report file can be appended to (checked by the process that writes it, the main
+    one): its folder is made if it does not exist; a folder in its place, or one that cannot
+    be written, is refused."""
+    if not isinstance(report, (str, os.PathLike)):
+        raise TypeError("sharddemo.watch: report must be a file path (str) or None, got "
+                        f"{type(report).__name__}")
+    if accelerator is not None:
+        main = accelerator.is_main_process
+    else:  # torch.distributed alone: the group may not exist yet; torchrun says the rank
+        import torch.distributed as dist
+
+        main = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
+                else os.environ.get("RANK", "0") == "0")
+    if not main:
+        return
+    path = os.path.abspath(os.fspath(report))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        inside = os.path.join(os.fspath(report), "sharddemo-watch.jsonl")
+        raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r} is a folder; give a "
+                         f"file path, e.g. {inside!r}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r}: its folder cannot be "
+                         f"made ({error.strerror or error})") from None
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r} cannot be written "
+                         "(no write permission); give a path you can write, or report=None")
 
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,

@@ -49,15 +49,21 @@ class LightningWatch(*_BASES):
         self.on_violation = on_violation
         self.train_states: list = []  # the train loaders' watches (the checkpoint's part)
         self.loaded: Optional[dict] = None  # from a checkpoint, until the loaders are watched
+        self.val_states: dict = {}  # name -> the val loader's watch (its validation passes)
+        self.val_passes: dict = {}  # name -> the passes before this process (a resumed fit)
 
     # Lightning saves a callback's state_dict with every checkpoint (dump_checkpoint runs on
     # every rank, so the watch's reduction, a collective, can run there) and gives it back on
     # every rank when fit(ckpt_path=...) restores.
     def state_dict(self) -> dict:
-        return {"train": [state.state_dict() for state in self.train_states]}
+        # (the validation passes so far: a resumed fit numbers its next one on)
+        return {"train": [state.state_dict() for state in self.train_states],
+                "val": {**self.val_passes,
+                        **{name: state.epoch for name, state in self.val_states.items()}}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.loaded = state_dict
+        self.val_passes = dict(state_dict.get("val", {}))
 
     def _report(self, trainer) -> str:
         return self.report or os.path.join(trainer.default_root_dir, "sharddemo-watch.jsonl")
@@ -65,12 +71,17 @@ class LightningWatch(*_BASES):
     def _watch_all(self, trainer, combined, name: str, role: str) -> None:
         loaders = _loaders(combined)
         for i, loader in enumerate(loaders):
-            watch_loader(loader, name=name if len(loaders) == 1 else f"{name}:{i}",
+            named = name if len(loaders) == 1 else f"{name}:{i}"
+            watch_loader(loader, name=named,
                    report=self._report(trainer), on_violation=self.on_violation, role=role,
-                   start_epoch=trainer.current_epoch if role == "train" else 0)
+                   start_epoch=(trainer.current_epoch if role == "train" else
+                                self.val_states[named].epoch if named in self.val_states
+                                else int(self.val_passes.get(named, 0))))
             state = loader.__dict__["_sharddemo_watch"]
             if role == "train" and state not in self.train_states:
                 self.train_states.append(state)
+            if role == "eval":
+                self.val_states[named] = state
         if role == "train" and self.loaded is not None:
             for state, saved in zip(self.train_states, self.loaded.get("train", [])):
                 state.load_state_dict(saved)

@@ -6,8 +6,11 @@ line and the report."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import uuid
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -20,12 +23,27 @@ from sharddemo.watching.hooks import Tap
 ON_VIOLATION = ("warn", "raise", "ignore")
 
 
+RUN: dict = {}
+
+
+def run_stamp() -> dict:
+    """This process's run, in every entry: an id (random, 12 hex digits) and when its first
+    watch started (UTC, ISO 8601), so that the lines of two runs appended to one report can be
+    told apart. A resumed run is a new launch, with a new id."""
+    if not RUN:
+        RUN["run_id"] = uuid.uuid4().hex[:12]
+        RUN["run_started"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds")
+    return dict(RUN)
+
+
 class WatchState:
     """One watched loader (and the loaders accelerate makes from it): its recorder, the epoch
     count, the last epoch's record (for the order), and where the report goes."""
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
                  on_violation: str, role: str = "train") -> None:
+        run_stamp()  # the run starts with its first watch
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
         self.ranks = None  # resolved at the first epoch's end: the process group exists then
@@ -147,14 +165,22 @@ class WatchState:
         self.recorder = None
         self.closed = True
         entry = None
-        if record is not None:
-            entry = self.judge(record)
-            self.previous = record
-            self.entries.append(entry)
-        if self.ranks.is_main_process:
-            say(entry["line"])
-            if self.report:
-                append_entry(self.report, entry)
+        try:  # the watch's own reporting: a failure here never stops the training by itself
+            if record is not None:
+                entry = self.judge(record)
+                self.previous = record
+                self.entries.append(entry)
+            if self.ranks.is_main_process:
+                if self.on_violation != "ignore":
+                    say(entry["line"])
+                if self.report:
+                    append_entry(self.report, entry)
+        except Exception as error:
+            if raising:
+                raise
+            warnings.warn(f"sharddemo.watch: epoch {self.epoch} {self.name}: the watch could not "
+                          f"report ({type(error).__name__}: {error}); training goes on",
+                          RuntimeWarning, stacklevel=2)
         self.epoch += 1
         if not raising:
             return entry if self.ranks.is_main_process else None
@@ -180,6 +206,7 @@ class WatchState:
                             n=self.n, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
                             unattributed=self.unattributed)
+        entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         if present is not None:
             self.before = None
         self.loaded = False

@@ -10,7 +10,8 @@ to `<output_dir>/sharddemo-watch.jsonl` unless `report=` says otherwise.
 
 transformers hands a callback no Trainer: TrainerWatch finds the Trainer that calls it on the
 call stack (the frame of the Trainer method that fires the event), once, to reach its
-`get_eval_dataloader` and `get_resumed_dataloader`.
+`get_eval_dataloader` and `get_resumed_dataloader` (where this transformers has none, 5.17.0:
+the `skip_first_batches` its training loop calls).
 """
 
 from __future__ import annotations
@@ -50,6 +51,35 @@ def _calling_trainer() -> Optional[Trainer]:
     return next((f.f_locals["self"] for f in _trainer_frames()), None)
 
 
+def _watch_resumed(dataloader, made) -> None:
+    """The loader a resume makes from a watched one (accelerate's skip_first_batches) is
+    watched by the same watch: it is what the resumed epoch's loop receives."""
+    state = getattr(dataloader, "__dict__", {}).get("_sharddemo_watch")
+    if state is not None and made is not dataloader:
+        attach(made, state)
+
+
+def _follow_module_skip() -> None:
+    """For a transformers without Trainer.get_resumed_dataloader (5.17.0, which the extra's
+    transformers>=5.0 allows): its training loop calls accelerate's skip_first_batches, imported
+    into transformers.trainer, directly. That name is made to return a watched loader for a
+    watched one, once per process (a loader no watch holds passes through unchanged, so other
+    Trainers of the process are not affected)."""
+    import transformers.trainer as module
+
+    skip = getattr(module, "skip_first_batches", None)
+    if skip is None or getattr(skip, "sharddemo_follows", False):
+        return  # nothing to follow: a resumed epoch's loader would not be watched
+
+    def skip_first_batches(dataloader, num_batches=0):
+        made = skip(dataloader, num_batches)
+        _watch_resumed(dataloader, made)
+        return made
+
+    skip_first_batches.sharddemo_follows = True
+    module.skip_first_batches = skip_first_batches
+
+
 class TrainerWatch(TrainerCallback):
     """Watch a transformers Trainer's train loader every epoch and its eval loader at every
     evaluation (docs/watch.md). `report`: the JSON-lines file (default
@@ -60,6 +90,7 @@ class TrainerWatch(TrainerCallback):
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None
         self.eval_state: Optional[WatchState] = None
+        self.evaluations = 0  # evaluations of the run before this process (a resumed run)
         self.train_loader = None
 
     def _report(self, args) -> str:
@@ -73,26 +104,30 @@ class TrainerWatch(TrainerCallback):
         if trainer is None:
             return
         self.trainer = trainer
-        get_eval, get_resumed = trainer.get_eval_dataloader, trainer.get_resumed_dataloader
+        get_eval = trainer.get_eval_dataloader
 
         def get_eval_dataloader(*a, **kw):
             loader = get_eval(*a, **kw)
             if self.eval_state is None:
                 watch_loader(loader, name="eval", report=self._report(args),
-                       on_violation=self.on_violation, role="eval")
+                       on_violation=self.on_violation, role="eval",
+                       start_epoch=self.evaluations)  # numbered per evaluation of the run
                 self.eval_state = loader.__dict__["_sharddemo_watch"]
             else:  # each evaluation is one more "epoch" of the same eval loader
                 attach(loader, self.eval_state)
             return loader
 
+        trainer.get_eval_dataloader = get_eval_dataloader
+        get_resumed = getattr(trainer, "get_resumed_dataloader", None)
+        if get_resumed is None:  # transformers 5.17.0 and earlier (see _follow_module_skip)
+            _follow_module_skip()
+            return
+
         def get_resumed_dataloader(dataloader, num_batches):
             made = get_resumed(dataloader, num_batches)
-            state = getattr(dataloader, "__dict__", {}).get("_sharddemo_watch")
-            if state is not None and made is not dataloader:
-                attach(made, state)  # what the resumed epoch's loop receives
+            _watch_resumed(dataloader, made)
             return made
 
-        trainer.get_eval_dataloader = get_eval_dataloader
         trainer.get_resumed_dataloader = get_resumed_dataloader
 
     def on_init_end(self, args, state, control, **kwargs):
@@ -110,8 +145,9 @@ class TrainerWatch(TrainerCallback):
             if saved and os.path.exists(saved):
                 import torch
 
-                train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(
-                    torch.load(saved, weights_only=False))
+                place = torch.load(saved, weights_only=False)
+                train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(place)
+                self.evaluations = int(place.get("evaluations", 0))
 
     def on_save(self, args, state, control, train_dataloader=None, **kwargs):
         """Beside the Trainer's checkpoint: the watch's place, reduced across the ranks (every
@@ -120,6 +156,8 @@ class TrainerWatch(TrainerCallback):
         if watched is None or self.trainer is None:
             return
         saved = watched.state_dict()  # a collective
+        # the evaluations so far, so that a resumed run numbers its next one on
+        saved["evaluations"] = self.eval_state.epoch if self.eval_state else self.evaluations
         if watched.ranks.is_main_process:
             import torch
 
