@@ -71,7 +71,7 @@ def require_imports_of(path: str) -> None:
             tree = ast.parse(handle.read(), filename=path)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return  # the ranks' import says what is wrong with it
-    names = set()
+    names: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.Import):
             names.update(alias.name.split(".")[0] for alias in node.names)
