@@ -20,7 +20,8 @@ def audit_run(opts, settings: LaunchSettings = LaunchSettings(), debug: bool = F
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
     launch = make_launch(settings, opts.to_run_args(), command="audit-rank")
     trace = run_launch(launch, RunOptions(epochs=opts.epochs, timeout=opts.timeout),
-                       debug=debug, timeout=opts.max_time, progress=progress)
+                       timeout=opts.timeout, debug=debug, max_time=opts.max_time,
+                       progress=progress)
     keys = number_trace_keys(trace, opts, known)
     report = report_of(launch, trace, keys, opts.id_field)
     if keys is not None:

@@ -14,7 +14,8 @@ def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(),
 
         return resume_demo_run(opts, settings, debug=debug)
     launch = make_launch(settings, opts.to_run_args(), check=opts.check_world)
-    return report_of(launch, run_launch(launch, opts, debug=debug, progress=progress))
+    return report_of(launch, run_launch(launch, opts, timeout=opts.timeout, debug=debug,
+                                        progress=progress))
 
 
 TRAP_FLAGS = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -27,7 +28,7 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
     launch = Launch(config_file=None, num_processes=num_processes, flags=TRAP_FLAGS,
                     run_args=opts.to_run_args() + ["--allow-alone"], device="cpu",
                     expect_world=False)
-    trace = run_launch(launch, opts)
+    trace = run_launch(launch, opts, timeout=opts.timeout)
     report = build_report(trace, launch_command=launch.display())
     world, n = report["world_size"], opts.dataset_size
     seen = report["modes"]["prepared"]["epochs"][0]["seen"]

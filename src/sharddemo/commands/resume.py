@@ -43,15 +43,16 @@ def resume_audit_run(opts, plan, settings: LaunchSettings = LaunchSettings(),
                       "--resume-strategy", plan.strategy, "--checkpoint", checkpoint]
         stop = run_launch(make_launch(settings, [*phase_args, "--phase", "stop"],
                                       command="resume-rank"),
-                          limits, debug=debug, timeout=opts.max_time)
+                          limits, timeout=opts.timeout, debug=debug, max_time=opts.max_time)
         launch = make_launch(settings, reference_opts.to_run_args(), command="audit-rank")
-        reference = run_launch(launch, limits, debug=debug, timeout=opts.max_time,
-                               progress=progress)
+        reference = run_launch(launch, limits, timeout=opts.timeout, debug=debug,
+                               max_time=opts.max_time, progress=progress)
         after = dataclasses.replace(settings, num_processes=plan.num_processes
                                     or settings.num_processes)
         resumed = run_launch(make_launch(after, [*phase_args, "--phase", "resume"],
                                          command="resume-rank"),
-                             limits, debug=debug, timeout=opts.max_time)
+                             limits, timeout=opts.timeout, debug=debug,
+                             max_time=opts.max_time)
     finally:
         if not keep_checkpoint:
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -115,7 +116,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
             launch = make_launch(settings, [*opts.to_run_args(), "--phase", phase,
                                             "--checkpoint", checkpoint, *extra],
                                  command="resume-demo-rank", check=opts.check_world)
-            traces[phase] = run_launch(launch, limits, debug=debug)
+            traces[phase] = run_launch(launch, limits, timeout=opts.timeout, debug=debug)
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
     if not traces.get("resume"):
