@@ -452,6 +452,35 @@ def render_doc(results: dict) -> str:
                      "kept); then every key looked up once, in batches of 4096, as the walk "
                      "does. A lookup is a binary search of the sorted hashes: past the cache "
                      "(10^7 keys, 240 MB) it costs more a key.")
+    sw = results.get("stream_walk")
+    if sw:
+        cells, worst = [], []
+        for row in sw["rows"]:
+            modes = ", ".join(
+                f"{mode} {m['bare_s']:.1f} s vs {m['traced_s']:.1f} s = **{m['ratio']:.2f}x** "
+                f"(CPU {m['cpu_ratio']:.2f}x)" for mode, m in row["modes"].items())
+            worst += [m["ratio"] for m in row["modes"].values()]
+            runs = "" if row["pairs"] > 1 else ", once"
+            cells.append(f"{row['source']}, W = {row['world']}, N = {row['n']:,}{runs}: {modes}")
+        met = "met" if worst and max(worst) <= 1.15 else "**missed**"
+        out.append(f"| streams walked bare vs by sharddemo's epoch loop, batches of "
+                   f"{sw['batch']} | {'; '.join(cells)} | {sw['target']} | {met} |")
+        notes.append(f"- streams ({_when(sw)}): `python benchmarks/stream_walk.py --record`. "
+                     "Each point one `accelerate launch` on W CPU ranks; every rank builds the "
+                     "mode's loader as `compare` does (the source, `set_seed`, the mode's "
+                     "builder, the worker tags) and walks one epoch at a time, bare (`for batch "
+                     "in loader: batch[\"id\"].to(device)`) and by sharddemo's epoch loop "
+                     "(`EpochWalker`, the gather strategy chosen before the timing, as "
+                     "`compare` does), alternated, timed on the main rank between barriers "
+                     "after a full garbage collection; CPU: the CPU time of every rank "
+                     "together. Where a point ran more than one pair the first pair is a "
+                     "warm-up and is not kept; the 10^6 points ran one pair each. The figure is "
+                     "the wall time of one epoch (bare vs sharddemo). `hf-stream` is a "
+                     "`datasets` IterableDataset streamed from JSON-lines files, `iterable` "
+                     "the toy stream; `replicated`: every rank reads the whole stream; "
+                     "`prepared`: accelerate's `dispatch_batches` (its default for an "
+                     "iterable dataset), rank 0 reads every batch and sends each rank its "
+                     "slice.")
     gpu = results.get("gpu")
     if gpu:
         if gpu.get("skipped"):

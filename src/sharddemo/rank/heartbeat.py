@@ -93,9 +93,11 @@ class Heartbeat:
 
 
 def _from_env() -> Heartbeat:
-    folder, rank = os.environ.get(STATUS_ENV), os.environ.get("RANK")
-    if not folder or not rank:
+    folder = os.environ.get(STATUS_ENV)
+    if not folder:
         return Heartbeat(None)
+    # A process that the launcher started alone has no RANK (`sharddemo trap`): it is rank 0.
+    rank = os.environ.get("RANK") or "0"
     return Heartbeat(os.path.join(folder, f"rank-{rank}.progress"))
 
 
