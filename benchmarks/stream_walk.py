@@ -4,6 +4,7 @@ samples, batches of 4096, the loaders `compare` builds for each mode.
     python benchmarks/stream_walk.py [--record] [--sizes 100000,1000000] [--worlds 2,3]
                                      [--sources hf-stream,iterable] [--modes replicated,prepared]
                                      [--pairs 2]
+    python benchmarks/stream_walk.py --record --rows A.jsonl B.jsonl   # points run apart
 
 Each (source, W, N) is one `accelerate launch` of this file on W CPU ranks (gloo). Every rank
 builds the mode's loader as `compare` does (the source, set_seed, rank.loaders.build_loader,
@@ -125,15 +126,20 @@ def main() -> None:
     parser.add_argument("--sources", default="hf-stream,iterable")
     parser.add_argument("--modes", default="replicated,prepared")
     parser.add_argument("--pairs", type=int, default=2,
-                        help="bare/traced pairs per point (10^6: 1, taken once)")
+                        help="bare/traced pairs per point; above 1 the first is a warm-up, not kept")
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--rows", nargs="*", default=None,
+                        help="record the rows these files hold (one JSON row a line, as this "
+                             "script prints them) instead of measuring: points run apart")
     args = parser.parse_args()
     rows = []
-    for n in (int(s) for s in args.sizes.split(",")):
+    for path in args.rows or []:
+        with open(path) as handle:
+            rows += [json.loads(line) for line in handle if line.strip()]
+    for n in (int(s) for s in args.sizes.split(",")) if args.rows is None else ():
         for world in (int(w) for w in args.worlds.split(",")):
             for source in args.sources.split(","):
-                pairs = args.pairs if n < 1_000_000 else 1
-                row = launch_one(source, world, n, args.modes.split(","), pairs)
+                row = launch_one(source, world, n, args.modes.split(","), args.pairs)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if not args.record:
