@@ -8,8 +8,9 @@ the same page of the machine's file cache.
 Progress is a batch received, an epoch's start or end, or any collective done
 (rank.collect.collective); the parent's watchdog (launch.Watchdog) stops a launch only when
 no rank has made any for its bound. A report costs one clock read and one
-`struct.pack_into` (well under a microsecond). Without STATUS_ENV (a rank started by hand,
-the watch in a user's own script) nothing is mapped and a report costs one comparison.
+`struct.pack_into`: about 1 us a batch, measured with timeit on this 2-core machine under a
+load of 9 (0.4 us with nothing mapped). Without STATUS_ENV (a rank started by hand,
+the watch in a user's own script) nothing is mapped and a report returns at once.
 """
 
 from __future__ import annotations
