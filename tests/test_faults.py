@@ -190,6 +190,18 @@ def test_a_launch_where_no_rank_makes_progress_is_stopped_and_says_what_was_seen
     assert_nothing_left(token)
 
 
+def test_audit_max_time_still_limits_the_whole_launch():
+    """Your own limit on the whole launch (audit --max-time) is kept as given: 2 s, less than
+    a launch takes to start here, ends it however its ranks progress."""
+    env, token = tagged_env()
+    proc = sharddemo(["audit", f"{FACTORIES}:slow_batches", "--max-time", "2"], check=False,
+                     env=env)
+    assert proc.returncode == 1
+    assert one_error(proc).startswith("Error: the launch did not finish within its limit of "
+                                      "2 s (--max-time) and was stopped; ")
+    assert_nothing_left(token)
+
+
 def _progress_file(folder, rank, phase, when, step=0, where=""):
     """A progress report as docs/reliability.md lays it out: seq, step (u64), when (f64),
     phase (u8: 0 starting, 1 walking, 2 finishing) from byte 0; `where` from byte 32, its
