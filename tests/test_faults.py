@@ -170,14 +170,15 @@ def test_a_rank_that_stalls_mid_epoch_is_named_with_its_last_step():
     assert_nothing_left(token)
 
 
-def test_a_launch_where_no_rank_makes_progress_is_stopped_and_says_what_was_seen():
+def test_a_launch_where_no_rank_makes_progress_is_stopped_and_says_what_was_seen(tmp_path):
     """Every rank stops after 5 batches, outside any collective (tests/faultplugin): no peer
-    waits, so only the parent's watchdog can end it, 9 s after the last progress."""
+    waits, so only the parent's watchdog can end it, 9 s after the last progress; no report
+    is written."""
     env, token = tagged_env("stall:all:sampler:0:5")
     start = time.monotonic()
     proc = sharddemo(["compare", "--modes", "sampler", "--dataset-size", "400",
-                      "--batch-size", "4", "--epochs", "1", "--timeout", str(WATCH_TIMEOUT)],
-                     check=False, env=env)
+                      "--batch-size", "4", "--epochs", "1", "--timeout", str(WATCH_TIMEOUT),
+                      "--output", str(tmp_path / "report.json")], check=False, env=env)
     assert proc.returncode == 1
     line = one_error(proc)
     ranks = r"rank [01] last made progress at sampler epoch 0, step 5, \d+\.\d s before the stop"
@@ -187,6 +188,7 @@ def test_a_launch_where_no_rank_makes_progress_is_stopped_and_says_what_was_seen
                         line), line
     assert "rank 0" in line and "rank 1" in line
     assert time.monotonic() - start < 60  # the start-up bound alone: over 66 s
+    assert not list(tmp_path.iterdir())
     assert_nothing_left(token)
 
 
