@@ -150,7 +150,8 @@ def main() -> None:
     record_result("stream_walk", {
         "rows": rows, "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}",
-        "repeats": "-".join(sorted({str(row["pairs"]) for row in rows})),
+        "repeats": " to ".join(str(p) for p in sorted({min(r["pairs"] for r in rows),
+                                                         max(r["pairs"] for r in rows)})),
         "batch": BATCH,
         "target": "sharddemo's walk <= 1.15x the bare walk of the same loader (CPU time of "
                   "the ranks; wall beside)"})
