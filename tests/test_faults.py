@@ -225,8 +225,8 @@ def test_the_watchdog_bounds_a_starting_rank_and_a_walking_one(tmp_path):
     dog.poll(now=150.0)
     assert dog.overdue(now=164.0) is None
     assert dog.overdue(now=165.0) == (
-        "no rank made progress for 65 s (over 64 s, the bound for a rank still starting: "
-        "60 s + 2 x --timeout) and the launch was stopped; 2 rank(s) had not started (65 s "
+        "no rank made progress for 65 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; 2 rank(s) had not started (65 s "
         "after the launch began) (if one step or the start-up really takes that long, raise "
         "--timeout)")
     _progress_file(tmp_path, 0, 1, 200.0, step=7, where="sampler epoch 1")
@@ -235,8 +235,8 @@ def test_the_watchdog_bounds_a_starting_rank_and_a_walking_one(tmp_path):
     # rank 1 is still starting: 190 + 64 = 254 covers rank 0's 200 + 6
     assert dog.overdue(now=254.0) is None
     assert dog.overdue(now=255.0) == (
-        "no rank made progress for 55 s (over 64 s, the bound for a rank still starting: "
-        "60 s + 2 x --timeout) and the launch was stopped; rank 0 last made progress at "
+        "no rank made progress for 55 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; rank 0 last made progress at "
         "sampler epoch 1, step 7, 55.0 s before the stop; rank 1 was still starting (no "
         "batch yet), its last sign of life 65.0 s before the stop (if one step or the "
         "start-up really takes that long, raise --timeout)")
@@ -247,6 +247,16 @@ def test_the_watchdog_bounds_a_starting_rank_and_a_walking_one(tmp_path):
         "no rank made progress for 6 s (over 6 s, the bound of 3 x --timeout) and the launch "
         "was stopped; rank 1 last made progress at sampler epoch 1, step 1, 6.5 s before the "
         "stop; rank 0 last made progress at sampler epoch 1, step 7, 8.5 s before the stop")
+    # rank 0 walked every epoch and writes its trace: the start-up bound again, 210 + 64
+    _progress_file(tmp_path, 0, 2, 210.0, where="the trace and teardown")
+    _progress_file(tmp_path, 1, 1, 209.0, step=9, where="sampler epoch 1")
+    dog.poll(now=211.0)
+    assert dog.overdue(now=274.0) is None
+    assert dog.overdue(now=275.0).startswith(
+        "no rank made progress for 65 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; rank 0 had walked every "
+        "epoch and was writing its trace, 65.0 s before the stop; rank 1 last made progress at "
+        "sampler epoch 1, step 9, 66.0 s before the stop")
 
 
 def test_a_rank_still_making_progress_is_not_said_to_have_stopped():

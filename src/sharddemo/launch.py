@@ -90,7 +90,8 @@ class Launch:
 # and says so itself, so in a launch whose ranks still run their own code the ranks' account
 # comes first and this is the backstop (a rank stuck where no peer waits on it, a collective
 # that never returns). A rank still starting (imports, the Accelerator, building its loader,
-# its first batch) has START_S + 2 x --timeout from its last sign of life instead.
+# its first batch), or finishing (every epoch walked: its trace written, the teardown), has
+# START_S + 2 x --timeout from its last sign of life instead.
 PROGRESS_TIMEOUTS = 3
 START_S = 60.0
 
@@ -218,7 +219,8 @@ class Watchdog:
 
     `expected`: how many ranks of this machine should report; until they all have, the launch
     itself counts as starting since it began. A rank is starting until its first batch
-    (start_bound from its last report), then walking (progress_bound). The launch is overdue
+    (start_bound from its last report), then walking (progress_bound), then finishing once
+    every epoch is walked (start_bound again: a large trace to write). The launch is overdue
     when every rank, and the launch's own start while a rank has not reported, is past its
     bound."""
 
@@ -250,15 +252,13 @@ class Watchdog:
                 report["when"] = min(report["when"], now)
                 self.ranks[rank] = report
 
-    def _bound(self, report: dict) -> float:
-        return (start_bound(self.timeout) if report["phase"] == "starting"
-                else progress_bound(self.timeout))
-
     def deadline(self) -> tuple[float, str]:
         """(the time after which the launch is overdue, the phase whose bound sets it:
-        "starting" or "walking")."""
-        candidates = [(report["when"] + self._bound(report),
-                       "starting" if report["phase"] == "starting" else "walking")
+        "walking", or "starting" for a rank starting or finishing: no batch to count
+        there, the start bound)."""
+        candidates = [(report["when"] + progress_bound(self.timeout), "walking")
+                      if report["phase"] == "walking" else
+                      (report["when"] + start_bound(self.timeout), "starting")
                       for report in self.ranks.values()]
         if not self.ranks or len(self.ranks) < self.expected:
             candidates.append((self.began + start_bound(self.timeout), "starting"))
@@ -271,8 +271,8 @@ class Watchdog:
         if now <= deadline:
             return None
         if phase == "starting":
-            bound = (f"{start_bound(self.timeout):g} s, the bound for a rank still starting: "
-                     f"{START_S:g} s + 2 x --timeout")
+            bound = (f"{start_bound(self.timeout):g} s, the bound for a rank starting or "
+                     f"finishing: {START_S:g} s + 2 x --timeout")
         else:
             bound = (f"{progress_bound(self.timeout):g} s, the bound of {PROGRESS_TIMEOUTS} x "
                      "--timeout")
