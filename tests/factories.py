@@ -395,3 +395,29 @@ def hf_question_ids_drop_last(accelerator):
                             "x": [float(i) for i in range(KEYED)]}).with_format("torch")
     torch.manual_seed(3)
     return accelerator.prepare(DataLoader(ds, batch_size=4, shuffle=True, drop_last=True))
+
+
+class Slow(torch.utils.data.Dataset):
+    """Every fetch sleeps `pause` seconds: a loader slower than the watchdog's bound in all,
+    never in one step."""
+
+    def __init__(self, pause, n=N):
+        self.pause, self.n = pause, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(self.pause)
+        return torch.tensor(index)
+
+
+def slow_batches(accelerator):
+    """60 samples, batches of 2, a DistributedSampler on 2 ranks: 15 batches a rank, each
+    0.8 s (2 fetches of 0.4 s), so an epoch walks for 12 s on every rank."""
+    dataset = Slow(0.4)
+    sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
+                                 rank=accelerator.process_index, shuffle=False)
+    return DataLoader(dataset, batch_size=2, sampler=sampler)

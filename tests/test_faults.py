@@ -4,6 +4,7 @@ ports; ragged batches. Each case fails fast with one clear line and leaves no pr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -113,13 +114,166 @@ def test_a_rank_that_stalls(args):
     start = time.monotonic()
     proc = sharddemo(args, check=False, env=env)
     assert proc.returncode == 1
-    assert one_error(proc) == ("Error: rank 1 stopped answering: rank 0 gave up waiting for it "
-                               "at the process-group timeout (--timeout)")
+    # Rank 1's 5th fetch stalls (factories.Faulty). Its prepared loader (N = 60, batch 2,
+    # no shuffle) deals it global batches 1, 3, 5: [2, 3], [6, 7], [10, 11]; accelerate's
+    # DataLoaderShard fetches one batch ahead of what it yields, so it has yielded [2, 3]
+    # (fetched with [6, 7], fetches 1-4) and stalls fetching [10, 11] before yielding
+    # [6, 7]: the loop received 1 batch.
+    line = one_error(proc)
+    assert re.fullmatch(r"Error: rank 1 stopped making progress at audit epoch 0, step 1 "
+                        r"\(\d+\.\d s before rank 0 gave up\): rank 0 gave up waiting for "
+                        r"it at the process-group timeout \(--timeout\)", line), line
     # 13-14 s on an idle machine (start-up, the walk, the 4 s wait). Had --timeout not reached
     # the process group, rank 0 would have waited the default 60 s: a bound under that tells
     # the two apart and leaves start-up room on a busy machine (4 + 15 s left it 5 s).
     assert time.monotonic() - start < DEFAULT_TIMEOUT
     assert_nothing_left(token)
+
+
+# --timeout of the watchdog tests below: the launch is stopped after 3 x 3 = 9 s without
+# progress on any rank (docs/reliability.md), a rank still starting after 60 + 2 x 3 = 66 s.
+WATCH_TIMEOUT = 3
+
+
+def test_a_slow_loader_finishes_however_long_it_walks():
+    """A loader that sleeps in every batch walks for longer than the watchdog's bound (and
+    longer than any bound on the whole launch of that size), never that long in one step."""
+    env, token = tagged_env()
+    start = time.monotonic()
+    proc = sharddemo(["audit", f"{FACTORIES}:slow_batches", "--epochs", "1",
+                      "--timeout", str(WATCH_TIMEOUT)], check=False, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "FAIL" not in proc.stdout and "no-missing-samples" in proc.stdout
+    # 15 batches a rank of 2 fetches of 0.4 s (factories.slow_batches): the walk alone lasts
+    # 12 s, more than the 9 s bound; each step 0.8 s, far within it.
+    assert elapsed > 12
+    assert_nothing_left(token)
+
+
+def test_a_rank_that_stalls_mid_epoch_is_named_with_its_last_step():
+    """Rank 1 stops after 5 batches (tests/faultplugin); rank 0 waits in the next collective,
+    gives up at --timeout and says so: the line names rank 1 and where it stopped."""
+    env, token = tagged_env("stall:1:sampler:0:5")
+    start = time.monotonic()
+    proc = sharddemo(["compare", "--modes", "sampler", "--dataset-size", "400",
+                      "--batch-size", "4", "--epochs", "1", "--timeout", str(WATCH_TIMEOUT)],
+                     check=False, env=env)
+    assert proc.returncode == 1
+    line = one_error(proc)
+    assert re.fullmatch(r"Error: rank 1 stopped making progress at sampler epoch 0, step 5 "
+                        r"\(\d+\.\d s before rank 0 gave up\): rank 0 gave up waiting for "
+                        r"it at the process-group timeout \(--timeout\)", line), line
+    # Without the ranks' own account the watchdog would have stopped it 9 s after the stall;
+    # a launch left to the start-up bound alone would take over 66 s.
+    assert time.monotonic() - start < 60
+    assert_nothing_left(token)
+
+
+def test_a_launch_where_no_rank_makes_progress_is_stopped_and_says_what_was_seen(tmp_path):
+    """Every rank stops after 5 batches, outside any collective (tests/faultplugin): no peer
+    waits, so only the parent's watchdog can end it, 9 s after the last progress; no report
+    is written."""
+    env, token = tagged_env("stall:all:sampler:0:5")
+    start = time.monotonic()
+    proc = sharddemo(["compare", "--modes", "sampler", "--dataset-size", "400",
+                      "--batch-size", "4", "--epochs", "1", "--timeout", str(WATCH_TIMEOUT),
+                      "--output", str(tmp_path / "report.json")], check=False, env=env)
+    assert proc.returncode == 1
+    line = one_error(proc)
+    ranks = r"rank [01] last made progress at sampler epoch 0, step 5, \d+\.\d s before the stop"
+    assert re.fullmatch(r"Error: no rank made progress for \d+ s \(over 9 s, the bound of 3 x "
+                        rf"--timeout\) and the launch was stopped; {ranks}; {ranks} \(if one "
+                        r"step or the start-up really takes that long, raise --timeout\)",
+                        line), line
+    assert "rank 0" in line and "rank 1" in line
+    assert time.monotonic() - start < 60  # the start-up bound alone: over 66 s
+    assert not list(tmp_path.iterdir())
+    assert_nothing_left(token)
+
+
+def test_audit_max_time_still_limits_the_whole_launch():
+    """Your own limit on the whole launch (audit --max-time) is kept as given: 2 s, less than
+    a launch takes to start here, ends it however its ranks progress."""
+    env, token = tagged_env()
+    proc = sharddemo(["audit", f"{FACTORIES}:slow_batches", "--max-time", "2"], check=False,
+                     env=env)
+    assert proc.returncode == 1
+    assert one_error(proc).startswith("Error: the launch did not finish within its limit of "
+                                      "2 s (--max-time) and was stopped; ")
+    assert_nothing_left(token)
+
+
+def _progress_file(folder, rank, phase, when, step=0, where=""):
+    """A progress report as docs/reliability.md lays it out: seq, step (u64), when (f64),
+    phase (u8: 0 starting, 1 walking, 2 finishing) from byte 0; `where` from byte 32, its
+    length first; 128 bytes."""
+    import struct
+
+    head = struct.pack("<QQdB", 1, step, when, phase).ljust(32, b"\0")
+    text = where.encode()
+    (folder / f"rank-{rank}.progress").write_bytes((head + bytes([len(text)]) + text)
+                                                    .ljust(128, b"\0"))
+
+
+def test_the_watchdog_bounds_a_starting_rank_and_a_walking_one(tmp_path):
+    from sharddemo.launch import Watchdog
+
+    # --timeout 2: walking 3 x 2 = 6 s, starting 60 + 2 x 2 = 64 s, times in seconds of the
+    # monotonic clock the ranks write (here made up: the launch began at 100).
+    dog = Watchdog(str(tmp_path), 2.0, expected=2, now=100.0)
+    dog.poll(now=150.0)
+    assert dog.overdue(now=164.0) is None
+    assert dog.overdue(now=165.0) == (
+        "no rank made progress for 65 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; 2 rank(s) had not started (65 s "
+        "after the launch began) (if one step or the start-up really takes that long, raise "
+        "--timeout)")
+    _progress_file(tmp_path, 0, 1, 200.0, step=7, where="sampler epoch 1")
+    _progress_file(tmp_path, 1, 0, 190.0)
+    dog.poll(now=201.0)
+    # rank 1 is still starting: 190 + 64 = 254 covers rank 0's 200 + 6
+    assert dog.overdue(now=254.0) is None
+    assert dog.overdue(now=255.0) == (
+        "no rank made progress for 55 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; rank 0 last made progress at "
+        "sampler epoch 1, step 7, 55.0 s before the stop; rank 1 was still starting (no "
+        "batch yet), its last sign of life 65.0 s before the stop (if one step or the "
+        "start-up really takes that long, raise --timeout)")
+    _progress_file(tmp_path, 1, 1, 202.0, step=1, where="sampler epoch 1")
+    dog.poll(now=203.0)
+    assert dog.overdue(now=208.0) is None  # rank 1's first batch: 202 + 6
+    assert dog.overdue(now=208.5).startswith(
+        "no rank made progress for 6 s (over 6 s, the bound of 3 x --timeout) and the launch "
+        "was stopped; rank 1 last made progress at sampler epoch 1, step 1, 6.5 s before the "
+        "stop; rank 0 last made progress at sampler epoch 1, step 7, 8.5 s before the stop")
+    # rank 0 walked every epoch and writes its trace: the start-up bound again, 210 + 64
+    _progress_file(tmp_path, 0, 2, 210.0, where="the trace and teardown")
+    _progress_file(tmp_path, 1, 1, 209.0, step=9, where="sampler epoch 1")
+    dog.poll(now=211.0)
+    assert dog.overdue(now=274.0) is None
+    assert dog.overdue(now=275.0).startswith(
+        "no rank made progress for 65 s (over 64 s, the bound for a rank starting or "
+        "finishing: 60 s + 2 x --timeout) and the launch was stopped; rank 0 had walked every "
+        "epoch and was writing its trace, 65.0 s before the stop; rank 1 last made progress at "
+        "sampler epoch 1, step 9, 66.0 s before the stop")
+
+
+def test_a_rank_still_making_progress_is_not_said_to_have_stopped():
+    from sharddemo.launch import explain_failure
+
+    waited = {0: {"kind": "timeout", "message": "DistBackendError after 4.0 s ..."}}
+    working = {1: ({"phase": "walking", "where": "sampler epoch 0", "step": 40}, 0.3)}
+    message, _ = explain_failure(waited, {0, 1}, "", 1, False, seen=working, timeout=4.0)
+    assert message == ("rank 1 was still making progress (sampler epoch 0, step 40, 0.3 s "
+                       "before rank 0 gave up) but did not reach the collective in time: rank "
+                       "0 gave up waiting for it at the process-group timeout (--timeout); the "
+                       "work between two collectives must take less than --timeout: raise it")
+    stopped = {1: ({"phase": "walking", "where": "sampler epoch 0", "step": 5}, 4.2)}
+    message, _ = explain_failure(waited, {0, 1}, "", 1, False, seen=stopped, timeout=4.0)
+    assert message == ("rank 1 stopped making progress at sampler epoch 0, step 5 (4.2 s "
+                       "before rank 0 gave up): rank 0 gave up waiting for it at the "
+                       "process-group timeout (--timeout)")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],

@@ -25,6 +25,7 @@ from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import RunFailed, UsageError
 from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
                                write_rank_options)
+from sharddemo.progress import SIZE, read_report
 
 
 def free_port() -> int:
@@ -87,16 +88,37 @@ class Launch:
         return shlex.join(words)
 
 
-def outer_timeout(timeout: float, samples: int = 0) -> float:
-    """How long the whole launch may take: start-up, plus the process-group timeout
-    (`timeout`), plus room for the work itself (`samples` walked in all). A hang always ends
-    here at the latest."""
-    return 60.0 + 2 * timeout + samples * 2e-5
+# The watchdog's bounds (docs/reliability.md). A launch is stopped only when no rank has made
+# progress (a batch received, an epoch's end, a collective done: rank.heartbeat) for
+# PROGRESS_TIMEOUTS x --timeout. A rank that waits on a collective gives up after --timeout
+# and says so itself, so in a launch whose ranks still run their own code the ranks' account
+# comes first and this is the backstop (a rank stuck where no peer waits on it, a collective
+# that never returns). A rank still starting (imports, the Accelerator, building its loader,
+# its first batch), or finishing (every epoch walked: its trace written, the teardown), has
+# START_S + 2 x --timeout from its last sign of life instead.
+PROGRESS_TIMEOUTS = 3
+START_S = 60.0
 
 
-def run_launch(launch: Launch, limit: float, *, debug: bool = False, progress: bool = False,
+def progress_bound(timeout: float) -> float:
+    """Seconds without progress on every rank after which a walking launch is stopped."""
+    return PROGRESS_TIMEOUTS * timeout
+
+
+def start_bound(timeout: float) -> float:
+    """Seconds a rank may spend starting (before its first batch) without a sign of life."""
+    return START_S + 2 * timeout
+
+
+def run_launch(launch: Launch, *, timeout: float, debug: bool = False,
+               max_time: Optional[float] = None, progress: bool = False,
                retried: bool = False) -> dict:
-    """Run the launch; return the trace the main process wrote. Raises RunFailed."""
+    """Run the launch; return the trace the main process wrote. Raises RunFailed.
+
+    `timeout`: the ranks' process-group timeout (--timeout), from which the watchdog's
+    bounds come (progress_bound, start_bound): a launch runs as long as its ranks make
+    progress. `max_time`: the user's own limit on the whole launch (audit --max-time), kept
+    as given; None: none."""
     port = launch.port or free_port()
     with tempfile.TemporaryDirectory(prefix="sharddemo-") as tmp:
         trace_path = os.path.join(tmp, "trace.json")
@@ -130,6 +152,12 @@ def run_launch(launch: Launch, limit: float, *, debug: bool = False, progress: b
             env["SHARDDEMO_DEBUG"] = "1"
         out_path = os.path.join(tmp, "stdout.log")
         err_path = os.path.join(tmp, "stderr.log")
+        # torchrun names a dead process by its local rank: on machine m of a
+        # multi-node job, global rank = m * ranks per machine + local rank.
+        per_machine = launch.num_processes // max(launch.num_machines, 1)
+        first = launch.machine_rank * per_machine
+        watchdog = Watchdog(status_dir, timeout,
+                            expected=per_machine if launch.expect_world else 0)
         with open(out_path, "wb") as out, open(err_path, "wb") as err, \
                 _signals_raise(Interrupted):
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -137,31 +165,26 @@ def run_launch(launch: Launch, limit: float, *, debug: bool = False, progress: b
             family = Family(proc)
             bar = ProgressBar(out_path) if progress else None
             try:
-                code = _wait(proc, limit, bar, family)
-            except subprocess.TimeoutExpired:
-                family.end()
-                raise RunFailed(
-                    f"the launch did not finish within {limit:.0f} s and was stopped; "
-                    "a rank stopped answering (raise --timeout if the work is really that long)"
-                ) from None
+                code = _wait(proc, watchdog, max_time, bar, family)
             finally:
-                # Any way out (an error, Ctrl-C, SIGTERM, SIGHUP): end every process started.
+                # Any way out (the watchdog, an error, Ctrl-C, SIGTERM, SIGHUP): end every
+                # process started.
                 if bar is not None:
                     bar.close()
                 family.end()
         if code != 0:
             with open(err_path, encoding="utf-8", errors="replace") as handle:
                 stderr = handle.read()
-            # torchrun names a dead process by its local rank: on machine m of a
-            # multi-node job, global rank = m * ranks per machine + local rank.
-            first = launch.machine_rank * (launch.num_processes // max(launch.num_machines, 1))
+            watchdog.poll()
             failed, started = read_status(status_dir)
             if (not failed and launch.port is None and not retried
                     and PORT_TAKEN.search(stderr)):
                 # Someone took the free port before the launcher bound it: once more, anew.
-                return run_launch(launch, limit, debug=debug, progress=progress, retried=True)
+                return run_launch(launch, timeout=timeout, debug=debug, max_time=max_time,
+                                  progress=progress, retried=True)
             message, usage = explain_failure(failed, started, stderr, code, debug,
-                                             first_rank=first)
+                                             first_rank=first, seen=watchdog.last_seen(),
+                                             timeout=timeout)
             raise (UsageError if usage else RunFailed)(message)
         if launch.machine_rank != 0 and not os.path.exists(trace_path):
             return {}  # another node's main process writes the report
@@ -172,19 +195,151 @@ def run_launch(launch: Launch, limit: float, *, debug: bool = False, progress: b
             raise RunFailed("the ranks exited without writing their trace") from None
 
 
-def _wait(proc: subprocess.Popen, limit: float, bar: Optional["ProgressBar"],
-          family: "Family") -> int:
-    """Wait for the launch, updating the progress bar and the list of its processes."""
-    deadline = time.monotonic() + limit
+def _wait(proc: subprocess.Popen, watchdog: "Watchdog", max_time: Optional[float],
+          bar: Optional["ProgressBar"], family: "Family") -> int:
+    """Wait for the launch, updating the progress bar and the list of its processes; raise
+    RunFailed, saying what was seen, when the watchdog finds that no rank makes progress or
+    when `max_time` has passed (the caller ends every process)."""
+    end = None if max_time is None else watchdog.began + max_time
     while True:
         family.refresh()
         try:
             return proc.wait(timeout=0.25)
         except subprocess.TimeoutExpired:
-            if time.monotonic() > deadline:
-                raise
+            now = time.monotonic()
+            watchdog.poll(now)
+            stalled = watchdog.overdue(now)
+            if stalled is not None:
+                raise RunFailed(stalled) from None
+            if end is not None and now > end:
+                raise RunFailed(f"the launch did not finish within its limit of {max_time:g} s "
+                                f"(--max-time) and was stopped; {watchdog.describe(now)}"
+                                ) from None
             if bar is not None:
                 bar.update()
+
+
+class Watchdog:
+    """The parent's view of the ranks' progress: their reports in the status folder
+    (sharddemo.progress), read as the launch runs (a quarter-second poll). A report carries
+    the time it was made on the machine's monotonic clock, which this process reads too.
+
+    `expected`: how many ranks of this machine should report; until they all have, the launch
+    itself counts as starting since it began. A rank is starting until its first batch
+    (start_bound from its last report), then walking (progress_bound), then finishing once
+    every epoch is walked (start_bound again: a large trace to write). The launch is overdue
+    when every rank, and the launch's own start while a rank has not reported, is past its
+    bound."""
+
+    def __init__(self, folder: str, timeout: float, expected: int = 0,
+                 now: Optional[float] = None) -> None:
+        self.folder = folder
+        self.timeout = timeout
+        self.expected = expected
+        self.began = time.monotonic() if now is None else now
+        self.ranks: dict[int, dict] = {}  # rank -> its last report (sharddemo.progress)
+        self.failed_at: dict[int, float] = {}  # when each rank's failure file appeared
+
+    def poll(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for name in names:
+            match = re.fullmatch(r"rank-(\d+)\.(progress|json)", name)
+            if not match:
+                continue
+            rank = int(match.group(1))
+            if match.group(2) == "json":
+                self.failed_at.setdefault(rank, now)
+                continue
+            report = _read_progress(os.path.join(self.folder, name))
+            if report is not None:
+                report["when"] = min(report["when"], now)
+                self.ranks[rank] = report
+
+    def deadline(self) -> tuple[float, str]:
+        """(the time after which the launch is overdue, the phase whose bound sets it:
+        "walking", or "starting" for a rank starting or finishing: no batch to count
+        there, the start bound)."""
+        candidates = [(report["when"] + progress_bound(self.timeout), "walking")
+                      if report["phase"] == "walking" else
+                      (report["when"] + start_bound(self.timeout), "starting")
+                      for report in self.ranks.values()]
+        if not self.ranks or len(self.ranks) < self.expected:
+            candidates.append((self.began + start_bound(self.timeout), "starting"))
+        return max(candidates)
+
+    def overdue(self, now: Optional[float] = None) -> Optional[str]:
+        """None while some rank is within its bound; else the line that says what was seen."""
+        now = time.monotonic() if now is None else now
+        deadline, phase = self.deadline()
+        if now <= deadline:
+            return None
+        if phase == "starting":
+            bound = (f"{start_bound(self.timeout):g} s, the bound for a rank starting or "
+                     f"finishing: {START_S:g} s + 2 x --timeout")
+        else:
+            bound = (f"{progress_bound(self.timeout):g} s, the bound of {PROGRESS_TIMEOUTS} x "
+                     "--timeout")
+        latest = max([r["when"] for r in self.ranks.values()] or [self.began])
+        return (f"no rank made progress for {now - latest:.0f} s (over {bound}) and the "
+                f"launch was stopped; {self.describe(now)} (if one step or the start-up "
+                "really takes that long, raise --timeout)")
+
+    def last_seen(self, now: Optional[float] = None) -> dict[int, tuple[dict, float]]:
+        """{rank: (its last report, seconds from it to the first failure a rank reported,
+        or to `now` where none did)}."""
+        now = time.monotonic() if now is None else now
+        end = min(self.failed_at.values(), default=now)
+        return {rank: (report, max(end - report["when"], 0.0))
+                for rank, report in sorted(self.ranks.items())}
+
+    def describe(self, now: Optional[float] = None) -> str:
+        """Every rank's last report, the most recent first: `rank 1 last made progress at
+        sampler epoch 0, step 3, 9.2 s before the stop`."""
+        now = time.monotonic() if now is None else now
+        seen = sorted(self.ranks.items(), key=lambda item: -item[1]["when"])
+        parts = [progress_text(rank, report, now - report["when"], "the stop")
+                 for rank, report in seen]
+        if len(self.ranks) < self.expected:
+            parts.append(f"{self.expected - len(self.ranks)} rank(s) had not started "
+                         f"({now - self.began:.0f} s after the launch began)")
+        return "; ".join(parts) or (f"no rank had started ({now - self.began:.0f} s after "
+                                    "the launch began)")
+
+
+def _read_progress(path: str) -> Optional[dict]:
+    """A rank's progress report (sharddemo.progress), read until two reads agree (a rank
+    may be writing it as it is read); None when it cannot be read whole."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(SIZE)
+            for _ in range(3):
+                handle.seek(0)
+                again = handle.read(SIZE)
+                if again == data:
+                    return read_report(data)
+                data = again
+    except OSError:
+        pass
+    return None
+
+
+def progress_text(rank: int, report: dict, ago: float, before: str = "the stop") -> str:
+    """One rank's last report in words (rank.heartbeat's fields), `ago` seconds before
+    `before`: `rank 1 last made progress at sampler epoch 0, step 3, 9.2 s before the stop`
+    (step: the batches it had received in that epoch)."""
+    phase = report.get("phase", "starting")
+    if phase == "starting":
+        return (f"rank {rank} was still starting (no batch yet), its last sign of life "
+                f"{ago:.1f} s before {before}")
+    if phase == "finishing":
+        return (f"rank {rank} had walked every epoch and was writing its trace, "
+                f"{ago:.1f} s before {before}")
+    return (f"rank {rank} last made progress at {report.get('where')}, step "
+            f"{report.get('step')}, {ago:.1f} s before {before}")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -448,15 +603,23 @@ def read_status(folder: str) -> tuple[dict[int, dict], set[int]]:
 
 
 def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, code: int,
-                    debug: bool, first_rank: int = 0) -> tuple[str, bool]:
+                    debug: bool, first_rank: int = 0,
+                    seen: Optional[dict[int, tuple[dict, float]]] = None,
+                    timeout: Optional[float] = None) -> tuple[str, bool]:
     """What went wrong, in one line, from what each rank said of itself (its status file:
     usage, error, timeout or peer, measured on the rank) and which ranks started but said
     nothing. Returns the message and whether it was a usage error (exit code 2).
 
     The root cause comes first: a rank's own exception, or a rank that died without a word
-    (with the signal torchrun saw, when it names one), or a rank that stopped answering (its
-    peers waited the whole process-group timeout for it). Ranks that only lost the connection
-    to a failed peer come last, briefly.
+    (with the signal torchrun saw, when it names one), or a rank its peers waited the whole
+    process-group timeout for. Ranks that only lost the connection to a failed peer come
+    last, briefly.
+
+    `seen`: {rank: (its last progress report, seconds from it to the first failure)}
+    (Watchdog.last_seen), and `timeout` the process-group timeout: a rank its peers waited
+    for is then said to have stopped making progress where it did, or, where it was still
+    making progress within half the timeout of the failure, to have been too slow to reach
+    the collective; never to have stopped when it was working.
     """
     import signal as _signal
 
@@ -477,10 +640,8 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
     causes = _by_message(own)
     if waited:
         stalled = [r for r in silent if r not in signals] or silent
-        who = (f"rank {', '.join(map(str, stalled))} stopped answering" if stalled
-               else "a rank stopped answering")
-        causes.append(f"{who}: rank {', '.join(map(str, waited))} gave up waiting for it at "
-                      "the process-group timeout (--timeout)")
+        waiters = ", ".join(map(str, waited))
+        causes.append(_waited_for(stalled, waiters, seen or {}, timeout))
         silent = [r for r in silent if r not in stalled]
     for rank in silent:
         if rank in signals:
@@ -509,6 +670,41 @@ def explain_failure(failed: dict[int, dict], started: set[int], stderr: str, cod
         return "; ".join(dict.fromkeys(causes)), False
     tail = [line for line in stderr.strip().splitlines() if line.strip()][-3:]
     return f"the launch exited with code {code}: " + (" | ".join(tail) or "no output"), False
+
+
+def _waited_for(stalled: list[int], waiters: str, seen: dict[int, tuple[dict, float]],
+                timeout: Optional[float]) -> str:
+    """The cause where rank(s) `waiters` gave up at the process-group timeout waiting for the
+    ranks `stalled`: what each of those was last seen doing (its progress report)."""
+    gave_up = (f"rank {waiters} gave up waiting for "
+               f"{'it' if len(stalled) == 1 else 'them'} at the process-group timeout "
+               "(--timeout)")
+    if not stalled:
+        return f"a rank never reached the collective: {gave_up}"
+    known = [r for r in stalled if r in seen]
+    if not known:
+        return f"rank {', '.join(map(str, stalled))} stopped answering: {gave_up}"
+    before = f"rank {waiters} gave up"
+    working, parts = False, []
+    for rank in stalled:
+        if rank not in seen:
+            parts.append(f"rank {rank} sent no progress report")
+            continue
+        report, ago = seen[rank]
+        if (report.get("phase") == "walking" and timeout is not None
+                and ago < timeout / 2):
+            working = True
+            parts.append(f"rank {rank} was still making progress ({report.get('where')}, "
+                         f"step {report.get('step')}, {ago:.1f} s before {before}) but did "
+                         "not reach the collective in time")
+        elif report.get("phase") == "walking":
+            parts.append(f"rank {rank} stopped making progress at {report.get('where')}, "
+                         f"step {report.get('step')} ({ago:.1f} s before {before})")
+        else:
+            parts.append(progress_text(rank, report, ago, before))
+    hint = ("; the work between two collectives must take less than --timeout: raise it"
+            if working else "")
+    return f"{', '.join(parts)}: {gave_up}{hint}"
 
 
 def make_launch(settings: LaunchSettings, options: dict, display_args: list[str],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis import build_report
-from sharddemo.launch import Launch, outer_timeout
+from sharddemo.launch import Launch
 from sharddemo.options import RunOptions, command_line
 
 
@@ -24,8 +24,3 @@ def report_of(launch: Launch, trace: Optional[dict], keys: Optional[dict] = None
 def run_args(opts: RunOptions) -> list[str]:
     """`sharddemo run`'s flags for these options, as a person would type them."""
     return ["--modes", ",".join(opts.modes), *command_line(opts)]
-
-
-def compare_limit(opts: RunOptions, scale: int = 1) -> float:
-    """The launch's time limit: every mode's epochs of N samples, `scale` times over."""
-    return outer_timeout(opts.timeout, scale * opts.epochs * opts.dataset_size * len(opts.modes))

@@ -38,7 +38,8 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
     precheck_target(opts.target, opts.framework)
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
     launch = audit_launch(settings, opts)
-    trace = run_launch(launch, opts.max_time, debug=debug, progress=progress)
+    trace = run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time,
+                       progress=progress)
     keys = number_trace_keys(trace, opts, known)
     report = report_of(launch, trace, keys, opts.id_field)
     if keys is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis import build_report
-from sharddemo.commands import compare_limit, report_of, run_args
+from sharddemo.commands import report_of, run_args
 from sharddemo.launch import Launch, LaunchSettings, make_launch, run_launch
 from sharddemo.options import RunOptions, check_compare
 
@@ -22,7 +22,7 @@ def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *
         return resume_demo_run(opts, settings, debug=debug)
     launch = make_launch(settings, {"run": opts.to_dict()}, run_args(opts),
                          check=opts.check_world)
-    return report_of(launch, run_launch(launch, compare_limit(opts), debug=debug,
+    return report_of(launch, run_launch(launch, timeout=opts.timeout, debug=debug,
                                         progress=progress))
 
 
@@ -36,7 +36,7 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
     launch = Launch(config_file=None, num_processes=num_processes, flags=TRAP_FLAGS,
                     options={"run": opts.to_dict(), "allow_alone": True},
                     display_args=run_args(opts), device="cpu", expect_world=False)
-    trace = run_launch(launch, compare_limit(opts))
+    trace = run_launch(launch, timeout=opts.timeout)
     report = build_report(trace, launch_command=launch.display())
     world, n = report["world_size"], opts.dataset_size
     seen = report["modes"]["prepared"]["epochs"][0]["seen"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis.keys import holds_keys
-from sharddemo.commands import compare_limit, report_of, run_args
+from sharddemo.commands import report_of, run_args
 from sharddemo.commands.audit import audit_launch, refuse_ids_outside
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
@@ -44,14 +44,15 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                               phase=name, checkpoint=checkpoint)
         launch.display_args += ["--resume-at", f"{plan.epoch}:{plan.step}",
                                 "--resume-strategy", plan.strategy]
-        return run_launch(launch, opts.max_time, debug=debug)
+        return run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time)
 
     try:
         # The stopping launch first: a STEP past the epoch's end or a loader that cannot save
         # its state fails there, after one launch.
         stop = phase(settings, "stop")
         launch = audit_launch(settings, reference_opts)
-        reference = run_launch(launch, opts.max_time, debug=debug, progress=progress)
+        reference = run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time,
+                               progress=progress)
         after = dataclasses.replace(settings, num_processes=plan.num_processes
                                     or settings.num_processes)
         resumed = phase(after, "resume")
@@ -98,7 +99,6 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
                     debug: bool = False) -> dict:
     """`compare --modes resume`: three launches (stop and save, uninterrupted, load and
     resume) run every scenario of resume.demo_scenarios; a report with a `resume` list."""
-    import dataclasses
     import shutil
     import tempfile
 
@@ -110,8 +110,6 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
     # the stateful strategy needs torchdata's StatefulDataLoader: without it, the others
     stateful = available("torchdata")
     checkpoint = tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
-    # A resume launch also runs epochs 0..2 for 12 scenarios: more work than one mode.
-    limit = compare_limit(dataclasses.replace(opts, epochs=3), scale=36)
     traces = {}
     try:
         for phase in ("stop", "reference", "resume"):
@@ -119,7 +117,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
                                             "checkpoint": checkpoint, "stateful": stateful},
                                  run_args(opts), command="resume-demo-rank",
                                  check=opts.check_world)
-            traces[phase] = run_launch(launch, limit, debug=debug)
+            traces[phase] = run_launch(launch, timeout=opts.timeout, debug=debug)
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)
     if not traces.get("resume"):

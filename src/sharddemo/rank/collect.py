@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from sharddemo.errors import CollectiveFailed
+from sharddemo.rank.heartbeat import HEARTBEAT
 
 PAD = -1  # never read back: the trim goes by the exchanged lengths
 
@@ -46,15 +47,18 @@ def set_timeout(seconds: float) -> None:
 
 
 def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call one collective; if it fails, say how from the time it took (CollectiveFailed)."""
+    """Call one collective; if it fails, say how from the time it took (CollectiveFailed).
+    One that returns is progress for the parent's watchdog (rank.heartbeat)."""
     start = time.monotonic()
     try:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     except Exception as exc:
         waited = time.monotonic() - start
         kind = "timeout" if waited >= 0.8 * _timeout[0] else "peer"
         raise CollectiveFailed(f"{type(exc).__name__} after {waited:.1f} s in a collective: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}", kind) from exc
+    HEARTBEAT.report()
+    return out
 
 
 def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:

@@ -17,6 +17,7 @@ import torch
 from sharddemo.errors import UsageError
 from sharddemo.options import EXPECT_ENV, NODE_ENV, STATUS_ENV
 from sharddemo.rank.collect import exchange_ints, exchange_objects, guard_forks, set_timeout
+from sharddemo.rank.heartbeat import HEARTBEAT
 
 
 TRACE_SCHEMA = "sharddemo.trace/1"
@@ -138,6 +139,7 @@ def mark_started() -> None:
 
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
+    HEARTBEAT.report()  # the progress file (rank.heartbeat): starting
     path = _status_path("started")
     if path:
         with open(path, "w", encoding="utf-8") as handle:
@@ -212,6 +214,7 @@ class RankSession:
     def finish(self, body: dict, trace_out: Optional[str]) -> Optional[dict]:
         """The trace on the main process (the header, then `body`), written to `trace_out`
         whole or not at all; None on the other ranks."""
+        HEARTBEAT.finishing()
         if not self.is_main:
             return None
         trace = {**trace_header(self.accelerator), **body}

@@ -37,6 +37,7 @@ import torch
 from sharddemo.rank.collect import collective, exchange_ints, gather_ragged
 from sharddemo.errors import RunFailed, UsageError, describe_exception
 from sharddemo.rank.describe import is_prepared, remainder, safe_len
+from sharddemo.rank.heartbeat import HEARTBEAT
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.recorder import Recorder, epoch_record
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
@@ -96,8 +97,10 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
         batches = iter(loader)
         if max_steps is not None:
             batches = itertools.islice(batches, max_steps)  # takes no batch past max_steps
+        beat = HEARTBEAT.stepped
         for batch in batches:
             recorder.add(batch)
+            beat(recorder.steps)
             if progress is not None:
                 progress(recorder.steps, total, recorder.samples)
         record = recorder.finish(epoch)
@@ -152,6 +155,7 @@ class EpochWalker:
             self.before_epoch(epoch)
         progress = (progress_reporter(self.accelerator, f"{self.label}:epoch{epoch}",
                                       self.progress_env) if self.label else None)
+        HEARTBEAT.at(f"{self.label} epoch {epoch}" if self.label else f"epoch {epoch}")
         try:
             record = walk_epoch(self.accelerator, self.loader if source is None else source,
                                 self.read_ids, epoch=epoch, strategy=self.how, n=self.n,
@@ -218,6 +222,8 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
                 # backward's all-reduce) would wait for ranks that have left the loop.
                 for_metrics = None
         step += 1
+        if alive:
+            HEARTBEAT.stepped(step)
         if progress is not None and alive:
             progress(step, total, received, "all")
     remainders = _remainders(accelerator, loader) if prepared else [None] * world
