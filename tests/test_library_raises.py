@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 import torch
 from conftest import FACTORIES, ROOT, SCHEMA, accelerate_launch, audit, launch_env, sharddemo
+from factories import OneWideSample
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -206,11 +207,6 @@ def torch_collate_error() -> tuple[BaseException, str]:
     """What torch's DataLoader raises for tests/factories.py's OneWideSample where the audit's
     walk meets it (epoch 1, step 1: samples 2 and 3, sample 2 two wide; here its 3rd fetch),
     and the module:function of the innermost frame it came from."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from factories import OneWideSample
-    finally:
-        sys.path.pop(0)
     loader = torch.utils.data.DataLoader(OneWideSample(0, (0,), bad=3), batch_size=2)
     with pytest.raises(RuntimeError) as raised:
         list(loader)
@@ -258,3 +254,36 @@ def test_torch_raising_on_one_rank_still_stops_every_rank():
                         f"{one_line(str(exc))}"), lines[0]
     # rank 0 stopped too (walk.settle told it; PeerRaised), so the launch ended, and the line
     # leaves it out: it only stopped because rank 1 raised
+
+
+# -- where an exception came from, without ranks -----------------------------------------------
+
+class Corrupt(torch.utils.data.Dataset):
+    """The user's own dataset raising: no library's exception."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise ValueError(f"corrupt sample {index}")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_library_frame_is_found_in_a_worker_too_and_the_users_code_is_none(workers):
+    """torch re-raises a DataLoader worker's exception in the main process with the worker's
+    traceback in its message: the frame is read from there. The user's own dataset raising
+    is no library's exception (None: a failed run, as before)."""
+    from sharddemo.errors import library_error, library_frame
+
+    _, frame = torch_collate_error()  # the frame torch raised from, without workers
+    wide = torch.utils.data.DataLoader(OneWideSample(0, (0,), bad=3), batch_size=2,
+                                       num_workers=workers)
+    with pytest.raises(RuntimeError) as raised:
+        list(wide)
+    assert library_frame(raised.value) == frame
+    said = library_error(raised.value)
+    assert said["frame"] == frame and said["error"].endswith(f"(raised in {frame})")
+    corrupt = torch.utils.data.DataLoader(Corrupt(), batch_size=2, num_workers=workers)
+    with pytest.raises(ValueError) as raised:
+        list(corrupt)
+    assert library_frame(raised.value) is None and library_error(raised.value) is None
