@@ -36,7 +36,7 @@ import torch
 
 from sharddemo.rank.collect import collective, exchange_ints, exchange_objects, gather_ragged
 from sharddemo.errors import (LoaderRaised, PeerRaised, RunFailed, UsageError,
-                              describe_exception, library_error)
+                              describe_exception, library_error, library_frame)
 from sharddemo.rank.describe import is_prepared, remainder, safe_len
 from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.recorder import Recorder, epoch_record
@@ -175,12 +175,19 @@ class EpochWalker:
         return record
 
 
+# A collective that fails inside the loader (accelerate's own broadcasts) is a peer's failure
+# (gone, or silent up to the timeout), not the loader's: it goes on up at once, as before, so
+# that no rank waits a second timeout in walk.settle and the launcher names the rank that failed.
+COLLECTIVE_FRAMES = ("torch.distributed.",)
+
+
 class Guarded:
     """The batches of one pass over `loader`, as `iter(loader)` gives them, except that an
-    exception a library raises in `iter()` or `next()` (errors.library_error: the innermost
-    frame is an installed library's) ends the pass on this rank instead of the rank:
-    `error` then holds it and `steps` the batches received before it. Any other exception
-    (the user's dataset, sharddemo's own) goes on up at once, as before."""
+    exception a library raises in `iter()` or `next()` (errors.library_frame: the innermost
+    frame is an installed library's, not torch.distributed's) ends the pass on this rank
+    instead of the rank: `error` then holds it and `steps` the batches received before it.
+    Any other exception (the user's dataset, sharddemo's own, a failed collective) goes on up
+    at once, as before."""
 
     def __init__(self, loader) -> None:
         self.loader = loader
@@ -201,7 +208,8 @@ class Guarded:
         except StopIteration:
             raise
         except Exception as exc:
-            if library_error(exc) is None:
+            frame = library_frame(exc)
+            if frame is None or frame.startswith(COLLECTIVE_FRAMES):
                 raise
             self.error = exc
             raise StopIteration from None
@@ -256,16 +264,17 @@ def loader_facts(accelerator, loader) -> dict:
 _END = object()
 
 
-def _walk_per_batch(accelerator, loader: "Guarded", read_ids, epoch: int,
+def _walk_per_batch(accelerator, batches: Guarded, read_ids, epoch: int,
                     progress: Optional[Progress],
                     max_steps: Optional[int] = None) -> Optional[dict]:
     """The reference's way, for small runs: every step each rank says whether it still has a
     batch and how long it is, then the batch goes through `accelerator.gather` (padded to the
     longest, trimmed back) and, for prepared loaders, `accelerator.gather_for_metrics`. The
     ranks walk in lockstep until EVERY rank is exhausted (a rank with fewer steps answers "no
-    batch"), so where a training loop would hang this is recorded, not suffered. The record
-    is what the gathers returned."""
-    guarded, loader = loader, loader.loader
+    batch"), so where a training loop would hang this is recorded, not suffered; a rank whose
+    loader raised inside a library (Guarded) answers "no batch" too, and walk_epoch settles it
+    after the walk. The record is what the gathers returned."""
+    loader = batches.loader
     known = known_worker(loader)
     main = accelerator.is_main_process
     world = accelerator.num_processes
@@ -274,7 +283,7 @@ def _walk_per_batch(accelerator, loader: "Guarded", read_ids, epoch: int,
     ranks: list[list[list[int]]] = [[] for _ in range(world)]
     workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
-    iterator = guarded  # a rank whose loader raised in a library answers "no batch" from then on
+    iterator = batches  # a rank whose loader raised in a library answers "no batch" from then on
     alive, step, received = True, 0, 0
     while True:
         if max_steps is not None and step >= max_steps:
