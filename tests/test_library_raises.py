@@ -40,12 +40,8 @@ def one_line(text: str) -> str:
 class FakeRank:
     """tests/accelerate_fake_rank.py, started once: one JSON case in, one JSON answer out."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "accelerate_fake_rank.py"),
-                                      str(world)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=launch_env(),
-                                     cwd=ROOT)
+    def __init__(self, world: int, proc: subprocess.Popen) -> None:
+        self.world, self.proc = world, proc
 
     def ask(self, case: dict) -> dict:
         self.proc.stdin.write(json.dumps(case) + "\n")
@@ -61,7 +57,10 @@ class FakeRank:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
 def fake_rank(request):
-    rank = FakeRank(request.param)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "accelerate_fake_rank.py"),
+                             str(request.param)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=launch_env(), cwd=ROOT)
+    rank = FakeRank(request.param, proc)
     yield rank
     rank.close()
 
