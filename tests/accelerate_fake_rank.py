@@ -6,7 +6,8 @@ collectives run on the one-process group. The real ranks' part of the test check
 sample, that every rank raises the same.
 
     python tests/accelerate_fake_rank.py W    (then one JSON request a line on stdin:
-    {"n", "b", "drop_last", "dispatch", "split"}; one JSON answer a line on stdout)
+    {"n", "b", "drop_last", "dispatch", "split"}; one JSON answer a line on stdout; an
+    empty line ends it)
 
 Each answer: {"batches": rank 0's ids} or {"type", "message", "line", "facts"}: the exception
 accelerate raised, and sharddemo's one line for it (errors.library_error with the facts
@@ -40,6 +41,9 @@ def main(world: int) -> None:
         state.num_processes = world
         accelerator = types.SimpleNamespace(num_processes=world)
         for line in sys.stdin:
+            if not line.strip():
+                break  # the end (EOF may never come: a DataLoader worker the test forked
+                #        holds the pipe's other end open too)
             case = json.loads(line)
             loader = prepare_data_loader(
                 DataLoader(list(range(case["n"])), batch_size=case["b"],
@@ -55,8 +59,10 @@ def main(world: int) -> None:
                           "line": said and said["error"], "frame": said and said["frame"]}
             sys.stdout.write(json.dumps(answer) + "\n")
             sys.stdout.flush()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(int(sys.argv[1]))
+    # Every answer is written: end here, as sharddemo's ranks do (os._exit), rather than in an
+    # interpreter teardown that gloo's threads can hold up (docs/reliability.md).
+    os._exit(0)

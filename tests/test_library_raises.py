@@ -51,8 +51,14 @@ class FakeRank:
         return json.loads(line)
 
     def close(self) -> None:
+        self.proc.stdin.write("\n")  # an empty line: it exits
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail("the fake rank did not exit at the end of its input")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
