@@ -421,3 +421,38 @@ def slow_batches(accelerator):
     sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
                                  rank=accelerator.process_index, shuffle=False)
     return DataLoader(dataset, batch_size=2, sampler=sampler)
+
+
+def dispatch_empty_epoch(accelerator):
+    """The issue's loader: accelerate's dispatcher (dispatch_batches=True), 8 samples, batch 6,
+    drop_last: fewer samples than one global batch (8 < W x 6)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(
+        DataLoader(TensorDataset(torch.arange(8)), batch_size=6, drop_last=True),
+        device=accelerator.device, num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index, dispatch_batches=True, put_on_device=True)
+
+
+class OneWideSample(torch.utils.data.Dataset):
+    """Sample i is tensor([i]), but at the `bad`-th fetch on the ranks in `ranks` it is two
+    wide: torch's default_collate then cannot stack that batch (inside torch). 6 samples,
+    batch 2, not shuffled, on every rank (replicated): the 9th fetch is epoch 1's step 1."""
+
+    def __init__(self, rank, ranks, bad=9, n=6):
+        self.bad, self.n, self.fetched = (bad if rank in ranks else None), n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        self.fetched += 1
+        return torch.tensor([index, index] if self.fetched == self.bad else [index])
+
+
+def collate_fails_everywhere(accelerator):
+    return DataLoader(OneWideSample(accelerator.process_index, range(8)), batch_size=2)
+
+
+def collate_fails_on_rank_1(accelerator):
+    return DataLoader(OneWideSample(accelerator.process_index, (1,)), batch_size=2)

@@ -93,15 +93,27 @@ def test_the_documented_split_deals_each_sample_once(tmp_path, world):
 
 
 def test_the_default_nodesplitter_raises_and_the_line_says_why(tmp_path):
-    """WebDataset's own pipeline, as rank 0 of 2, raises this (the library's answer)."""
-    with as_worker(0, 2, 0, 1), pytest.raises(ValueError, match="explicit nodesplitter"):
+    """WebDataset's own pipeline, as rank 0 of 2, raises this (the library's answer). Raised
+    inside WebDataset on every rank, it is the loader's finding (issue 44): the report says
+    it, in one line with why, and the audit fails its verdict loader-runs-every-epoch."""
+    with as_worker(0, 2, 0, 1), pytest.raises(ValueError, match="explicit nodesplitter") as raised:
         next(iter(examples.default_nodesplitter(None).dataset))
     proc, report = audit(tmp_path, "default_nodesplitter", "--dataset-size", "48")
-    assert proc.returncode == 1 and report is None
+    assert proc.returncode == 1 and report is not None
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "you need to add an explicit nodesplitter" in errors[0]
-    assert "nodesplitter=wds.split_by_node" in errors[0] and "every shard" in errors[0]
+    assert errors[0] == "Error: verdict(s) failed: loader-runs-every-epoch (epoch 0)"
+    mode = report["modes"]["audit"]
+    assert mode["epochs"] == [] and [r["rank"] for r in mode["raised"]] == [0, 1]
+    for entry in mode["raised"]:
+        # (raised in a DataLoader worker: torch's line for it, then the worker's error)
+        assert entry["error"].startswith("ValueError: ")
+        assert f"ValueError: {' '.join(str(raised.value).split())}" in entry["error"]
+        assert "nodesplitter=wds.split_by_node" in entry["error"]
+        assert "every shard" in entry["error"]
+    [verdict] = mode["verdicts"]
+    assert not verdict["ok"] and "nodesplitter=wds.split_by_node" in verdict["detail"]
+    assert mode["conclusion"].startswith("The loader raised inside webdataset on every rank")
 
 
 def test_the_silenced_nodesplitter_replicates(tmp_path):

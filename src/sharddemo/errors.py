@@ -1,6 +1,9 @@
 """The library's own exceptions. The CLI turns them into one `Error:` line and an exit code."""
 
+import os
 import re
+import sysconfig
+from typing import Optional
 
 
 class ShardDemoError(Exception):
@@ -48,6 +51,26 @@ class Disagreement(RunFailed):
     kind = "mismatch"
 
 
+class LoaderRaised(ShardDemoError):
+    """The loader raised inside a library (accelerate, torch, datasets, WebDataset ...) on
+    every rank, and every rank knows it (rank.walk settles it with one exchange at the point
+    of failure): the mode's or the audited loader's finding, not a failed run. `raised`:
+    [{"rank", "epoch", "step", "error", "frame"}] in rank order, the same on every rank."""
+
+    def __init__(self, raised: list) -> None:
+        first = raised[0]
+        super().__init__(f"epoch {first['epoch']} of the loader raised on every rank: "
+                         f"{first['error']}")
+        self.raised = raised
+
+
+class PeerRaised(RunFailed):
+    """This rank's loader did not raise, but a peer's did (not on every rank): this rank
+    stops too. The launcher names the rank that raised; this one is left out of the line."""
+
+    kind = "stopped"
+
+
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
 
 # What a library's own error means, where its words do not say (the text it raises -> why).
@@ -83,3 +106,107 @@ def describe_exception(exc: BaseException) -> str:
         if words in text:
             text += f" ({why})"
     return f"{type(exc).__name__}: {text}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an exception came from: a library's own code, or the user's (or sharddemo's).
+
+_STDLIB = tuple(os.path.realpath(p) + os.sep for p in
+                {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")} if p)
+_INSTALLED = ("site-packages", "dist-packages")
+_FILE_LINE = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+
+
+def _installed_module(path: str) -> Optional[str]:
+    """`accelerate.utils.operations` for .../site-packages/accelerate/utils/operations.py;
+    None for a file outside an installed package (the user's, sharddemo's own source)."""
+    parts = os.path.normpath(path).split(os.sep)
+    where = max((k for k, part in enumerate(parts) if part in _INSTALLED), default=None)
+    if where is None or where + 1 >= len(parts):
+        return None
+    rest = parts[where + 1:]
+    rest[-1] = os.path.splitext(rest[-1])[0]
+    if rest[-1] == "__init__":
+        rest = rest[:-1]
+    if not rest or rest[0] == "sharddemo":
+        return None
+    return ".".join(rest)
+
+
+def _frames(exc: BaseException) -> list[tuple[str, str]]:
+    """(file, function) of the frames the exception went through, innermost last. An error a
+    DataLoader worker raised is re-raised in the main process by torch; its message holds the
+    worker's traceback, whose frames are innermost."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    text = str(exc)
+    if "Original Traceback" in text:
+        frames += _FILE_LINE.findall(text.split("Original Traceback", 1)[1])
+    return frames
+
+
+def library_frame(exc: BaseException) -> Optional[str]:
+    """`module:function` of the innermost frame the exception came from, where that frame is
+    an installed library's (accelerate, torch, datasets, webdataset ...): the standard
+    library's frames are passed over (a library calls it; so does a user), and a frame of
+    the user's own code or of sharddemo's, innermost, means the library did not raise it
+    (None). An exception raised inside accelerate's dispatcher:
+    `accelerate.utils.operations:recursively_apply`."""
+    for path, function in reversed(_frames(exc)):
+        real = os.path.realpath(path)
+        if real.startswith(_STDLIB) and not any(part in real for part in _INSTALLED):
+            continue
+        module = _installed_module(real)
+        return None if module is None else f"{module}:{function}"
+    return None
+
+
+def _dispatch_cause(text: str, facts: dict) -> Optional[str]:
+    """accelerate's DataLoaderDispatcher with drop_last: rank 0 reads the epoch's first
+    global batch (W batches of B, or one batch of B with split_batches); where the dataset
+    holds fewer samples than that, drop_last leaves nothing, the dispatcher broadcasts None
+    and accelerate's broadcast refuses it on every rank at the first next() (accelerate
+    1.16). Said only where the loader's own numbers show it."""
+    if "NoneType" not in text or "_gpu_broadcast_one" not in text:
+        return None
+    n, b, w = facts.get("dataset_size"), facts.get("batch_size"), facts.get("world")
+    if not (facts.get("dispatcher") and facts.get("drop_last")) or n is None or b is None \
+            or w is None:
+        return None
+    split = bool(facts.get("split_batches"))
+    need = b if split else w * b
+    if n >= need:
+        return None
+    how = (f"N = {n} < the global batch {b} (split_batches) with drop_last" if split
+           else f"N = {n} < {w} ranks x {b} with drop_last")
+    return (f"accelerate's dispatcher cannot dispatch an epoch with no full global batch: "
+            f"{how}; use at least {need} samples, drop_last=False, or "
+            "dispatch_batches=False")
+
+
+# Causes that need the loader's numbers to be told (what it raised, the loader's facts) ->
+# the cause with its arithmetic, or None where the numbers do not show it.
+ARITHMETIC_CAUSES = (_dispatch_cause,)
+
+
+def library_error(exc: BaseException, facts: Optional[dict] = None) -> Optional[dict]:
+    """An exception a library raised inside a loader, worded for the report: {"error", "frame"}
+    where `error` is describe_exception's line with its cause where one is known (KNOWN_CAUSES,
+    or ARITHMETIC_CAUSES from `facts`: the loader's world, dataset_size, batch_size,
+    drop_last, dispatcher, split_batches), else with the library frame it came from. None where
+    the innermost frame is not a library's (the user's own code raised)."""
+    frame = library_frame(exc)
+    if frame is None:
+        return None
+    line = describe_exception(exc)
+    known = any(words in line for words in KNOWN_CAUSES)
+    for cause in ARITHMETIC_CAUSES:
+        why = cause(line, facts or {})
+        if why:
+            line, known = f"{line} ({why})", True
+    if not known:
+        line = f"{line} (raised in {frame})"
+    return {"error": line, "frame": frame}

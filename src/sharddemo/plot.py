@@ -135,10 +135,11 @@ def plot_report(report: dict, path: str) -> dict:
             mine.append({"epoch": e["epoch"], "placed": placed, "missing": len(e["missing"]),
                          "duplicated": len(dup_ids)})
         drawn[mode] = mine
-        if not epochs:  # the loader raised before its first batch (analysis.report)
-            ax.set_title(f"{mode}: raised before its first batch, no epoch ran", fontsize=10,
+        raised = data.get("raised") or []
+        if not epochs:  # the loader raised before an epoch completed (analysis.report)
+            ax.set_title(f"{mode}: {_raised_title(raised)}, no epoch ran", fontsize=10,
                          loc="left")
-            ax.text(0.01, 0.5, _wrap(data["raised"][0]["error"]), transform=ax.transAxes,
+            ax.text(0.01, 0.5, _wrap(data["conclusion"]), transform=ax.transAxes,
                     fontsize=7, va="center")
             ax.set_yticks([])
             ax.set_xticks([])
@@ -149,7 +150,8 @@ def plot_report(report: dict, path: str) -> dict:
         ax.set_xlim(-0.5 if small else 0, n - 0.5 if small else n)
         first = epochs[0]
         ax.set_title(f"{mode}: {first['seen']} samples per epoch = {first['times_dataset']:g}x "
-                     f"the dataset", fontsize=10, loc="left")
+                     "the dataset" + (f"; then {_raised_title(raised)}" if raised else ""),
+                     fontsize=10, loc="left")
         ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
         if small and n <= 32:
             ax.set_xticks(range(n))
@@ -167,6 +169,15 @@ def plot_report(report: dict, path: str) -> dict:
     plt.close(fig)
     write_atomic(path, buffer.getvalue())
     return drawn
+
+
+def _raised_title(raised: list[dict]) -> str:
+    """`raised before its first batch` (a mode that raises by design), else where a library
+    raised on every rank: `raised at epoch 1, step 3 on every rank`."""
+    first = raised[0] if raised else {}
+    if "epoch" not in first:
+        return "raised before its first batch"
+    return f"raised at epoch {first['epoch']}, step {first['step']} on every rank"
 
 
 def _wrap(text: str, width: int = 150) -> str:

@@ -9,7 +9,8 @@ from typing import Any, Optional
 from sharddemo.analysis.keys import keys_section, name_epoch, name_windows
 from sharddemo.analysis.epoch import analyse_epoch
 from sharddemo.analysis.modes import global_batch, is_audit_mode, mode_kind
-from sharddemo.analysis.verdicts import audit_verdicts, broken_promises, conclude
+from sharddemo.analysis.verdicts import (audit_verdicts, broken_promises, conclude,
+                                         raised_promise, raised_sentence, raised_verdict)
 from sharddemo.analysis.views import epoch_view
 from sharddemo.analysis.windows import accumulation_windows, window_counts
 
@@ -41,11 +42,12 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     modes: dict[str, Any] = {}
     problems: list[str] = []
     for mode, data in trace["modes"].items():
-        if data.get("raised"):
-            modes[mode] = raised_mode(mode, data, trace["world_size"])
-            continue
         # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
         sized = {**trace, **data.get("sizes", {})}
+        if data.get("raised") and not data["epochs"]:
+            modes[mode] = raised_mode(mode, data, sized)
+            problems += modes[mode]["broken_promises"]
+            continue
         n = sized["dataset_size"]
         views = [epoch_view(record, n) for record in data["epochs"]]
         epochs = [analyse_epoch(mode, sized, v, views[k - 1] if k else None,
@@ -65,6 +67,13 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         else:
             verdicts = None
             broken = broken_promises(mode, sized, epochs)
+        conclusion = conclude(mode, sized, epochs, data.get("loader"))
+        if data.get("raised"):  # after the epochs above, on every rank
+            conclusion = (raised_sentence(data["raised"], sized["world_size"]) + " Before it: "
+                          + conclusion[0].lower() + conclusion[1:])
+            broken.append(raised_promise(mode, data["raised"]))
+            if verdicts is not None:
+                verdicts.append(raised_verdict(data["raised"]))
         problems += broken
         modes[mode] = {
             "description": data.get("description", ""),
@@ -75,8 +84,10 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
             "streams": data.get("streams"),
             "fingerprint": data.get("fingerprint"),
             "broken_promises": broken,
-            "conclusion": conclude(mode, sized, epochs, data.get("loader")),
+            "conclusion": conclusion,
         }
+        if data.get("raised"):
+            modes[mode]["raised"] = data["raised"]
         if "sizes" in data:
             modes[mode].update(data["sizes"])
         for key in ("role", "settings", "note"):
@@ -133,23 +144,41 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     return report
 
 
-def raised_mode(mode: str, data: dict, world: int) -> dict:
-    """A mode whose loader raised before its first batch (trace.probe_loader): no epochs; the
-    conclusion quotes the error. A refusal at the first step stops a run loudly, so it breaks
-    no promise of the split's (--check does not fail on it)."""
+def raised_mode(mode: str, data: dict, sized: dict) -> dict:
+    """A mode whose loader raised before any epoch completed: no epochs; the conclusion quotes
+    the error. Where the mode raises by design (trace.probe_loader: WebDataset's default
+    nodesplitter refuses more than one rank, the refusal that mode exists to show) it breaks
+    no promise; a loader that raised inside a library where it should have walked (walk.settle,
+    on every rank) breaks its mode's promise (--check fails, naming it) and, audited, fails
+    the verdict loader-runs-every-epoch."""
     raised = data["raised"]
-    ranks = ("every rank" if len(raised) == world else
-             "rank " + ", ".join(str(r["rank"]) for r in raised))
-    return {
+    # (a trace written before the walk could raise: its entries have no epoch, all by design)
+    by_design = bool(data.get("raises_by_design")) or "epoch" not in raised[0]
+    if by_design:
+        world = sized["world_size"]
+        ranks = ("every rank" if len(raised) == world else
+                 "rank " + ", ".join(str(r["rank"]) for r in raised))
+        conclusion = (f"The loader raised on {ranks} before its first batch, so no epoch "
+                      f"runs: {raised[0]['error']}.")
+    else:
+        conclusion = raised_sentence(raised, sized["world_size"])
+    out = {
         "description": data.get("description", ""),
-        "kind": mode_kind(mode, {}),
+        "kind": mode_kind(mode, sized),
         "prepared": data.get("prepared", False),
         "loader": data.get("loader"),
         "epochs": [],
         "streams": data.get("streams"),
-        "fingerprint": None,
+        "fingerprint": data.get("fingerprint") if not by_design else None,
         "raised": raised,
-        "broken_promises": [],
-        "conclusion": (f"The loader raised on {ranks} before its first batch, so no epoch "
-                       f"runs: {raised[0]['error']}."),
+        "broken_promises": [] if by_design else [raised_promise(mode, raised)],
+        "conclusion": conclusion,
     }
+    if "sizes" in data:
+        out.update(data["sizes"])
+    for key in ("role", "settings", "note"):
+        if key in data:
+            out[key] = data[key]
+    if is_audit_mode(mode):
+        out["verdicts"] = [raised_verdict(raised)]
+    return out

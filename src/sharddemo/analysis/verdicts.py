@@ -60,7 +60,54 @@ VERDICTS = {
     "every-rank-sees-everything": "each rank receives the whole dataset (--expect replicated)",
     "eval-counts-each-sample-once": "an eval loader's metrics count each sample exactly once "
                                     "(gather_for_metrics where accelerate prepared it)",
+    "loader-runs-every-epoch": "the loader does not raise inside a library (listed only where "
+                               "it did, on every rank: the epoch it raised in)",
 }
+
+
+def _raised_where(raised: list[dict]) -> str:
+    """`at epoch 0, step 0 (its first batch)`, or each rank's step where they differ."""
+    epoch = raised[0]["epoch"]
+    steps = [r["step"] for r in raised]
+    if len(set(steps)) == 1:
+        first = " (its first batch)" if steps[0] == 0 else ""
+        return f"at epoch {epoch}, step {steps[0]}{first}"
+    return f"in epoch {epoch} (" + ", ".join(f"rank {r['rank']} at step {r['step']}"
+                                            for r in raised) + ")"
+
+
+def _raised_error(raised: list[dict]) -> str:
+    """The error, once where every rank said the same, else each rank's."""
+    errors = [r["error"] for r in raised]
+    if len(set(errors)) == 1:
+        return errors[0]
+    return "; ".join(f"rank {r['rank']}: {r['error']}" for r in raised)
+
+
+def _library(raised: list[dict]) -> str:
+    tops = {(r.get("frame") or "").split(".")[0].split(":")[0] for r in raised} - {""}
+    return f"inside {', '.join(sorted(tops))}" if tops else "inside a library"
+
+
+def raised_sentence(raised: list[dict], world: int) -> str:
+    """A loader that raised inside a library on every rank (rank.walk.settle), in one
+    sentence: where, and the error with its cause (or the library frame it came from)."""
+    ranks = "every rank" if len(raised) == world else f"{len(raised)} of {world} ranks"
+    return (f"The loader raised {_library(raised)} on {ranks} {_raised_where(raised)}, where "
+            f"the walk stopped: {_raised_error(raised)}.")
+
+
+def raised_promise(mode: str, raised: list[dict]) -> str:
+    """What `--check` names: the mode, the epoch, the error."""
+    return (f"{mode} epoch {raised[0]['epoch']}: the loader raised {_library(raised)} on every "
+            f"rank {_raised_where(raised)}: {_raised_error(raised)}")
+
+
+def raised_verdict(raised: list[dict]) -> dict:
+    """The audit's failed verdict for a loader that raised inside a library on every rank."""
+    return {"verdict": "loader-runs-every-epoch", "epoch": raised[0]["epoch"], "ok": False,
+            "detail": f"raised {_library(raised)} on every rank {_raised_where(raised)}: "
+                      f"{_raised_error(raised)}"}
 
 
 def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Optional
 
-from sharddemo.errors import RunFailed, UsageError, describe_exception
+from sharddemo.errors import LoaderRaised, RunFailed, UsageError, describe_exception
 from sharddemo.options import AuditOptions
 from sharddemo.record import largest_id
 from sharddemo.targets import FACTORY_CALLS, factory_name, parse_target
@@ -240,8 +240,15 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
                          before_epoch=target.start_epoch,
                          failure=lambda epoch, exc: f"{where}epoch {epoch} of the loader raised "
                                                     f"{describe_exception(exc)}")
+    raised = None
     for epoch in range(target.epochs):
-        walker.walk(epoch)
+        try:
+            walker.walk(epoch)
+        except LoaderRaised as exc:
+            # a library raised in the loader on every rank, and every rank knows it
+            # (walk.settle): the loader's finding, reported with the epochs before it
+            raised = exc.raised
+            break
     records = walker.records
     size = _dataset_size(loader, opts, records, agreed)
     # An epoch with no ids anywhere still needs N: --dataset-size or len(dataset).
@@ -265,6 +272,8 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
             "set_epoch_called": target.start_epoch is not None,
             "sizes": {"dataset_size": size, "batch_size": batch,
                       "global_batch": per_rank * world, "batch_size_seen": seen}}
+    if raised is not None:
+        mode["raised"] = raised
     if target.settings:
         mode["settings"] = target.settings
     if target.note:

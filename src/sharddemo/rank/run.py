@@ -21,7 +21,7 @@ import torch
 
 from sharddemo.rank.collect import exchange_objects
 from sharddemo.rank.sources import batch_values
-from sharddemo.errors import RunFailed, UsageError, describe_exception
+from sharddemo.errors import LoaderRaised, RunFailed, UsageError, describe_exception
 from sharddemo.options import (RunOptions, mode_description)
 from sharddemo.rank.describe import agree_on_fingerprint, describe_loader
 from sharddemo.rank.tagging import tag_batches
@@ -76,7 +76,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                 return {}
             return {"description": mode_description(mode, opts.shuffle, opts.source),
                     "prepared": plan.prepared, "loader": description, "fingerprint": None,
-                    "hint": plan.hint, "epochs": [], "raised": raised,
+                    "hint": plan.hint, "epochs": [], "raised": raised, "raises_by_design": True,
                     "streams": _streams(mode, dataset, accelerator, opts, description)}
     # sharddemo's own modes are built to show what happens, the pitfalls included: a
     # disagreement is reported with the mode rather than stopping the run.
@@ -93,8 +93,15 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                          n=opts.dataset_size, label=mode, failure=failure,
                          before_epoch=plan.sampler.set_epoch if plan.sampler is not None
                          else None)
+    raised = None
     for epoch in range(opts.epochs):
-        record = walker.walk(epoch)
+        try:
+            record = walker.walk(epoch)
+        except LoaderRaised as exc:
+            # the library raised on every rank, and every rank knows it (walk.settle): the
+            # mode's result, with the epochs before it; the next mode is walked as usual
+            raised = exc.raised
+            break
         if record is not None and on_epoch is not None:
             on_epoch(record)
     epochs = walker.records
@@ -103,6 +110,8 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     out = {"description": mode_description(mode, opts.shuffle, opts.source),
            "prepared": plan.prepared, "loader": description, "fingerprint": agreed,
            "hint": plan.hint, "epochs": epochs}
+    if raised is not None:
+        out["raised"] = raised
     if sizes is not None:
         out["sizes"] = sizes
     streams = _streams(mode, dataset, accelerator, opts, description)
@@ -199,8 +208,9 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
                 done = f" (modes completed before it: {', '.join(modes)})" if modes else ""
                 raise RunFailed(message + done) from exc
             for r in modes[mode].get("raised", []):
-                talk(f"{rank_label(r['rank'], world)} raised before its first batch: "
-                     f"{r['error']}")
+                where = (f"at epoch {r['epoch']}, step {r['step']}" if "epoch" in r
+                         else "before its first batch")
+                talk(f"{rank_label(r['rank'], world)} raised {where}: {r['error']}")
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)

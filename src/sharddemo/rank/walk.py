@@ -34,8 +34,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sharddemo.rank.collect import collective, exchange_ints, gather_ragged
-from sharddemo.errors import RunFailed, UsageError, describe_exception
+from sharddemo.rank.collect import collective, exchange_ints, exchange_objects, gather_ragged
+from sharddemo.errors import (LoaderRaised, PeerRaised, RunFailed, UsageError,
+                              describe_exception, library_error, library_frame)
 from sharddemo.rank.describe import is_prepared, remainder, safe_len
 from sharddemo.rank.heartbeat import HEARTBEAT
 from sharddemo.rank.ids import ReadIds, read_values, unshift
@@ -84,17 +85,23 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
     (the loader is left where it stopped). `n`: the dataset's length where known (ids are
     0..n-1), which the count path needs. Returns the epoch record (sharddemo.record) on the
-    main process; None elsewhere."""
+    main process; None elsewhere.
+
+    A loader that raises inside a library (Guarded) ends its rank's epoch there; once every
+    rank is done the ranks settle it together (settle): LoaderRaised on every rank where every
+    rank raised, else the exception on the ranks that raised and PeerRaised on the others."""
     how = choose_gather(accelerator, loader, strategy, n)
     keys = getattr(read_ids, "keys", None)  # an id field that may hold keys (rank.keys)
     if keys is not None:
         keys.counting = how == "count"  # the count path takes integer ids only
+    guarded = Guarded(loader)
     if how == "batch":
-        record = _walk_per_batch(accelerator, loader, read_ids, epoch, progress, max_steps)
+        record = _walk_per_batch(accelerator, guarded, read_ids, epoch, progress, max_steps)
+        settle(accelerator, guarded, epoch)
     else:
         recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader)
         total = safe_len(loader) if progress is not None else None
-        batches = iter(loader)
+        batches: Any = guarded
         if max_steps is not None:
             batches = itertools.islice(batches, max_steps)  # takes no batch past max_steps
         beat = HEARTBEAT.stepped
@@ -103,6 +110,7 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
             beat(recorder.steps)
             if progress is not None:
                 progress(recorder.steps, total, recorder.samples)
+        settle(accelerator, guarded, epoch)  # before the epoch's exchange: all finish or none
         record = recorder.finish(epoch)
     if keys is not None and how != "count":
         from sharddemo.rank.keys import exchange_tables, name_record
@@ -127,7 +135,9 @@ class EpochWalker:
     strategy reports an epoch right, so a loader whose length changes between epochs is still
     reported right). Before each epoch `before_epoch(epoch)` runs where given (set_epoch, as
     the loop calls it). `label`: the progress line's name (None: no progress). An exception of
-    the loader's becomes a RunFailed worded by `failure(epoch, exc)`.
+    the loader's becomes a RunFailed worded by `failure(epoch, exc)`, except one a library
+    raised on every rank: that is LoaderRaised on every rank (walk_epoch), the caller's
+    finding to report.
 
     `walk(epoch)` returns the record on the main process (None elsewhere) and keeps it in
     `records`; `walk(epoch, source=..., max_steps=...)` walks another loader over the same data
@@ -160,7 +170,7 @@ class EpochWalker:
             record = walk_epoch(self.accelerator, self.loader if source is None else source,
                                 self.read_ids, epoch=epoch, strategy=self.how, n=self.n,
                                 progress=progress, max_steps=max_steps)
-        except (UsageError, RunFailed):
+        except (UsageError, RunFailed, LoaderRaised):
             raise
         except Exception as exc:
             raise RunFailed(self.failure(epoch, exc)) from exc
@@ -169,17 +179,106 @@ class EpochWalker:
         return record
 
 
+# A collective that fails inside the loader (accelerate's own broadcasts) is a peer's failure
+# (gone, or silent up to the timeout), not the loader's: it goes on up at once, as before, so
+# that no rank waits a second timeout in walk.settle and the launcher names the rank that failed.
+COLLECTIVE_FRAMES = ("torch.distributed.",)
+
+
+class Guarded:
+    """The batches of one pass over `loader`, as `iter(loader)` gives them, except that an
+    exception a library raises in `iter()` or `next()` (errors.library_frame: the innermost
+    frame is an installed library's, not torch.distributed's) ends the pass on this rank
+    instead of the rank: `error` then holds it and `steps` the batches received before it.
+    Any other exception (the user's dataset, sharddemo's own, a failed collective) goes on up
+    at once, as before."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+        self.steps = 0
+        self.error: Optional[BaseException] = None
+        self.iterator: Any = None
+
+    def __iter__(self) -> "Guarded":
+        return self
+
+    def __next__(self):
+        if self.error is not None:
+            raise StopIteration
+        try:
+            if self.iterator is None:
+                self.iterator = iter(self.loader)
+            batch = next(self.iterator)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            frame = library_frame(exc)
+            if frame is None or frame.startswith(COLLECTIVE_FRAMES):
+                raise
+            self.error = exc
+            raise StopIteration from None
+        self.steps += 1
+        return batch
+
+
+def settle(accelerator, guarded: Guarded, epoch: int) -> None:
+    """Once every rank has ended its pass: did a library raise in any rank's loader? A
+    collective (one exchange of ints; a second, of each rank's error line, only where one
+    raised), so every rank learns it together and none is left waiting. Every rank raised:
+    LoaderRaised on every rank, the entries in rank order. Some: the exception again on the
+    ranks that raised (the walker words it as any loader error) and PeerRaised on the others:
+    the launch ends with every rank stopped, naming the ranks that raised."""
+    raised = guarded.error is not None
+    flags = exchange_ints(accelerator, [int(raised)])
+    if not any(row[0] for row in flags):
+        return
+    mine = None
+    if raised:
+        said = library_error(guarded.error, loader_facts(accelerator, guarded.loader))
+        mine = {"rank": accelerator.process_index, "epoch": epoch, "step": guarded.steps,
+                **(said or {"error": describe_exception(guarded.error), "frame": None})}
+    entries = exchange_objects(accelerator, mine)
+    if all(entry is not None for entry in entries):
+        raise LoaderRaised(entries)
+    if raised:
+        raise guarded.error
+    ranks = ", ".join(str(e["rank"]) for e in entries if e is not None)
+    raise PeerRaised(f"epoch {epoch}: stopped because the loader of rank {ranks} raised")
+
+
+def loader_facts(accelerator, loader) -> dict:
+    """The numbers a library's error is explained by (errors.ARITHMETIC_CAUSES), read from the
+    loader's objects: the world size, N, the batch size of the loader it wraps (accelerate's
+    dispatcher reads batches of it on rank 0), drop_last, whether it is accelerate's
+    DataLoaderDispatcher and whether it splits batches."""
+    from sharddemo.rank.describe import base_loader, loader_batch_size
+
+    dispatcher = type(loader).__name__ == "DataLoaderDispatcher"
+    base = base_loader(loader)
+    size = loader_batch_size(loader)  # (the dispatcher's base loader keeps it in its sampler)
+    drop = getattr(loader, "_drop_last", None) if dispatcher else None
+    return {"world": accelerator.num_processes,
+            "dataset_size": safe_len(getattr(base, "dataset", None)),
+            "batch_size": size if isinstance(size, int) else None,
+            "drop_last": bool(drop if drop is not None else getattr(base, "drop_last", False)),
+            "dispatcher": dispatcher,
+            "split_batches": bool(getattr(loader, "split_batches", False))}
+
+
 _END = object()
 
 
-def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optional[Progress],
+def _walk_per_batch(accelerator, batches: Guarded, read_ids, epoch: int,
+                    progress: Optional[Progress],
                     max_steps: Optional[int] = None) -> Optional[dict]:
     """The reference's way, for small runs: every step each rank says whether it still has a
     batch and how long it is, then the batch goes through `accelerator.gather` (padded to the
     longest, trimmed back) and, for prepared loaders, `accelerator.gather_for_metrics`. The
     ranks walk in lockstep until EVERY rank is exhausted (a rank with fewer steps answers "no
-    batch"), so where a training loop would hang this is recorded, not suffered. The record
-    is what the gathers returned."""
+    batch"), so where a training loop would hang this is recorded, not suffered; a rank whose
+    loader raised inside a library (Guarded) answers "no batch" too, and walk_epoch settles it
+    after the walk. The record is what the gathers returned."""
+    loader = batches.loader
     known = known_worker(loader)
     main = accelerator.is_main_process
     world = accelerator.num_processes
@@ -188,7 +287,7 @@ def _walk_per_batch(accelerator, loader, read_ids, epoch: int, progress: Optiona
     ranks: list[list[list[int]]] = [[] for _ in range(world)]
     workers: list[list[int]] = [[] for _ in range(world)]
     for_metrics: Optional[list[int]] = [] if prepared else None
-    iterator = iter(loader)
+    iterator = batches  # a rank whose loader raised in a library answers "no batch" from then on
     alive, step, received = True, 0, 0
     while True:
         if max_steps is not None and step >= max_steps:
