@@ -37,11 +37,12 @@ def test_the_run_trace_holds_to_the_schema(tmp_path, gather):
 def test_the_audit_and_resume_traces_hold_to_the_schema(tmp_path):
     settings = LaunchSettings(config_file=CPU_CONFIG, num_processes=2)
     opts = AuditOptions(target=f"{FACTORIES}:plain_40", keep_ids=True).validate()
-    audit = run_launch(audit_launch(settings, opts), 300)
+    audit = run_launch(audit_launch(settings, opts), timeout=60, max_time=300)
     jsonschema.validate(audit, SCHEMA)
     plan = ResumePlan(0, 2)
     stop = run_launch(audit_launch(settings, opts, "resume-rank", plan=dataclasses.asdict(plan),
-                                   phase="stop", checkpoint=str(tmp_path / "ckpt")), 300)
+                                   phase="stop", checkpoint=str(tmp_path / "ckpt")),
+                      timeout=60, max_time=300)
     jsonschema.validate(stop, SCHEMA)
     assert stop["phase"] == "stop" and len(stop["epochs"]) == 1
 
