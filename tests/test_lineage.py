@@ -32,7 +32,7 @@ def lineage_cli(*args: str):
 def cli_json(*args: str) -> dict:
     result = lineage_cli(*args, "--format", "json")
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    return json.loads(result.stdout)
 
 
 def sampler_batches(n: int, world: int, rank: int, seed: int, epoch: int,
@@ -172,6 +172,30 @@ def test_a_resume_continues_the_steps_and_a_torn_tail_is_skipped(tmp_path, monke
     assert "Warning" not in lineage_cli(folder, "--step", 0).output
 
 
+def test_a_torn_tail_is_detected_and_skipped_on_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder = tmp_path / "lineage"
+    loader = watch(DataLoader(TensorDataset(torch.arange(6)), batch_size=2), report=None,
+                   lineage=str(folder))
+    received = [b[0].tolist() for b in loader]
+    flush_all()
+    whole = (folder / "rank0.lineage").read_bytes()
+    # a crash in the middle of the last record's write: its first 30 bytes of 24 + 8
+    (folder / "rank0.lineage").write_bytes(whole[:-2])
+    result = lineage_cli(folder, "--step", 1)
+    assert result.exit_code == 0
+    assert result.stderr.startswith("Warning: rank0.lineage ends in a record cut short (30 "
+                                    "bytes")
+    assert result.stdout == f"rank 0 epoch 0 step 1: 2 samples: {received[1][0]} " \
+        f"{received[1][1]}\n"
+    assert lineage_cli(folder, "--step", 2).exit_code == 2  # the torn step is not there
+    # a last record whole in length but not in content: its CRC fails
+    (folder / "rank0.lineage").write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+    assert lineage_cli(folder, "--step", 2).exit_code == 2
+    assert cli_json(folder, "--step", 1)["batches"][0]["ids"] == received[1]
+
+
 def test_another_runs_folder_is_refused_unless_the_run_resumes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -227,6 +251,30 @@ def test_bad_input_is_one_clear_line(tmp_path, monkeypatch):
             ((folder,), "Error: give one of --step K or --id ID")]:
         result = lineage_cli(*args)
         assert (result.exit_code, result.output.splitlines()) == (2, [line])
+
+
+def test_a_step_never_reads_ids_on_a_device_back_to_the_host(tmp_path, monkeypatch):
+    """The lineage keeps a batch's ids where they are until its chunk is written: shown on
+    torch's meta device (no data: any read on the host raises), 40 steps of 16 ids with
+    lineage raise nothing; the chunk's one copy (every 256 batches, here 40 and more) is the
+    first read."""
+    from torch.utils.data import default_collate
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=16,
+                              collate_fn=lambda items: [t.to("meta")
+                                                        for t in default_collate(items)]),
+                   report=None, id_field=0, lineage=str(tmp_path / "lineage"))
+    for step, (ids,) in enumerate(loader):
+        assert ids.device.type == "meta"
+        if step == 39:
+            break
+    writer = loader.__dict__["_sharddemo_watch"].lineage
+    assert len(writer.pending) == 40
+    with pytest.raises(NotImplementedError, match="meta"):
+        writer.flush()  # the chunk's copy: what the steps never do
+    assert writer.pending == []
 
 
 # -- real ranks --------------------------------------------------------------------------------

@@ -112,17 +112,16 @@ class RankLineage:
                          else b"")
         if len(self.data) < FILE_HEADER.size or self.data[:8] != MAGIC:
             raise UsageError(f"{path} is not a lineage file (no {MAGIC.decode()} header)")
-        rows, self.valid_end = walk(self.data)
+        table, self.valid_end = walk(self.data)
         self.torn = len(self.data) - self.valid_end
-        self.restarts = [int(r[2]) for r in rows if r[0] == RESTART]
-        keep, cut = [], None  # a restart at S supersedes the earlier launches' steps >= S
-        for row in reversed(rows):
-            if row[0] == RESTART:
-                cut = row[2] if cut is None else min(cut, row[2])
-            elif cut is None or row[2] < cut:
-                keep.append(row)
-        keep.reverse()
-        table = np.array(keep, dtype=np.int64).reshape(-1, 6)
+        restart = table[:, 0] == RESTART
+        self.restarts = table[restart, 2].tolist()
+        # a restart at S supersedes the earlier launches' steps >= S: each batch is kept
+        # where its step is below every later restart's
+        cut = np.where(restart, table[:, 2], np.iinfo(np.int64).max)
+        later = np.minimum.accumulate(cut[::-1])[::-1]
+        later = np.append(later[1:], np.iinfo(np.int64).max)
+        table = table[~restart & (table[:, 2] < later)]
         self.kind, self.epoch, self.step = table[:, 0], table[:, 1], table[:, 2]
         self.offset, self.count, self.width = table[:, 3], table[:, 4], table[:, 5]
 
@@ -176,27 +175,60 @@ class RankLineage:
         return sorted(set(found))
 
 
-def walk(data) -> tuple[list[tuple], int]:
-    """The records of a rank file, by their headers: (kind, epoch, step, offset of the ids,
-    count, width) each, and where the valid part ends. A record that does not fit in the file
-    (a crash cut it) ends the walk; so does a last record whose CRC fails."""
-    rows, at, end = [], FILE_HEADER.size, len(data)
+def walk(data) -> tuple[np.ndarray, int]:
+    """The records of a rank file, by their headers: a row (kind, epoch, step, offset of the
+    ids, count, width) each, and where the valid part ends. A record that does not fit in the file
+    (a crash cut it) ends the walk; so does a last record whose CRC fails.
+
+    Most records of a file have the same size (a loader's batches): from each record, the
+    next ones are guessed at that stride and checked all at once (numpy), and the walk goes
+    record by record only where the guess fails (an epoch's last batch, a restart)."""
+    end = len(data)
+    if end < FILE_HEADER.size + RECORD.size:
+        return np.empty((0, 6), dtype=np.int64), FILE_HEADER.size
+    usable = end // 8 * 8
+    bytes_ = np.frombuffer(data, dtype=np.uint8, count=usable)
+    words = bytes_.view("<u4")
+    longs = bytes_.view("<u8")
+    rows: list[np.ndarray] = []
+    at = FILE_HEADER.size
     unpack = RECORD.unpack_from
     while at + RECORD.size <= end:
-        kind, width, _, epoch, step, count, crc = unpack(data, at)
-        size = payload_size(width, count)
-        if kind > UNKNOWN or width not in (4, 8) or at + RECORD.size + size > end:
+        kind, width, _, epoch, step, count, _ = unpack(data, at)
+        size = RECORD.size + payload_size(width, count)
+        if kind > UNKNOWN or width not in (4, 8) or at + size > end:
             break
-        rows.append((kind, epoch, step, at + RECORD.size, count, width))
-        at += RECORD.size + size
-    if rows:  # a crash tears the end only: the last record is checked whole
-        kind, epoch, step, start, count, width = rows[-1]
+        rows.append(np.array([(kind, epoch, step, at + RECORD.size, count, width)],
+                             dtype=np.int64))
+        at += size
+        if kind != BATCH:
+            continue
+        # the same batch size again: records at at, at + size, ... with steps step + 1, ...
+        room = (end - at) // size
+        if room < 2:
+            continue
+        guess = at + size * np.arange(room, dtype=np.int64)
+        same = ((bytes_[guess] == kind) & (bytes_[guess + 1] == width)
+                & (words[guess // 4 + 1] == epoch)
+                & (longs[guess // 8 + 1] == step + 1 + np.arange(room, dtype=np.uint64))
+                & (words[guess // 4 + 4] == count))
+        taken = int(np.argmin(same)) if not same.all() else room
+        if taken:
+            block = np.empty((taken, 6), dtype=np.int64)
+            block[:] = (kind, epoch, 0, 0, count, width)
+            block[:, 2] = step + 1 + np.arange(taken)
+            block[:, 3] = guess[:taken] + RECORD.size
+            rows.append(block)
+            at += size * taken
+    table = np.concatenate(rows) if rows else np.empty((0, 6), dtype=np.int64)
+    if len(table):  # a crash tears the end only: the last record is checked whole
+        kind, epoch, step, start, count, width = table[-1].tolist()
         head = data[start - RECORD.size:start - 4]
         (crc,) = struct.unpack_from("<I", data, start - 4)
         if zlib.crc32(data[start:start + payload_size(width, count)], zlib.crc32(head)) != crc:
-            rows.pop()
+            table = table[:-1]
             at = start - RECORD.size
-    return rows, at
+    return table, at
 
 
 def valid_length(path: str) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -103,14 +104,19 @@ class LineageWriter:
         if self.path is None:
             self.open()
         if self.pending and self.pending[-1][0] != epoch:
-            self.flush()
+            self.flush()  # (an epoch's end: its last steps on disk)
         if ids is not None:
             ids = ids.reshape(-1)  # (a view: no copy, no sync)
             self.pending_ids += ids.numel()
         self.pending.append((epoch, self.step, ids))
         self.step += 1
         if len(self.pending) >= FLUSH_BATCHES or self.pending_ids >= FLUSH_IDS:
-            self.flush()
+            try:
+                self.flush()
+            except Exception as error:  # (a full disk): never a failure of the training
+                warnings.warn(f"sharddemo.watch: lineage {self.folder!r}: steps up to "
+                              f"{self.step - 1} could not be written ({type(error).__name__}: "
+                              f"{error}); training goes on", RuntimeWarning, stacklevel=3)
 
     def flush(self) -> None:
         if not self.pending or self.path is None:
