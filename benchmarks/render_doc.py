@@ -408,6 +408,18 @@ def render_doc(results: dict) -> str:
                      "time (its per-batch note and count, its end of epoch: the exchange, the "
                      "analysis, the line) is timed where it runs, since the side-by-side step times "
                      "of 2 ranks on 2 cores move by 10-30% pair to pair (docs/watch.md).")
+    wl = results.get("watch_lineage")
+    if wl:
+        out.append(f"| `sharddemo.watch` with `lineage=DIR`, the same loop | step "
+                   f"{wl['median_step_ms']:.2f} ms; inside the watch, its lineage included, "
+                   f"**{wl['median_watch_share']:.2%}** of the epoch (launches "
+                   f"{min(wl['shares']):.2%}-{max(wl['shares']):.2%}), "
+                   f"{wl['median_watch_us_per_step']:.0f} us a step | <= 1% of the step | "
+                   f"{'met' if wl['median_watch_share'] <= 0.01 else 'NOT met'} |")
+        notes.append(f"- watch with lineage ({_when(wl)}): `python benchmarks/watch_overhead.py "
+                     f"--pairs {wl['pairs']} --lineage --record`: the watched launch also writes "
+                     "each rank's lineage (ids buffered, joined and written every 256 batches "
+                     "and at the epoch's change); the time inside the watch includes it.")
     ln = results.get("lineage")
     if ln:
         step_ok, id_ok = ln["step_max_s"] < 1, ln["id_max_s"] < 10

@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import accelerate_launch, ended_or_aborted_at_teardown
+from test_frameworks import fresh_accelerate_state  # noqa: F401
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from sharddemo import watch
@@ -325,3 +326,42 @@ def test_real_ranks_resumed_in_the_middle_keep_every_step(tmp_path):
     assert [Lineage(str(folder)).rank(rank).restarts for rank in range(2)] == [[3], [3]]
     run = json.loads((folder / "lineage.json").read_text())
     assert (run["world_size"], run["dataset_size"]) == (2, 40)
+
+
+def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
+                                                                 fresh_accelerate_state):  # noqa: F811
+    """TrainerWatch(lineage=DIR), one process, 40 samples in batches of 4, 2 epochs, gradient
+    accumulation 2 (5 optimizer steps an epoch), stopped after optimizer step 7 with a
+    checkpoint there and resumed from it. Expected: the ids each training forward received,
+    logged by the model itself (its x is [i, i] for sample i), launch after launch; and the
+    Trainer's own global_step at each optimizer step, against the forwards made so far: step
+    s is made of the batches (s-1)*G .. s*G-1 (docs/watch.md)."""
+    pytest.importorskip("transformers")
+    from test_frameworks import example
+    from transformers import TrainerCallback
+
+    wt = example("watch_trainer")
+    received: list[list[int]] = []
+    made_at: list[tuple[int, int]] = []  # (global_step, forwards so far)
+
+    class Logged(wt.TinyModel):
+        def forward(self, x, labels=None):
+            if self.training:
+                received.append(x[:, 0].long().tolist())
+            return super().forward(x, labels)
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            made_at.append((state.global_step, len(received)))
+
+    out, folder = tmp_path / "run", tmp_path / "lineage"
+    for stop, resume in ((7, None), (None, True)):
+        wt.make_trainer(str(out), 2, stop_at=stop, lineage=str(folder), model=Logged(),
+                        accumulation=2, callbacks=[Steps()]).train(resume_from_checkpoint=resume)
+        flush_all()
+    assert len(received) == 20  # 14 before the stop, the 6 after (by hand: 7 x 2, 10 x 2)
+    got = [cli_json(folder, "--step", k)["batches"][0] for k in range(20)]
+    assert [b["ids"] for b in got] == received
+    assert [b["epoch"] for b in got] == [0] * 10 + [1] * 10
+    assert [s for s, _ in made_at] == list(range(1, 11))
+    assert all(forwards == step * 2 for step, forwards in made_at)

@@ -74,6 +74,25 @@ def encode(kind: int, epoch: int, step: int, ids: Optional[np.ndarray] = None) -
     return head + struct.pack("<I", crc) + payload
 
 
+def encode_many(kinds, epochs, steps, counts, ids) -> bytes:
+    """Several records at once (the writer's chunk): `ids` all the batches' ids end to end,
+    `counts` each batch's share; uint32 for the whole chunk where every id fits, else int64."""
+    ids = np.asarray(ids)
+    width = 4 if len(ids) == 0 or (int(ids.min()) >= 0 and int(ids.max()) <= UINT32_MAX) else 8
+    flat = ids.astype("<u4" if width == 4 else "<i8", copy=False).tobytes()
+    out, at = [], 0
+    pack, crc32 = RECORD.pack, zlib.crc32
+    for kind, epoch, step, count in zip(kinds, epochs, steps, counts):
+        size = width * count
+        payload = flat[at:at + size]
+        at += size
+        if size % 8:
+            payload += b"\0" * (8 - size % 8)
+        head = pack(kind, width, 0, epoch, step, count, 0)[:-4]
+        out += (head, struct.pack("<I", crc32(payload, crc32(head))), payload)
+    return b"".join(out)
+
+
 def payload_size(width: int, count: int) -> int:
     return (width * count + 7) // 8 * 8
 

@@ -22,8 +22,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sharddemo.lineage import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, file_header,
-                               rank_file, read_run_file, valid_length, write_run_file)
+from sharddemo.lineage import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, encode_many,
+                               file_header, rank_file, read_run_file, valid_length,
+                               write_run_file)
 
 FLUSH_BATCHES = 256
 FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
@@ -106,7 +107,8 @@ class LineageWriter:
         if self.pending and self.pending[-1][0] != epoch:
             self.flush()  # (an epoch's end: its last steps on disk)
         if ids is not None:
-            ids = ids.reshape(-1)  # (a view: no copy, no sync)
+            if ids.dim() != 1:
+                ids = ids.reshape(-1)  # (a view: no copy, no sync)
             self.pending_ids += ids.numel()
         self.pending.append((epoch, self.step, ids))
         self.step += 1
@@ -123,22 +125,20 @@ class LineageWriter:
             return
         pending, self.pending, self.pending_ids = self.pending, [], 0
         known = [ids for _, _, ids in pending if ids is not None and ids.numel()]
-        host = iter(())
+        flat = np.empty(0, dtype=np.int64)
         if known:  # one copy to the host for the whole buffer
             try:
-                joined = torch.cat([ids.to(torch.int64) for ids in known])
+                joined = torch.cat([ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+                                    for ids in known])
             except RuntimeError:  # ids on several devices
                 joined = torch.cat([ids.to("cpu", torch.int64) for ids in known])
             flat = joined.cpu().numpy()
-            host = iter(np.split(flat, np.cumsum([ids.numel() for ids in known])[:-1]))
-        chunks = []
-        for epoch, step, ids in pending:
-            if ids is None:
-                chunks.append(encode(UNKNOWN, epoch, step))
-            else:
-                chunks.append(encode(BATCH, epoch, step, next(host) if ids.numel() else None))
+        data = encode_many([BATCH if ids is not None else UNKNOWN for _, _, ids in pending],
+                           [epoch for epoch, _, _ in pending], [step for _, step, _ in pending],
+                           [ids.numel() if ids is not None else 0 for _, _, ids in pending],
+                           flat)
         with open(self.path, "ab") as handle:
-            handle.write(b"".join(chunks))
+            handle.write(data)
 
     # -- the files
     def open(self) -> None:
