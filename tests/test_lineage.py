@@ -365,3 +365,48 @@ def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
     assert [b["epoch"] for b in got] == [0] * 10 + [1] * 10
     assert [s for s, _ in made_at] == list(range(1, 11))
     assert all(forwards == step * 2 for step, forwards in made_at)
+
+
+def test_lightning_lineage_across_a_resumed_fit(tmp_path):
+    """LightningWatch(lineage=DIR), one device in this process, 40 samples in batches of 4,
+    2 epochs; a checkpoint at step 13, the fit stopped there, then fit(ckpt_path=...) in a new
+    Trainer. Expected: the ids each training_step received (logged by the module itself, its
+    x is [i, i] for sample i), fit after fit; the lineage holds exactly those, its steps going
+    on from the checkpoint's 13."""
+    pytest.importorskip("pytorch_lightning")
+    from test_frameworks import example
+
+    from sharddemo.integrations import LightningWatch
+
+    wl = example("watch_lightning")
+    pl = wl.pl
+    received: list[list[int]] = []
+
+    class Logged(wl.Tiny):
+        def training_step(self, batch, index):
+            received.append(batch[0][:, 0].long().tolist())
+            return super().training_step(batch, index)
+
+    folder = tmp_path / "lineage"
+
+    def fit(*callbacks, ckpt_path=None):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2,
+                             default_root_dir=str(tmp_path),
+                             callbacks=[LightningWatch(lineage=str(folder)), *callbacks],
+                             enable_progress_bar=False, enable_model_summary=False,
+                             logger=False, enable_checkpointing=bool(callbacks),
+                             num_sanity_val_steps=0)
+        trainer.fit(Logged(), DataLoader(wl.Numbers(40), batch_size=4, shuffle=True),
+                    DataLoader(wl.Numbers(7), batch_size=2), ckpt_path=ckpt_path)
+        flush_all()
+
+    fit(wl.StopAt(13), pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"),
+                                                     every_n_train_steps=13, save_top_k=-1))
+    assert len(received) == 13
+    fit(ckpt_path=str(tmp_path / "checkpoints" / "epoch=1-step=13.ckpt"))
+    got = [cli_json(folder, "--step", k)["batches"][0]["ids"] for k in range(len(received))]
+    assert got == received
+    assert lineage_cli(folder, "--step", len(received)).exit_code == 2
+    from sharddemo.lineage import Lineage
+
+    assert Lineage(str(folder)).rank(0).restarts == [13]  # the checkpoint's step

@@ -160,7 +160,7 @@ class LineageWriter:
             theirs = (rank == 0 and run is not None) or (
                 os.path.exists(path) and os.path.getsize(path) > 0)
             if theirs:
-                other = run.get("run_id") if run else "another run"
+                other = f"run {run.get('run_id')}" if run else "another run"
                 raise ValueError(f"sharddemo.watch: lineage {self.folder!r} already holds "
                                  f"{other}'s lineage ({RUN_FILE}, rank{rank}.lineage) and "
                                  "this run does not resume it from a checkpoint; give a new "
