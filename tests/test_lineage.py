@@ -280,6 +280,24 @@ def test_a_step_never_reads_ids_on_a_device_back_to_the_host(tmp_path, monkeypat
 
 # -- real ranks --------------------------------------------------------------------------------
 
+def test_real_ranks_three_with_workers(tmp_path):
+    """3 gloo ranks, 2 DataLoader workers each, 2 epochs: each rank's lineage is accelerate's
+    batches for it (the workers fetch; the order is the sampler's, in the main process)."""
+    folder = tmp_path / "lineage"
+    proc = accelerate_launch(["examples/watch_accelerate.py", "--report",
+                              str(tmp_path / "w.jsonl"), "--lineage", str(folder),
+                              "--workers", "2"], nproc=3, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    uninterrupted = prepared_batches(3, epochs=2)
+    for rank in range(3):
+        got = [cli_json(folder, "--step", k, "--rank", rank)["batches"][0]["ids"]
+               for k in range(len(uninterrupted[rank]))]
+        assert got == uninterrupted[rank], rank
+    # epoch 1's first batch of every rank, by --epoch
+    assert [b["ids"] for b in cli_json(folder, "--step", 0, "--epoch", 1)["batches"]] == [
+        uninterrupted[rank][len(uninterrupted[rank]) // 2] for rank in range(3)]
+
+
 def prepared_batches(world: int, epochs: int) -> list[list[list[int]]]:
     """Every rank's batches, epoch after epoch, for examples/watch_accelerate.py's loader
     uninterrupted (N=40, batch 4), from accelerate's prepared loader iterated per rank in this
