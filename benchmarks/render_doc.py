@@ -433,6 +433,38 @@ def render_doc(results: dict) -> str:
                      "time (its per-batch note and count, its end of epoch: the exchange, the "
                      "analysis, the line) is timed where it runs, since the side-by-side step times "
                      "of 2 ranks on 2 cores move by 10-30% pair to pair (docs/watch.md).")
+    wl = results.get("watch_lineage")
+    if wl:
+        out.append(f"| `sharddemo.watch` with `lineage=DIR`, the same loop | step "
+                   f"{wl['median_step_ms']:.2f} ms; inside the watch, its lineage included, "
+                   f"**{wl['median_watch_share']:.2%}** of the epoch (launches "
+                   f"{min(wl['shares']):.2%}-{max(wl['shares']):.2%}), "
+                   f"{wl['median_watch_us_per_step']:.0f} us a step | <= 1% of the step | "
+                   f"{'met' if wl['median_watch_share'] <= 0.01 else 'NOT met'} |")
+        notes.append(f"- watch with lineage ({_when(wl)}): `python benchmarks/watch_overhead.py "
+                     f"--pairs {wl['pairs']} --lineage --record`: the watched launch also writes "
+                     "each rank's lineage (ids buffered, joined and written every 256 batches "
+                     "and at the epoch's change); the time inside the watch includes it.")
+    ln = results.get("lineage")
+    if ln:
+        step_ok, id_ok = ln["step_max_s"] < 1, ln["id_max_s"] < 10
+        out.append(f"| `sharddemo lineage` on a run of {ln['n']:,} samples ({ln['world']} ranks, "
+                   f"batches of {ln['batch']}, {ln['gb']:.2f} GB on disk, "
+                   f"{ln['bytes_per_sample']:.2f} bytes a sample) | by step "
+                   f"**{ln['step_s']:.2f} s** (slowest {ln['step_max_s']:.2f} s), by id "
+                   f"**{ln['id_s']:.2f} s** (slowest {ln['id_max_s']:.2f} s), each a whole "
+                   f"command (`sharddemo --help` alone: {ln['help_s']:.2f} s) | {ln['target']} "
+                   f"| {'met' if step_ok and id_ok else 'NOT met'} |")
+        notes.append(f"- lineage ({_when(ln)}): `python benchmarks/lineage_lookup.py --record`. "
+                     "A synthetic lineage (one epoch, a permutation of the N ids as uint32, "
+                     "dealt to the ranks in batches) written with the format's own encoder "
+                     "from numpy (no training loop), then `sharddemo lineage DIR --step K` and "
+                     "`--id ID` as a user runs them, each in a fresh process, the files in the "
+                     f"page cache, {ln['lookups']} random steps and ids. A lookup by step walks "
+                     "every rank's record headers (those of one batch size checked at once with "
+                     "numpy); one by id searches every file's words for the id with numpy and "
+                     f"keeps the hits inside a record's ids. Making the files took "
+                     f"{ln['write_s']:.0f} s.")
     hg = results.get("huge")
     if hg:
         def cell(r):

@@ -33,7 +33,7 @@ CONFIG = os.path.join(ROOT, "accelerate_configs", "cpu2.yaml")
 STEPS, BATCH, WIDTH = 1000, 64, 256
 
 
-def rank_main(watched: bool, out: str) -> None:
+def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
     import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
@@ -66,7 +66,9 @@ def rank_main(watched: bool, out: str) -> None:
                     spent[0] += time.perf_counter() - start
 
             setattr(WatchState, name, timed)
-        loader = watch(loader, accelerator, report=None)
+        # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
+        folder = os.path.join(os.path.dirname(out), "lineage") if lineage else None
+        loader = watch(loader, accelerator, report=None, lineage=folder)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
@@ -88,11 +90,12 @@ def rank_main(watched: bool, out: str) -> None:
     accelerator.end_training()
 
 
-def launch(watched: bool) -> dict:
+def launch(watched: bool, lineage: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
-               "--num_processes", "2", __file__, "--rank", "1" if watched else "0", "--out", out]
+               "--num_processes", "2", __file__, "--rank", "1" if watched else "0", "--out", out,
+               *(["--lineage"] if lineage else [])]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if not os.path.exists(out):  # (a rank that aborts in its teardown has written it)
@@ -141,12 +144,14 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--rank", choices=["0", "1"])
     parser.add_argument("--out")
+    parser.add_argument("--lineage", action="store_true",
+                        help="the watched launch writes a lineage too (watch(..., lineage=))")
     parser.add_argument("--record", action="store_true",
                         help="write the figures into benchmarks/results.json and render "
                              "docs/benchmarks.md")
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank == "1", args.out)
+        rank_main(args.rank == "1", args.out, args.lineage)
         return
     if args.per_batch:
         print(json.dumps(per_batch(args.passes), indent=1))
@@ -155,7 +160,7 @@ def main() -> None:
     for pair in range(args.pairs):
         # alternate which goes first, so neither always runs on a warmer machine
         order = (False, True) if pair % 2 == 0 else (True, False)
-        got = {watched: launch(watched) for watched in order}
+        got = {watched: launch(watched, args.lineage) for watched in order}
         ratio = got[True]["step_s"] / got[False]["step_s"]
         ratios.append(ratio)
         plain_steps.append(got[False]["step_s"])
@@ -174,10 +179,10 @@ def main() -> None:
                "median_watch_us_per_step": statistics.median(per_step) * 1e6}
     print(json.dumps(figures, indent=1))
     if args.record:
-        record(figures)
+        record(figures, "watch_lineage" if args.lineage else "watch")
 
 
-def record(figures: dict) -> None:
+def record(figures: dict, name: str = "watch") -> None:
     """Into benchmarks/results.json (key "watch", with the per-batch cost, the date and the
     machine), then docs/benchmarks.md rendered again from it."""
     import datetime
@@ -190,7 +195,7 @@ def record(figures: dict) -> None:
     figures.update(date=datetime.date.today().isoformat(),
                    machine=f"{os.cpu_count()} cores, {platform.machine()}",
                    target="<= 1% of the step", repeats=figures["pairs"])
-    record_result("watch", figures)
+    record_result(name, figures)
 
 
 if __name__ == "__main__":

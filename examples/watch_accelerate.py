@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--resume-from", help="load_state from this folder, skip the steps "
                         "it had taken, and train on")
     parser.add_argument("--unseeded", action="store_true")
+    parser.add_argument("--lineage", help="a folder: each rank keeps the ids of every batch "
+                        "it receives (sharddemo lineage DIR --step K)")
     args = parser.parse_args()
 
     # On a machine without GPUs the ranks run on the CPU (gloo): cpu2.yaml starts 2 of them.
@@ -67,7 +69,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader, how = get_dataloader(accelerator, args.pitfall, args.workers)
     # watch before prepare: given the accelerator, the loader prepare returns is watched too
-    loader = watch(loader, accelerator, report=args.report, on_violation=args.on_violation)
+    loader = watch(loader, accelerator, report=args.report, on_violation=args.on_violation,
+                   lineage=args.lineage)
     if how == "prepare":
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:

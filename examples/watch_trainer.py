@@ -55,15 +55,18 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def make_trainer(output_dir=None, epochs: int = 2, stop_at=None) -> Trainer:
+def make_trainer(output_dir=None, epochs: int = 2, stop_at=None, lineage=None, model=None,
+                 accumulation: int = 1, callbacks=()) -> Trainer:
     saving = dict(save_strategy="steps", save_steps=stop_at) if stop_at else dict(
         save_strategy="no")
     training = TrainingArguments(output_dir=output_dir or tempfile.mkdtemp(),
                                  num_train_epochs=epochs, per_device_train_batch_size=4,
                                  per_device_eval_batch_size=2, eval_strategy="epoch",
-                                 report_to=[], use_cpu=True, seed=0, **saving)
-    callbacks = [TrainerWatch()] + ([StopAt(stop_at)] if stop_at else [])
-    return Trainer(model=TinyModel(), args=training, train_dataset=Numbers(40),
+                                 report_to=[], use_cpu=True, seed=0,
+                                 gradient_accumulation_steps=accumulation, **saving)
+    callbacks = [TrainerWatch(lineage=lineage), *callbacks] + (
+        [StopAt(stop_at)] if stop_at else [])
+    return Trainer(model=model or TinyModel(), args=training, train_dataset=Numbers(40),
                    eval_dataset=Numbers(7), callbacks=callbacks)
 
 

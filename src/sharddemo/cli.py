@@ -622,6 +622,57 @@ def check(report: str) -> int:
     return 0
 
 
+@cli.command()
+@click.argument("folder", metavar="DIR")
+@click.option("--step", type=int, help="The step (counted from 0 per rank, across epochs and "
+              "resumes; with --epoch: the epoch's K-th batch) whose samples to print.")
+@click.option("--rank", type=int, help="Only this rank [default: every rank].")
+@click.option("--epoch", type=int, help="Count --step from the first batch of this epoch.")
+@click.option("--id", "sample", type=int, help="Print every (epoch, step, rank) at which this "
+              "sample was received.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+              show_default=True)
+def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Optional[int],
+            sample: Optional[int], fmt: str) -> None:
+    """Which samples each rank received at a step, or where a sample was received.
+
+    DIR is the folder a watched run wrote with watch(..., lineage=DIR) (docs/watch.md, "The
+    batch behind a step"). Give --step K, or --id ID. A last record cut short by a crash is
+    skipped with a warning.
+
+    Example:
+
+        sharddemo lineage runs/lineage --step 48112
+        sharddemo lineage runs/lineage --id 1234 --format json
+    """
+    import json
+
+    from sharddemo.lineage import Lineage
+
+    if (step is None) == (sample is None):
+        raise UsageError("give one of --step K or --id ID")
+    if sample is not None and (rank is not None or epoch is not None):
+        raise UsageError("--rank and --epoch go with --step, not --id")
+    found = Lineage(folder)
+    if step is not None:
+        batches = found.at_step(step, rank, epoch)
+        result = {"step": step, "epoch": epoch, "batches": batches}
+        lines = [f"rank {b['rank']} epoch {b['epoch']} step {b['step']}: "
+                 + ("ids not known (the watch could not attribute this batch)"
+                    if b["ids"] is None else
+                    f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
+                 for b in batches]
+    else:
+        hits = found.where(sample)
+        result = {"id": sample, "received": hits}
+        lines = ([f"epoch {h['epoch']} step {h['step']} rank {h['rank']}" for h in hits]
+                 or [f"id {sample}: never received in this lineage"])
+    for r, size in found.torn().items():
+        click.echo(f"Warning: rank{r}.lineage ends in a record cut short ({size} bytes, a "
+                   "crash while it was written): skipped", err=True)
+    click.echo(json.dumps(result) if fmt == "json" else "\n".join(lines))
+
+
 def main() -> None:
     cli()
 

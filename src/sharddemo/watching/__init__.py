@@ -38,12 +38,13 @@ from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
 from sharddemo.watching.hooks import attach, checkpoint, follow
+from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
 from sharddemo.watching.state import ON_VIOLATION, WatchState
 
 
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
-          on_violation: str = "warn"):
+          on_violation: str = "warn", lineage: Optional[str] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
@@ -53,11 +54,15 @@ def watch(loader, accelerator=None, *, name: str = "train",
     batch's field (dict key, tuple position, or "." for a batch that is the ids) holding each
     sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
     `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
-    the epoch's end) or "ignore" (the report only)."""
+    the epoch's end) or "ignore" (the report only). `lineage`: a folder where each rank
+    appends the ids of every batch its loop receives, with the epoch and the step, for
+    `sharddemo lineage DIR --step K` (docs/watch.md, "The batch behind a step"; None: none)."""
     check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
                     on_violation=on_violation)
+    if lineage is not None:
+        check_lineage_folder(lineage)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
-                  on_violation=on_violation)
+                  on_violation=on_violation, lineage=lineage)
 
 
 def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
@@ -135,13 +140,17 @@ def check_report(report, accelerator) -> None:
 
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
-           on_violation: str = "warn", role: str = "train", start_epoch: int = 0):
+           on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
+           lineage: Optional[str] = None):
     """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
-    (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run)."""
+    (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run);
+    `lineage`: the folder of the lineage writer (checked by the caller)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     state = WatchState(accelerator, name, report, id_field, on_violation, role)
     state.epoch = start_epoch
+    if lineage is not None:
+        state.lineage = LineageWriter(lineage, state)
     attach(loader, state)
     if accelerator is not None:
         follow(accelerator, state)

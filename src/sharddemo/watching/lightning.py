@@ -15,6 +15,7 @@ import os
 from typing import Optional
 
 from sharddemo.watching import watch_loader
+from sharddemo.watching.lineage import check_lineage_folder
 
 try:  # what most users have
     from pytorch_lightning import Callback as _PLCallback
@@ -41,10 +42,16 @@ def _loaders(combined) -> list:
 class LightningWatch(*_BASES):
     """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every
     validation pass (docs/watch.md). `report`: the JSON-lines file (default
-    <default_root_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore"."""
+    <default_root_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore";
+    `lineage`: a folder for the train loader's lineage (watch(..., lineage=DIR); with several
+    train loaders, the first one's)."""
 
-    def __init__(self, report: Optional[str] = None, on_violation: str = "warn") -> None:
+    def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
+                 lineage: Optional[str] = None) -> None:
         super().__init__()
+        if lineage is not None:
+            check_lineage_folder(lineage)
+        self.lineage = lineage
         self.report = report
         self.on_violation = on_violation
         self.train_states: list = []  # the train loaders' watches (the checkpoint's part)
@@ -76,7 +83,8 @@ class LightningWatch(*_BASES):
                    report=self._report(trainer), on_violation=self.on_violation, role=role,
                    start_epoch=(trainer.current_epoch if role == "train" else
                                 self.val_states[named].epoch if named in self.val_states
-                                else int(self.val_passes.get(named, 0))))
+                                else int(self.val_passes.get(named, 0))),
+                   lineage=self.lineage if role == "train" and i == 0 else None)
             state = loader.__dict__["_sharddemo_watch"]
             if role == "train" and state not in self.train_states:
                 self.train_states.append(state)

@@ -67,6 +67,7 @@ class WatchState:
         # (main process; from the checkpoint, see state_dict)
         self.before: Optional[np.ndarray] = None
         self.loaded = False
+        self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
 
     # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
     # rank, and writes the main process's state_dict)
@@ -86,10 +87,13 @@ class WatchState:
         # (a tensor, not a numpy array: Lightning loads checkpoints with weights_only=True)
         return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
                 "dataset_size": self.n, "previous": self.previous,
-                "before": None if before is None else torch.from_numpy(before)}
+                "before": None if before is None else torch.from_numpy(before),
+                "lineage": self.lineage.place() if self.lineage else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
+        if self.lineage:  # the steps go on; the restart is recorded
+            self.lineage.resume(state.get("lineage"))
         self.previous = state.get("previous")
         self.loaded = self.previous is not None  # the next epoch's order is the checkpoint's
         before = state.get("before")
@@ -139,6 +143,8 @@ class WatchState:
             # no index noted for this batch (a loader that yields batches its sampler did not
             # draw): counted as unattributed, never a failure of the user's loop
             self.unattributed += 1
+            if self.lineage:
+                self.lineage.append(self.epoch, None)
             return
         else:
             index = tap.fifo.popleft()
@@ -147,6 +153,8 @@ class WatchState:
                                               else [index], dtype=np.int64))
             if self.mapping is not None:
                 ids = self.mapping[ids]
+        if self.lineage:
+            self.lineage.append(self.epoch, ids)
         self.recorder.add_ids(ids)
 
     def end_epoch(self, loader=None) -> Optional[dict]:

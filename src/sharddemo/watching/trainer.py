@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from sharddemo.watching import watch_loader
 from sharddemo.watching.hooks import attach
+from sharddemo.watching.lineage import check_lineage_folder
 from sharddemo.watching.state import WatchState
 
 
@@ -83,9 +84,14 @@ def _follow_module_skip() -> None:
 class TrainerWatch(TrainerCallback):
     """Watch a transformers Trainer's train loader every epoch and its eval loader at every
     evaluation (docs/watch.md). `report`: the JSON-lines file (default
-    <output_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore"."""
+    <output_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore";
+    `lineage`: a folder for the train loader's lineage (watch(..., lineage=DIR))."""
 
-    def __init__(self, report: Optional[str] = None, on_violation: str = "warn") -> None:
+    def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
+                 lineage: Optional[str] = None) -> None:
+        if lineage is not None:
+            check_lineage_folder(lineage)
+        self.lineage = lineage
         self.report = report
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None
@@ -138,7 +144,8 @@ class TrainerWatch(TrainerCallback):
         if train_dataloader is not None and train_dataloader is not self.train_loader:
             self.train_loader = train_dataloader
             watch_loader(train_dataloader, name="train", report=self._report(args),
-                   on_violation=self.on_violation, start_epoch=int(state.epoch or 0))
+                   on_violation=self.on_violation, start_epoch=int(state.epoch or 0),
+                   lineage=self.lineage)
             # a resumed run: the watch's place as the checkpoint saved it (on_save below)
             folder = _resuming_from()
             saved = os.path.join(folder, STATE_FILE) if folder else None

@@ -1,0 +1,199 @@
+"""The watch's lineage writer (`watch(..., lineage=DIR)`): each rank appends the ids of every
+batch its loop receives to its own file, DIR/rank{r}.lineage, in the format of
+sharddemo.lineage (the torch-free reader). No collective: every rank writes its own file; rank 0
+writes the run file.
+
+A step never waits for a device: the batch's ids (a tensor, on a GPU perhaps) are kept as
+they are, and every FLUSH_BATCHES batches or FLUSH_IDS ids they are joined on their device,
+copied to the host once, encoded and appended with one write. The buffer is also written at an
+epoch's change, when the watch's state is saved for a checkpoint, and at the process's exit.
+What was written stays readable after a crash; a record cut short is skipped by the reader,
+and cut off by the writer before a resumed run appends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import warnings
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from sharddemo.lineage import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, encode_many,
+                               file_header, rank_file, read_run_file, valid_length,
+                               write_run_file)
+
+FLUSH_BATCHES = 256
+FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
+
+
+def check_lineage_folder(lineage) -> None:
+    """watch()'s check of `lineage=`: a folder this rank can write its file in (made if
+    missing)."""
+    if not isinstance(lineage, (str, os.PathLike)):
+        raise TypeError("sharddemo.watch: lineage must be a folder path (str) or None, got "
+                        f"{type(lineage).__name__}")
+    folder = os.fspath(lineage)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"sharddemo.watch: lineage {folder!r} is a file; give a folder (each "
+                         "rank writes rank<r>.lineage in it)")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"sharddemo.watch: lineage {folder!r}: the folder cannot be made "
+                         f"({error.strerror or error})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"sharddemo.watch: lineage {folder!r} cannot be written (no write "
+                         "permission); give a folder you can write, or lineage=None")
+
+
+def rank_and_world(accelerator) -> tuple[int, int]:
+    if accelerator is not None:
+        return int(accelerator.process_index), int(accelerator.num_processes)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+OPEN: "weakref.WeakSet[LineageWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def flush_all() -> None:
+    for writer in list(OPEN):
+        writer.flush()
+
+
+class LineageWriter:
+    """One watched loader's lineage on this rank. `append(epoch, ids)` once per batch the loop
+    receives (ids: a tensor, or None for a batch whose ids are not known); `place()` and
+    `resume(place)` carry the step count and the run id through the watch's checkpoint."""
+
+    def __init__(self, folder: str, state) -> None:
+        self.folder = os.fspath(folder)
+        self.state = state  # the watch's state: its accelerator, loader name, dataset length
+        self.step = 0
+        self.run_id: Optional[str] = None
+        self.continues: Optional[str] = None  # the run id a resumed launch continues
+        self.resumed_at: Optional[int] = None
+        self.pending: list = []  # (epoch, step, ids or None)
+        self.pending_ids = 0
+        self.path: Optional[str] = None
+
+    # -- the checkpoint: the steps go on after a resume
+    def place(self) -> dict:
+        self.flush()
+        return {"run_id": self.run_id, "step": self.step}
+
+    def resume(self, place: Optional[dict]) -> None:
+        if not place or place.get("run_id") is None:
+            return
+        self.flush()
+        self.continues = str(place["run_id"])
+        self.step = int(place["step"])
+        self.resumed_at = self.step
+        if self.path is not None:  # opened already: the restart goes in now
+            self.write_restart()
+
+    # -- the steps
+    def append(self, epoch: int, ids: Optional[torch.Tensor]) -> None:
+        if self.path is None:
+            self.open()
+        if self.pending and self.pending[-1][0] != epoch:
+            self.flush()  # (an epoch's end: its last steps on disk)
+        if ids is not None:
+            if ids.dim() != 1:
+                ids = ids.reshape(-1)  # (a view: no copy, no sync)
+            self.pending_ids += ids.numel()
+        self.pending.append((epoch, self.step, ids))
+        self.step += 1
+        if len(self.pending) >= FLUSH_BATCHES or self.pending_ids >= FLUSH_IDS:
+            try:
+                self.flush()
+            except Exception as error:  # (a full disk): never a failure of the training
+                warnings.warn(f"sharddemo.watch: lineage {self.folder!r}: steps up to "
+                              f"{self.step - 1} could not be written ({type(error).__name__}: "
+                              f"{error}); training goes on", RuntimeWarning, stacklevel=3)
+
+    def flush(self) -> None:
+        if not self.pending or self.path is None:
+            return
+        pending, self.pending, self.pending_ids = self.pending, [], 0
+        known = [ids for _, _, ids in pending if ids is not None and ids.numel()]
+        flat = np.empty(0, dtype=np.int64)
+        if known:  # one copy to the host for the whole buffer
+            try:
+                joined = torch.cat([ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+                                    for ids in known])
+            except RuntimeError:  # ids on several devices
+                joined = torch.cat([ids.to("cpu", torch.int64) for ids in known])
+            flat = joined.cpu().numpy()
+        data = encode_many([BATCH if ids is not None else UNKNOWN for _, _, ids in pending],
+                           [epoch for epoch, _, _ in pending], [step for _, step, _ in pending],
+                           [ids.numel() if ids is not None else 0 for _, _, ids in pending],
+                           flat)
+        with open(self.path, "ab") as handle:
+            handle.write(data)
+
+    # -- the files
+    def open(self) -> None:
+        """This rank's file, at the first batch: a new run refuses a folder that holds
+        another run's lineage; a resumed one continues its own (cut to its whole records,
+        then a restart record)."""
+        from sharddemo.watching.state import run_stamp
+
+        rank, world = rank_and_world(self.state.accelerator)
+        path = rank_file(self.folder, rank)
+        run = read_run_file(self.folder)
+        if self.continues is not None:
+            if run is not None and run.get("run_id") != self.continues:
+                raise ValueError(f"sharddemo.watch: lineage {self.folder!r} holds run "
+                                 f"{run.get('run_id')}'s lineage, not run {self.continues}'s "
+                                 "that this checkpoint continues; give another folder")
+            self.run_id = self.continues
+        else:
+            theirs = (rank == 0 and run is not None) or (
+                os.path.exists(path) and os.path.getsize(path) > 0)
+            if theirs:
+                other = f"run {run.get('run_id')}" if run else "another run"
+                raise ValueError(f"sharddemo.watch: lineage {self.folder!r} already holds "
+                                 f"{other}'s lineage ({RUN_FILE}, rank{rank}.lineage) and "
+                                 "this run does not resume it from a checkpoint; give a new "
+                                 "folder, or remove that one")
+            self.run_id = run_stamp()["run_id"] if rank == 0 else None
+        if rank == 0 and run is None:
+            write_run_file(self.folder, {
+                "run_id": self.run_id, "started": run_stamp()["run_started"],
+                "world_size": world, "dataset_size": self.state.n,
+                "loader": self.state.name})
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            end = valid_length(path)
+            with open(path, "r+b") as handle:
+                if end < 16:
+                    handle.truncate(0)
+                    handle.write(file_header(rank))
+                else:
+                    handle.truncate(end)  # a torn last record
+        else:
+            with open(path, "wb") as handle:
+                handle.write(file_header(rank))
+        self.path = path
+        OPEN.add(self)
+        if self.resumed_at is not None:
+            self.write_restart()
+
+    def close(self) -> None:
+        """Write what is buffered; the process's exit does it too."""
+        self.flush()
+        OPEN.discard(self)
+
+    def write_restart(self) -> None:
+        epoch = int(self.state.epoch)
+        with open(self.path, "ab") as handle:
+            handle.write(encode(RESTART, epoch, self.step))
+        self.resumed_at = None

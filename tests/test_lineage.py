@@ -1,0 +1,430 @@
+"""watch(..., lineage=DIR) and `sharddemo lineage`: which samples each rank's loop received at
+every step. Expected values come from torch's DistributedSampler(ds, W, r, seed=s) after
+set_epoch(e), sliced by step, from accelerate's prepared loader iterated per rank in this
+process, or from the ids the loop itself received, logged here; never from the lineage files
+read back against themselves. Ranks are simulated in one process (RANK and WORLD_SIZE set, as
+torchrun sets them), then run for real on gloo (a resume in the middle)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import accelerate_launch, ended_or_aborted_at_teardown
+from test_frameworks import fresh_accelerate_state  # noqa: F401
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from sharddemo import watch
+from sharddemo.cli import cli
+from sharddemo.watching.lineage import flush_all
+
+
+def lineage_cli(*args: str):
+    """The command as a user runs it: outside a rank (the CLI treats a process with RANK and
+    WORLD_SIZE set, which the simulated ranks here set, as one of a launch's ranks)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RANK", raising=False)
+        env.delenv("WORLD_SIZE", raising=False)
+        return CliRunner().invoke(cli, ["lineage", *map(str, args)])
+
+
+def cli_json(*args: str) -> dict:
+    result = lineage_cli(*args, "--format", "json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def sampler_batches(n: int, world: int, rank: int, seed: int, epoch: int,
+                    batch: int) -> list[list[int]]:
+    """torch's own order for `rank` in `epoch`, sliced into the loop's batches."""
+    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[k:k + batch] for k in range(0, len(order), batch)]
+
+
+def simulate_run(folder, monkeypatch, n: int, world: int, batch: int, seed: int,
+                 epochs: int, workers: int = 0) -> dict:
+    """Each rank's watched loop, one after the other in this process; returns the ids each
+    loop received, logged from its batches: {rank: [batch, ...]}."""
+    received = {}
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        data = TensorDataset(torch.arange(n))
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=seed)
+        loader = watch(DataLoader(data, batch_size=batch, sampler=sampler, num_workers=workers),
+                       report=None, on_violation="ignore", lineage=str(folder))
+        received[rank] = []
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            received[rank] += [b[0].tolist() for b in loader]
+        loader.__dict__["_sharddemo_watch"].lineage.close()
+    return received
+
+
+@pytest.mark.parametrize("world,workers", [(2, 0), (3, 2)])
+def test_every_step_of_every_rank_is_the_samplers_batch(tmp_path, monkeypatch, world, workers):
+    n, batch, seed, epochs = 23, 4, 5, 2
+    folder = tmp_path / "lineage"
+    received = simulate_run(folder, monkeypatch, n, world, batch, seed, epochs, workers)
+    for rank in range(world):
+        expected = [b for epoch in range(epochs)
+                    for b in sampler_batches(n, world, rank, seed, epoch, batch)]
+        assert received[rank] == expected  # the loop received torch's batches
+        per_epoch = len(expected) // epochs
+        for step, ids in enumerate(expected):
+            got = cli_json(folder, "--step", step, "--rank", rank)["batches"]
+            assert got == [{"rank": rank, "epoch": step // per_epoch, "step": step,
+                            "ids": ids}]
+        # --epoch E: the epoch's K-th batch
+        got = cli_json(folder, "--step", 1, "--rank", rank, "--epoch", 1)["batches"]
+        assert got[0]["ids"] == sampler_batches(n, world, rank, seed, 1, batch)[1]
+    # every rank at one step
+    assert [b["rank"] for b in cli_json(folder, "--step", 0)["batches"]] == list(range(world))
+    # --id: every (epoch, step, rank) at which torch's samplers dealt the sample
+    for sample in (0, 7, 22):
+        expected = []
+        for epoch in range(epochs):
+            for rank in range(world):
+                for k, ids in enumerate(sampler_batches(n, world, rank, seed, epoch, batch)):
+                    step = epoch * len(sampler_batches(n, world, rank, seed, 0, batch)) + k
+                    expected += [{"epoch": epoch, "step": step, "rank": rank}] * (sample in ids)
+        expected.sort(key=lambda hit: (hit["step"], hit["rank"]))
+        assert cli_json(folder, "--id", sample)["received"] == expected
+
+
+def test_four_bytes_a_sample_where_ids_fit_and_eight_beyond(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loader = watch(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), report=None,
+                   lineage=str(tmp_path / "small"))
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    flush_all()
+    # by hand: a 16-byte file header, then per batch a 24-byte record header and its ids as
+    # uint32 padded to 8 bytes: 16 + (24 + 16) * 2 + (24 + 8) = 128
+    assert (tmp_path / "small" / "rank0.lineage").stat().st_size == 128
+
+    big = 2**33  # ids past 32 bits: int64, 8 bytes each
+    rows = [{"id": torch.tensor(big + k)} for k in range(3)]
+    loader = watch(DataLoader(rows, batch_size=2), report=None, id_field="id",
+                   on_violation="ignore", lineage=str(tmp_path / "big"))
+    received = [b["id"].tolist() for b in loader]
+    flush_all()
+    # 16 + (24 + 16) + (24 + 8) = 88, by hand
+    assert (tmp_path / "big" / "rank0.lineage").stat().st_size == 88
+    assert cli_json(tmp_path / "big", "--step", 1)["batches"][0]["ids"] == received[1]
+    assert cli_json(tmp_path / "big", "--id", big + 2)["received"] == [
+        {"epoch": 0, "step": 1, "rank": 0}]
+    assert cli_json(tmp_path / "big", "--id", 2)["received"] == []  # same low 32 bits
+
+
+def test_a_resume_continues_the_steps_and_a_torn_tail_is_skipped(tmp_path, monkeypatch):
+    """Launch 1 takes 3 steps, saves the watch's state (a checkpoint), takes 2 more and
+    crashes in the middle of a write; launch 2 loads the checkpoint and walks the rest of
+    epoch 0 (torch's order after its first 12) and epoch 1. The lineage is launch 1's first 3 steps, then launch 2's,
+    counted on from 3: the steps launch 1 took after its checkpoint are superseded."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder = str(tmp_path / "lineage")
+    data = TensorDataset(torch.arange(20))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=1)
+    first = watch(DataLoader(data, batch_size=4, sampler=sampler), report=None,
+                  lineage=folder)
+    trained, saved = [], None
+    for step, (ids,) in enumerate(first):
+        trained.append(ids.tolist())
+        if step == 2:  # 3 steps trained: the checkpoint
+            saved = first.__dict__["_sharddemo_watch"].state_dict()
+        if step == 4:
+            break  # the crash
+    flush_all()
+    with open(tmp_path / "lineage" / "rank0.lineage", "ab") as handle:
+        handle.write(b"\x00\x04\x00\x00" + b"\x07" * 13)  # a record cut short by the crash
+    order = list(sampler)  # epoch 0's order, from torch's sampler
+
+    class Resumed(torch.utils.data.Sampler):  # torch's sampler, its first 12 skipped once
+        def __init__(self, skip):
+            self.skip = skip
+
+        def __iter__(self):
+            out, self.skip = list(sampler)[self.skip:], 0
+            return iter(out)
+
+    rest = watch(DataLoader(data, batch_size=4, sampler=Resumed(12)), report=None,
+                 lineage=folder)
+    rest.__dict__["_sharddemo_watch"].load_state_dict(saved)
+    resumed = [b[0].tolist() for b in rest]
+    assert resumed == [order[12:16], order[16:20]]
+    sampler.set_epoch(1)
+    resumed += [b[0].tolist() for b in rest]
+    expected = trained[:3] + resumed
+    flush_all()
+    got = [cli_json(folder, "--step", k)["batches"][0] for k in range(len(expected))]
+    assert [b["ids"] for b in got] == expected
+    assert [b["epoch"] for b in got] == [0] * 5 + [1] * 5
+    result = lineage_cli(folder, "--step", 10)
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == ("Error: --step 10 is past the end (rank 0 "
+                                              "received steps 0..9)")
+    # the torn record was cut before launch 2 appended: nothing is skipped now
+    assert "Warning" not in lineage_cli(folder, "--step", 0).output
+
+
+def test_a_torn_tail_is_detected_and_skipped_on_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder = tmp_path / "lineage"
+    loader = watch(DataLoader(TensorDataset(torch.arange(6)), batch_size=2), report=None,
+                   lineage=str(folder))
+    received = [b[0].tolist() for b in loader]
+    flush_all()
+    whole = (folder / "rank0.lineage").read_bytes()
+    # a crash in the middle of the last record's write: its first 30 bytes of 24 + 8
+    (folder / "rank0.lineage").write_bytes(whole[:-2])
+    result = lineage_cli(folder, "--step", 1)
+    assert result.exit_code == 0
+    assert result.stderr.startswith("Warning: rank0.lineage ends in a record cut short (30 "
+                                    "bytes")
+    assert result.stdout == f"rank 0 epoch 0 step 1: 2 samples: {received[1][0]} " \
+        f"{received[1][1]}\n"
+    assert lineage_cli(folder, "--step", 2).exit_code == 2  # the torn step is not there
+    # a last record whole in length but not in content: its CRC fails
+    (folder / "rank0.lineage").write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
+    assert lineage_cli(folder, "--step", 2).exit_code == 2
+    assert cli_json(folder, "--step", 1)["batches"][0]["ids"] == received[1]
+
+
+def test_another_runs_folder_is_refused_unless_the_run_resumes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder = str(tmp_path / "lineage")
+    data = TensorDataset(torch.arange(8))
+    first = watch(DataLoader(data, batch_size=4), report=None, lineage=folder)
+    list(first)
+    saved = first.__dict__["_sharddemo_watch"].state_dict()
+    flush_all()
+    second = watch(DataLoader(data, batch_size=4), report=None, lineage=folder)
+    with pytest.raises(ValueError, match=r"^sharddemo.watch: lineage .* already holds .*'s "
+                       "lineage .* this run does not resume it"):
+        next(iter(second))
+    resumed = watch(DataLoader(data, batch_size=4), report=None, lineage=folder)
+    resumed.__dict__["_sharddemo_watch"].load_state_dict(saved)
+    assert len(list(resumed)) == 2  # its own lineage: continued
+    flush_all()
+    assert cli_json(folder, "--step", 3)["batches"][0]["ids"] == [4, 5, 6, 7]
+    other = dict(saved, lineage={"run_id": "0123456789ab", "step": 2})
+    elsewhere = watch(DataLoader(data, batch_size=4), report=None, lineage=folder)
+    elsewhere.__dict__["_sharddemo_watch"].load_state_dict(other)
+    with pytest.raises(ValueError, match="not run 0123456789ab's that this checkpoint"):
+        next(iter(elsewhere))
+
+
+def test_bad_input_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    data = TensorDataset(torch.arange(8))
+    with pytest.raises(ValueError, match=r"^sharddemo.watch: lineage .* is a file; give a"):
+        watch(DataLoader(data), report=None, lineage=str(a_file))
+    with pytest.raises(ValueError, match=r"^sharddemo.watch: lineage .*: the folder cannot "
+                       "be made"):
+        watch(DataLoader(data), report=None, lineage=str(a_file / "inside"))
+    with pytest.raises(TypeError, match="lineage must be a folder path"):
+        watch(DataLoader(data), report=None, lineage=3)
+    folder = tmp_path / "lineage"
+    list(watch(DataLoader(data, batch_size=4), report=None, on_violation="ignore",
+               lineage=str(folder)))
+    flush_all()
+    for args, line in [
+            ((tmp_path, "--step", 0), f"Error: {tmp_path} is not a lineage folder (no "
+             "lineage.json of schema sharddemo.lineage/1): give the folder passed to "
+             "watch(..., lineage=DIR)"),
+            ((folder, "--step", 2), "Error: --step 2 is past the end (rank 0 received "
+             "steps 0..1)"),
+            ((folder, "--step", 0, "--rank", 1), "Error: --rank 1 does not exist: this run "
+             "has ranks 0..1, with lineage files of ranks [0]"),
+            ((folder, "--step", 0, "--rank", 5), "Error: --rank 5 does not exist: this run "
+             "has ranks 0..1, with lineage files of ranks [0]"),
+            ((folder,), "Error: give one of --step K or --id ID")]:
+        result = lineage_cli(*args)
+        assert (result.exit_code, result.output.splitlines()) == (2, [line])
+
+
+def test_a_step_never_reads_ids_on_a_device_back_to_the_host(tmp_path, monkeypatch):
+    """The lineage keeps a batch's ids where they are until its chunk is written: shown on
+    torch's meta device (no data: any read on the host raises), 40 steps of 16 ids with
+    lineage raise nothing; the chunk's one copy (every 256 batches, here 40 and more) is the
+    first read."""
+    from torch.utils.data import default_collate
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=16,
+                              collate_fn=lambda items: [t.to("meta")
+                                                        for t in default_collate(items)]),
+                   report=None, id_field=0, lineage=str(tmp_path / "lineage"))
+    for step, (ids,) in enumerate(loader):
+        assert ids.device.type == "meta"
+        if step == 39:
+            break
+    writer = loader.__dict__["_sharddemo_watch"].lineage
+    assert len(writer.pending) == 40
+    with pytest.raises(NotImplementedError, match="meta"):
+        writer.flush()  # the chunk's copy: what the steps never do
+    assert writer.pending == []
+
+
+# -- real ranks --------------------------------------------------------------------------------
+
+def test_real_ranks_three_with_workers(tmp_path):
+    """3 gloo ranks, 2 DataLoader workers each, 2 epochs: each rank's lineage is accelerate's
+    batches for it (the workers fetch; the order is the sampler's, in the main process)."""
+    folder = tmp_path / "lineage"
+    proc = accelerate_launch(["examples/watch_accelerate.py", "--report",
+                              str(tmp_path / "w.jsonl"), "--lineage", str(folder),
+                              "--workers", "2"], nproc=3, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    uninterrupted = prepared_batches(3, epochs=2)
+    for rank in range(3):
+        got = [cli_json(folder, "--step", k, "--rank", rank)["batches"][0]["ids"]
+               for k in range(len(uninterrupted[rank]))]
+        assert got == uninterrupted[rank], rank
+    # epoch 1's first batch of every rank, by --epoch
+    assert [b["ids"] for b in cli_json(folder, "--step", 0, "--epoch", 1)["batches"]] == [
+        uninterrupted[rank][len(uninterrupted[rank]) // 2] for rank in range(3)]
+
+
+def prepared_batches(world: int, epochs: int) -> list[list[list[int]]]:
+    """Every rank's batches, epoch after epoch, for examples/watch_accelerate.py's loader
+    uninterrupted (N=40, batch 4), from accelerate's prepared loader iterated per rank in this
+    process after the example's own draws from torch's seeded generator (its model's weights,
+    its dataset's features)."""
+    from accelerate.data_loader import prepare_data_loader
+    from oracle import ACCELERATOR_RNG_TYPES, ensure_accelerator_state
+
+    out = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        data = TensorDataset(torch.arange(40), torch.randn(40, 8))
+        ensure_accelerator_state()
+        loader = prepare_data_loader(DataLoader(data, batch_size=4, shuffle=True),
+                                     num_processes=world, process_index=rank,
+                                     put_on_device=False, rng_types=list(ACCELERATOR_RNG_TYPES))
+        out.append([b[0].tolist() for _ in range(epochs) for b in loader])
+    return out
+
+
+def test_real_ranks_resumed_in_the_middle_keep_every_step(tmp_path):
+    """2 gloo ranks: save_state after 3 steps and stop; a new launch load_states and trains
+    on (the example's seeded resume, exact: tests/test_watch.py). Each rank's lineage is
+    accelerate's batches for it, epoch 0 then epoch 1, steps 0..9, the restart at step 3."""
+    folder, checkpoint = tmp_path / "lineage", tmp_path / "ckpt"
+    common = ["examples/watch_accelerate.py", "--report", str(tmp_path / "w.jsonl"),
+              "--lineage", str(folder)]
+    for args in (["--save-at", "3", "--checkpoint", str(checkpoint)],
+                 ["--resume-from", str(checkpoint)]):
+        proc = accelerate_launch([*common, *args], check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    uninterrupted = prepared_batches(2, epochs=2)
+    for rank in range(2):
+        expected = uninterrupted[rank]
+        got = [cli_json(folder, "--step", k, "--rank", rank)["batches"][0]
+               for k in range(len(expected))]
+        assert [b["ids"] for b in got] == expected, rank
+        assert [b["epoch"] for b in got] == [0] * 5 + [1] * 5
+    assert lineage_cli(folder, "--step", 10).exit_code == 2
+    # the restart is recorded where launch 2 went on: after the 3 steps saved (--save-at 3)
+    from sharddemo.lineage import Lineage
+
+    assert [Lineage(str(folder)).rank(rank).restarts for rank in range(2)] == [[3], [3]]
+    run = json.loads((folder / "lineage.json").read_text())
+    assert (run["world_size"], run["dataset_size"]) == (2, 40)
+
+
+def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
+                                                                 fresh_accelerate_state):  # noqa: F811
+    """TrainerWatch(lineage=DIR), one process, 40 samples in batches of 4, 2 epochs, gradient
+    accumulation 2 (5 optimizer steps an epoch), stopped after optimizer step 7 with a
+    checkpoint there and resumed from it. Expected: the ids each training forward received,
+    logged by the model itself (its x is [i, i] for sample i), launch after launch; and the
+    Trainer's own global_step at each optimizer step, against the forwards made so far: step
+    s is made of the batches (s-1)*G .. s*G-1 (docs/watch.md)."""
+    pytest.importorskip("transformers")
+    from test_frameworks import example
+    from transformers import TrainerCallback
+
+    wt = example("watch_trainer")
+    received: list[list[int]] = []
+    made_at: list[tuple[int, int]] = []  # (global_step, forwards so far)
+
+    class Logged(wt.TinyModel):
+        def forward(self, x, labels=None):
+            if self.training:
+                received.append(x[:, 0].long().tolist())
+            return super().forward(x, labels)
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            made_at.append((state.global_step, len(received)))
+
+    out, folder = tmp_path / "run", tmp_path / "lineage"
+    for stop, resume in ((7, None), (None, True)):
+        wt.make_trainer(str(out), 2, stop_at=stop, lineage=str(folder), model=Logged(),
+                        accumulation=2, callbacks=[Steps()]).train(resume_from_checkpoint=resume)
+        flush_all()
+    assert len(received) == 20  # 14 before the stop, the 6 after (by hand: 7 x 2, 10 x 2)
+    got = [cli_json(folder, "--step", k)["batches"][0] for k in range(20)]
+    assert [b["ids"] for b in got] == received
+    assert [b["epoch"] for b in got] == [0] * 10 + [1] * 10
+    assert [s for s, _ in made_at] == list(range(1, 11))
+    assert all(forwards == step * 2 for step, forwards in made_at)
+
+
+def test_lightning_lineage_across_a_resumed_fit(tmp_path):
+    """LightningWatch(lineage=DIR), one device in this process, 40 samples in batches of 4,
+    2 epochs; a checkpoint at step 13, the fit stopped there, then fit(ckpt_path=...) in a new
+    Trainer. Expected: the ids each training_step received (logged by the module itself, its
+    x is [i, i] for sample i), fit after fit; the lineage holds exactly those, its steps going
+    on from the checkpoint's 13."""
+    pytest.importorskip("pytorch_lightning")
+    from test_frameworks import example
+
+    from sharddemo.integrations import LightningWatch
+
+    wl = example("watch_lightning")
+    pl = wl.pl
+    received: list[list[int]] = []
+
+    class Logged(wl.Tiny):
+        def training_step(self, batch, index):
+            received.append(batch[0][:, 0].long().tolist())
+            return super().training_step(batch, index)
+
+    folder = tmp_path / "lineage"
+
+    def fit(*callbacks, ckpt_path=None):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2,
+                             default_root_dir=str(tmp_path),
+                             callbacks=[LightningWatch(lineage=str(folder)), *callbacks],
+                             enable_progress_bar=False, enable_model_summary=False,
+                             logger=False, enable_checkpointing=bool(callbacks),
+                             num_sanity_val_steps=0)
+        trainer.fit(Logged(), DataLoader(wl.Numbers(40), batch_size=4, shuffle=True),
+                    DataLoader(wl.Numbers(7), batch_size=2), ckpt_path=ckpt_path)
+        flush_all()
+
+    fit(wl.StopAt(13), pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"),
+                                                     every_n_train_steps=13, save_top_k=-1))
+    assert len(received) == 13
+    fit(ckpt_path=str(tmp_path / "checkpoints" / "epoch=1-step=13.ckpt"))
+    got = [cli_json(folder, "--step", k)["batches"][0]["ids"] for k in range(len(received))]
+    assert got == received
+    assert lineage_cli(folder, "--step", len(received)).exit_code == 2
+    from sharddemo.lineage import Lineage
+
+    assert Lineage(str(folder)).rank(0).restarts == [13]  # the checkpoint's step
