@@ -243,7 +243,11 @@ def stop_and_resume(tmp_path, *stop_args, resume_args=(), unseeded=False):
                  ["--resume-from", str(checkpoint), *resume_args]):
         proc = accelerate_launch([*common, *args], check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
-    return entries(report)
+    got = entries(report)
+    # a stop mid-epoch reports the part before it (partial; tests/test_watch_stop.py)
+    assert [e["epoch"] for e in got if e.get("partial")] == ([0] if stop_args[-1] != "0"
+                                                             else [])
+    return [e for e in got if not e.get("partial")]
 
 
 def test_a_seeded_resume_mid_epoch_is_exact(tmp_path):
@@ -387,6 +391,9 @@ def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught
 
     before, after = set(received(1, 0)), set(received(2, 0))
     got = entries(report)
+    [stop] = [e for e in got if e.get("partial")]  # launch 1's part of epoch 0, before the stop
+    assert (stop["epoch"], stop["unique"]) == (0, len(before))
+    got = [e for e in got if not e.get("partial")]
     assert [e["epoch"] for e in got] == [0, 1]
     resume = got[0]["resume"]
     assert resume["seen_before"] == len(before) and got[0]["steps"] == [2, 2]

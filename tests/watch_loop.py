@@ -8,6 +8,15 @@ watched; the main process prints one line, COLLECTIVES <json>.
 `torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
 DistributedSampler's loader.
 
+`stop`: a loop that stops mid-epoch at `--stop-at` (what every max_steps loop does), over a
+prepared map-style loader (`--loader prepared`: N = 1000, batch 8) or a stream every rank reads
+whole (`--loader stream`, with id_field), then ends the watched run as `--end` says: `close`
+(loader.close() on every rank), `with` (the loader used as a context manager), `exit` (no close:
+the process ends, and the watch's exit handler writes what the main process has) or `raise` (an
+exception at the stop, inside the with block, on every rank: the watch cannot know that the
+others are still there, and the main process writes what it has alone). Each rank writes the
+ids it received to `--ids`/rank<r>.json.
+
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
 and resumed with load_state; each rank writes the ids it received (the library's own
@@ -115,6 +124,51 @@ def stateful(args, accelerator) -> None:
     path = os.path.join(args.ids, f"launch{launch}_rank{accelerator.process_index}.json")
     with open(path, "w") as handle:
         json.dump(seen, handle)
+    loader.close()
+    accelerator.end_training()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Ids 0..999, the whole stream on every rank that reads it (not split: the bug)."""
+
+    def __iter__(self):
+        return iter({"id": i, "x": float(i)} for i in range(1000))
+
+
+def stop(args, accelerator) -> None:
+    if args.loader == "stream":
+        loader = watch(DataLoader(Stream(), batch_size=8), accelerator, report=args.report,
+                       id_field="id")
+    else:
+        loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=8,
+                                  shuffle=True), accelerator, report=args.report)
+        loader = accelerator.prepare(loader)
+    mine: list[int] = []
+
+    def train() -> None:
+        for step, batch in enumerate(loader):
+            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
+            if step + 1 == args.stop_at:
+                if args.end == "raise":
+                    raise RuntimeError("the loop's own error mid-epoch")
+                break
+
+    def write_ids() -> None:
+        path = os.path.join(args.ids, f"rank{accelerator.process_index}.json")
+        with open(path, "w") as handle:
+            json.dump(mine, handle)
+
+    if args.end in ("with", "raise"):
+        try:
+            with loader:
+                train()
+        except RuntimeError as error:
+            assert args.end == "raise", error
+    else:
+        train()
+        if args.end == "close":
+            loader.close()
+    write_ids()
     accelerator.end_training()
 
 
@@ -137,7 +191,10 @@ def plain_torch(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "stateful", "torch"])
+    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop"])
+    parser.add_argument("--loader", choices=["prepared", "stream"], default="prepared")
+    parser.add_argument("--end", choices=["close", "with", "exit", "raise"], default="close")
+    parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")
     parser.add_argument("--uneven", action="store_true")
@@ -151,6 +208,8 @@ def main() -> None:
         plain_torch(args)
     elif args.mode == "collectives":
         collectives(args, Accelerator(cpu=True))
+    elif args.mode == "stop":
+        stop(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
         stateful(args, Accelerator(cpu=True, dataloader_config=config))

@@ -6,6 +6,7 @@ line and the report."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from typing import Optional
@@ -45,6 +46,33 @@ def ranks_of(accelerator):
     return accelerator if accelerator is not None else TorchRanks()
 
 
+class MainAlone:
+    """The main process on its own, where the ranks can no longer meet (the interpreter's
+    exit): what the recorder asks of the ranks, answered without a collective."""
+
+    num_processes = 1
+    process_index = 0
+    is_main_process = True
+    device = torch.device("cpu")
+
+
+# The watches whose run is not closed yet: at the interpreter's exit the main process writes
+# each one's open epoch alone (close_alone), with no collective (the other ranks may be gone).
+OPEN: list = []
+
+
+@atexit.register
+def close_open_watches() -> None:
+    for state in list(OPEN):
+        try:
+            state.close_alone()
+        except Exception as error:  # the process is ending: say it, never fail the exit
+            import warnings
+
+            warnings.warn(f"sharddemo.watch: the open epoch of {state.name!r} could not be "
+                          f"written at exit: {type(error).__name__}: {error}")
+
+
 class WatchState:
     """One watched loader (and the loaders accelerate makes from it): its recorder, the epoch
     count, the last epoch's record (for the order), and where the report goes."""
@@ -74,6 +102,8 @@ class WatchState:
         # (main process; from the checkpoint, see state_dict)
         self.before: Optional[np.ndarray] = None
         self.loaded = False
+        self.finished = False  # close() ran (or close_alone): nothing more is reported
+        OPEN.append(self)
 
     # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
     # rank, and writes the main process's state_dict)
@@ -104,11 +134,66 @@ class WatchState:
             before = before.numpy()
         self.before = before if before is not None and int(before.sum()) > 0 else None
 
-    def close_epoch(self, loader=None) -> None:
+    def close_epoch(self, loader=None, partial: bool = False) -> None:
         """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
-        framework's epoch-end event)."""
+        framework's epoch-end event). `partial`: the loop took only part of the epoch on
+        purpose (Lightning's limit_train_batches)."""
         if not self.closed:
-            self.end_epoch(loader)
+            self.end_epoch(loader, partial=partial)
+
+    def open_steps(self) -> int:
+        """Steps of the open epoch on this rank (0: none open)."""
+        return self.recorder.steps if self.recorder is not None else 0
+
+    def close(self) -> Optional[dict]:
+        """The end of the run, on every rank at the same point (a collective, like an epoch's
+        end): an epoch the loop left open (a `break`, max_steps) is reported as partial, with
+        the verdicts a part of an epoch supports. Then the watch is done; a second call does
+        nothing. Returns the partial epoch's entry on the main process, else None."""
+        from sharddemo.rank.collect import exchange_ints
+
+        if self.finished:
+            return None
+        self.finished = True
+        if self in OPEN:
+            OPEN.remove(self)
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        steps = self.open_steps()
+        # whether any rank has an epoch open (a rank whose loader ran out has none): every
+        # rank takes the same branch
+        if self.ranks.num_processes > 1:
+            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
+        if not steps:
+            return None
+        return self.end_epoch(partial=True)
+
+    def close_alone(self) -> Optional[dict]:
+        """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
+        an exception leaving a `with` block): the main process reports its own part of the
+        open epoch, marked "ranks": "main-only", with no collective; the others say nothing."""
+        if self.finished:
+            return None
+        self.finished = True
+        if self in OPEN:
+            OPEN.remove(self)
+        if not self.open_steps() or not self.ranks.is_main_process:
+            self.recorder = None
+            return None
+        world = self.ranks.num_processes
+        recorder, self.recorder = self.recorder, None
+        if world > 1:
+            recorder.accelerator = MainAlone()
+            recorder.log.slots = None  # (the slots are the ranks' exchange: none here)
+        record = recorder.finish(self.epoch)
+        entry = self.judge(record, partial=True, ranks=MainAlone() if world > 1 else None)
+        if world > 1:
+            from sharddemo.analysis.watch import main_only_entry
+
+            entry = main_only_entry(entry, world)
+        self.entries.append(entry)
+        self.publish(entry)
+        return entry
 
     # -- set-up, once per loader attached
     def describe(self, loader) -> None:
@@ -156,12 +241,13 @@ class WatchState:
                 ids = self.mapping[ids]
         self.recorder.add_ids(ids)
 
-    def end_epoch(self, loader=None) -> Optional[dict]:
+    def end_epoch(self, loader=None, partial: bool = False) -> Optional[dict]:
         """The epoch's end on every rank: one collective (the recorder's), then the verdict on
         the main process, the line and the report; ShardingViolation on every rank where
         asked (each rank judges the record it holds: no second collective). `loader`: the
         loader the epoch came from (what accelerate's gather_for_metrics keeps of its last
-        step is read from it)."""
+        step is read from it). `partial`: the loop stopped before the loader's end (close(),
+        limit_train_batches): the entry says so and judges only what a part can show."""
         from sharddemo.rank.collect import exchange_ints
 
         if self.recorder is None:
@@ -173,13 +259,12 @@ class WatchState:
         self.closed = True
         entry = None
         if record is not None:
-            entry = self.judge(record)
-            self.previous = record
+            entry = self.judge(record, partial=partial)
+            if not partial:  # (a part's order is no epoch's order to compare the next with)
+                self.previous = record
             self.entries.append(entry)
         if self.ranks.is_main_process:
-            say(entry["line"])
-            if self.report:
-                append_entry(self.report, entry)
+            self.publish(entry)
         self.epoch += 1
         if not raising:
             return entry if self.ranks.is_main_process else None
@@ -194,12 +279,28 @@ class WatchState:
                                     entry or {})
         return entry
 
-    def judge(self, record: dict) -> dict:
-        """The record -> the report's entry and verdicts (analysis.watch, as `audit`)."""
+    def publish(self, entry: dict) -> None:
+        """The main process's line and report entry."""
+        say(entry["line"])
+        if self.report:
+            append_entry(self.report, entry)
+
+    def judge(self, record: dict, partial: bool = False, ranks=None) -> dict:
+        """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
+        partial epoch is judged alone: no resume check (its rest may still come), and its
+        order is not compared."""
         from sharddemo.analysis.watch import judge_epoch
         from sharddemo.rank.session import trace_header
 
         present = record.pop("_present", None)
+        if partial:
+            entry = judge_epoch(trace_header(ranks or self.ranks), record, None,
+                                epoch=self.epoch, name=self.name, role=self.role,
+                                description=self.description, n=self.n,
+                                batch_size=self.batch_size, unattributed=self.unattributed,
+                                partial=True)
+            self.unattributed = 0
+            return entry
         entry = judge_epoch(trace_header(self.ranks), record, self.previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
