@@ -17,6 +17,14 @@ exception at the stop, inside the with block, on every rank: the watch cannot kn
 others are still there, and the main process writes what it has alone). Each rank writes the
 ids it received to `--ids`/rank<r>.json.
 
+`windows`: whole epochs (`--epochs`) with window checks every `--check-every` steps, over
+`--loader` prepared (N = 1001, batch 8, shuffled: accelerate's fill at the end), sampler (a
+shuffling DistributedSampler over 1001 samples with set_epoch, batch 8: its padding at the end),
+stream (every rank reads ids 0..999 whole, batch 8, id_field) or uneven (a stream split by rank
+whose lengths differ: rank r reads 30 * (r + 1) ids in batches of 2, so rank 0 runs out of
+data after 15 steps while rank 1 goes on). Each rank writes the ids it received, epoch by
+epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
+
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
 and resumed with load_state; each rank writes the ids it received (the library's own
@@ -94,7 +102,8 @@ def collectives(args, accelerator) -> None:
         else:
             loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=4, shuffle=True)
         if watched:
-            loader = watch(loader, accelerator, report=None, on_violation=args.on_violation)
+            loader = watch(loader, accelerator, report=None, on_violation=args.on_violation,
+                           check_every=args.check_every)
         loader = accelerator.prepare(loader)
         runs["watched" if watched else "plain"] = walk(loader, 2)
     if accelerator.is_main_process:
@@ -172,6 +181,50 @@ def stop(args, accelerator) -> None:
     accelerator.end_training()
 
 
+class UnevenStream(torch.utils.data.IterableDataset):
+    """Rank r's part of a stream: ids r, r + W, ..., 30 * (r + 1) of them."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        return iter({"id": self.rank + self.world * k} for k in range(30 * (self.rank + 1)))
+
+
+def windows(args, accelerator) -> None:
+    from torch.utils.data import DistributedSampler
+
+    common = dict(report=args.report, check_every=args.check_every,
+                  on_violation=args.on_violation)
+    sampler = None
+    if args.loader == "stream":
+        loader = watch(DataLoader(Stream(), batch_size=8), accelerator, id_field="id", **common)
+    elif args.loader == "uneven":
+        data = UnevenStream(accelerator.process_index, accelerator.num_processes)
+        loader = watch(DataLoader(data, batch_size=2), accelerator, id_field="id", **common)
+    elif args.loader == "sampler":
+        data = TensorDataset(torch.arange(1001))
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = watch(DataLoader(data, batch_size=8, sampler=sampler), accelerator, **common)
+    else:
+        loader = watch(DataLoader(TensorDataset(torch.arange(1001)), batch_size=8,
+                                  shuffle=True), accelerator, **common)
+        loader = accelerator.prepare(loader)
+    seen: list[list[int]] = []
+    path = os.path.join(args.ids, f"rank{accelerator.process_index}.json")
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        mine: list[int] = []
+        seen.append(mine)
+        for batch in loader:
+            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
+            with open(path, "w") as handle:  # (what came, even where the watch raises)
+                json.dump(seen, handle)
+    loader.close()
+    accelerator.end_training()
+
+
 def plain_torch(args) -> None:
     """torch.distributed alone (torchrun, SLURM srun): no Accelerator, a DistributedSampler,
     watch(loader) with no accelerator; --no-set-epoch leaves set_epoch uncalled."""
@@ -191,8 +244,11 @@ def plain_torch(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop"])
-    parser.add_argument("--loader", choices=["prepared", "stream"], default="prepared")
+    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop", "windows"])
+    parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven"],
+                        default="prepared")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--end", choices=["close", "with", "exit", "raise"], default="close")
     parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
@@ -210,6 +266,8 @@ def main() -> None:
         collectives(args, Accelerator(cpu=True))
     elif args.mode == "stop":
         stop(args, Accelerator(cpu=True))
+    elif args.mode == "windows":
+        windows(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
         stateful(args, Accelerator(cpu=True, dataloader_config=config))

@@ -36,12 +36,12 @@ from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
 from sharddemo.watching.hooks import attach, checkpoint, follow
-from sharddemo.watching.state import ON_VIOLATION, WatchState
+from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
 
 
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
-          on_violation: str = "warn"):
+          on_violation: str = "warn", check_every: Optional[int] = CHECK_EVERY):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
@@ -51,23 +51,27 @@ def watch(loader, accelerator=None, *, name: str = "train",
     batch's field (dict key, tuple position, or "." for a batch that is the ids) holding each
     sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
     `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
-    the epoch's end) or "ignore" (the report only)."""
+    the epoch's end) or "ignore" (the report only). `check_every`: every this many steps the
+    ranks meet once to check the window of steps so far (replication, ranks that disagree
+    about the dataset, a rank out of data; docs/watch.md); 0 or None: only at the epoch's
+    end."""
     if on_violation not in ON_VIOLATION:
         raise ValueError(f"sharddemo.watch: on_violation must be one of "
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"sharddemo.watch: expected a DataLoader, got {type(loader).__name__}")
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
-                  on_violation=on_violation)
+                  on_violation=on_violation, check_every=check_every)
 
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
-           on_violation: str = "warn", role: str = "train", start_epoch: int = 0):
+           on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
+           check_every: Optional[int] = CHECK_EVERY):
     """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
     (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
-    state = WatchState(accelerator, name, report, id_field, on_violation, role)
+    state = WatchState(accelerator, name, report, id_field, on_violation, role, check_every)
     state.epoch = start_epoch
     attach(loader, state)
     if accelerator is not None:

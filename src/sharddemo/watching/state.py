@@ -19,6 +19,21 @@ from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
 
+# Steps between two window checks (watch's check_every). 50: a replicated stream is named within
+# the first 51 steps of a run (the window is checked as the next batch arrives), and the one
+# collective a window costs (about a millisecond on gloo here, ids included) is spread over 50
+# steps: a few hundredths of a millisecond a step, well under 1% of a small model's step.
+CHECK_EVERY = 50
+
+# Ids each rank sends per window at most (the first ones of the window): a fixed width, the same
+# on every rank whatever its batches (an all-gather needs equal sizes), 32 KB of int64.
+WINDOW_IDS = 4096
+
+# The figures ahead of the ids in a rank's window row: done (0 running, 1 at its epoch's end,
+# 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, and the
+# samples it found at the previous window that another rank received in an earlier one.
+WINDOW_HEAD = 5
+
 
 class TorchRanks:
     """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
@@ -78,7 +93,8 @@ class WatchState:
     count, the last epoch's record (for the order), and where the report goes."""
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
-                 on_violation: str, role: str = "train") -> None:
+                 on_violation: str, role: str = "train",
+                 check_every: Optional[int] = CHECK_EVERY) -> None:
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
         self.ranks = None  # resolved at the first epoch's end: the process group exists then
@@ -104,6 +120,9 @@ class WatchState:
         self.loaded = False
         self.finished = False  # close() ran (or close_alone): nothing more is reported
         OPEN.append(self)
+        # windows of steps checked within the epoch (check_window); 0 or None: none
+        self.check_every = check_every or 0
+        self.new_windows()
 
     # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
     # rank, and writes the main process's state_dict)
@@ -159,6 +178,17 @@ class WatchState:
             OPEN.remove(self)
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
+        if self.windows_on():
+            # the same exchange as a window's, so that a rank still iterating, or at its
+            # epoch's end, meets this one: every rank takes the same branch from its heads
+            entry = None
+            while True:
+                heads = self.drain(2)
+                ending = any(h["done"] == 1 for h in heads)  # ranks at their epoch's end
+                if ending or any(h["steps"] for h in heads):
+                    entry = self.end_epoch(partial=True, drained=True)
+                if not ending:  # (else they close next: meet them once more)
+                    return entry
         steps = self.open_steps()
         # whether any rank has an epoch open (a rank whose loader ran out has none): every
         # rank takes the same branch
@@ -225,6 +255,14 @@ class WatchState:
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
             self.recorder = self.new_recorder()
+        steps = self.recorder.steps
+        if (steps and self.check_every and steps % self.check_every == 0
+                and self.windowed != steps and self.ranks.num_processes > 1):
+            # a batch after a full window: the window held no rank's last batch (padding and
+            # fill come there), so it can be judged; every rank reaches this step alike, and a
+            # rank out of data answers from its epoch's end (drain)
+            self.windowed = steps
+            self.check_window(0)
         if self.id_field is not None:
             ids = read_field(batch, self.id_field)
         elif not tap.fifo:
@@ -240,8 +278,95 @@ class WatchState:
             if self.mapping is not None:
                 ids = self.mapping[ids]
         self.recorder.add_ids(ids)
+        if self.check_every:
+            self.window_ids.append(ids)
 
-    def end_epoch(self, loader=None, partial: bool = False) -> Optional[dict]:
+    # -- windows of steps within the epoch
+    def new_windows(self) -> None:
+        """The epoch's window state, empty (at the start of each epoch)."""
+        self.window_ids: list = []  # the ids of this window's batches on this rank
+        self.window_first = 1  # the window's first step
+        self.windowed = 0  # the step count the last window was checked at
+        self.found_earlier = 0  # sent at the next window (see WINDOW_HEAD)
+        self.window_failed: set = set()  # verdicts a window of this epoch reported already
+
+    def windows_on(self) -> bool:
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        return bool(self.check_every) and self.ranks.num_processes > 1
+
+    def exchange_window(self, done: int) -> tuple[list[dict], list[list[int]]]:
+        """ONE collective (an all-gather of one row per rank, the same width on every rank):
+        every rank's figures and the ids of its window (none from a rank that is done)."""
+        from sharddemo.rank.collect import collective
+
+        steps = self.open_steps()
+        mine = torch.empty(0, dtype=torch.int64)
+        if not done and self.window_ids:
+            mine = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in self.window_ids])
+        sent = mine[:WINDOW_IDS]
+        row = torch.full((WINDOW_HEAD + WINDOW_IDS,), -1, dtype=torch.int64)
+        row[:WINDOW_HEAD] = torch.tensor([done, steps, -1 if self.n is None else self.n,
+                                          sent.numel(), self.found_earlier])
+        row[WINDOW_HEAD:WINDOW_HEAD + sent.numel()] = sent
+        world = self.ranks.num_processes
+        rows = collective(self.ranks.gather, row.to(self.ranks.device)).to("cpu")
+        rows = rows.view(world, WINDOW_HEAD + WINDOW_IDS)
+        heads = [{"done": int(r[0]), "steps": int(r[1]), "n": int(r[2]), "count": int(r[3]),
+                  "earlier": int(r[4])} for r in rows.tolist()]
+        ids = [rows[r, WINDOW_HEAD:WINDOW_HEAD + h["count"]].numpy() for r, h in
+               enumerate(heads)]
+        self.found_earlier = 0
+        if not done and self.recorder is not None:
+            # which of the others' window ids this rank received in an earlier window (it
+            # holds them, and not in this window): said at the next window, to every rank
+            me = self.ranks.process_index
+            others = [part for r, part in enumerate(ids) if r != me and len(part)]
+            if others:
+                others = np.unique(np.concatenate(others))
+                held = self.recorder.holds(others)
+                if held is not None:
+                    now = np.isin(others, mine.numpy())
+                    self.found_earlier = int(np.count_nonzero(held & ~now))
+        return heads, [part.tolist() for part in ids]
+
+    def check_window(self, done: int) -> list[dict]:
+        """A window's exchange and its judgement (analysis.watch_window), the same on every
+        rank: a failing window prints its line at once and is a report entry (each failing
+        verdict once an epoch); with on_violation="raise" every rank raises here."""
+        from sharddemo.analysis.watch_window import judge_window
+
+        heads, ids = self.exchange_window(done)
+        first, last = self.window_first, self.open_steps()
+        if not done:
+            self.window_ids, self.window_first = [], last + 1
+        entry = judge_window(epoch=self.epoch, name=self.name, first=first, last=last,
+                             at=max(h["steps"] for h in heads) + 1, heads=heads, ids=ids,
+                             earlier=sum(h["earlier"] for h in heads), n=self.n)
+        failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
+        if failed - self.window_failed:
+            self.window_failed |= failed
+            self.entries.append(entry)
+            if self.ranks.is_main_process:
+                self.publish(entry)
+            if self.on_violation == "raise":
+                self.finished = True  # (every rank raises here: nothing more to close)
+                if self in OPEN:
+                    OPEN.remove(self)
+                raise ShardingViolation(entry["line"], entry)
+        return heads
+
+    def drain(self, done: int) -> list[dict]:
+        """This rank is done with the epoch (1: its loader ran out or the epoch ended; 2: the
+        run closes): it answers the others' window exchanges until every rank is done, so that
+        no rank still iterating is left waiting in a collective. Returns the last heads."""
+        while True:
+            heads = self.check_window(done)
+            if all(h["done"] for h in heads):
+                return heads
+
+    def end_epoch(self, loader=None, partial: bool = False,
+                  drained: bool = False) -> Optional[dict]:
         """The epoch's end on every rank: one collective (the recorder's), then the verdict on
         the main process, the line and the report; ShardingViolation on every rank where
         asked (each rank judges the record it holds: no second collective). `loader`: the
@@ -252,6 +377,9 @@ class WatchState:
 
         if self.recorder is None:
             self.recorder = self.new_recorder()
+        if self.windows_on() and not drained:
+            self.drain(1)
+        self.new_windows()
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
