@@ -155,3 +155,24 @@ def test_raise_at_a_window_stops_every_rank_at_the_same_step(tmp_path):
     assert len(ids[1][0]) // 2 == 15  # rank 1 stopped at its step 16, before taking it
     assert [("window" in e, e["ok"]) for e in got] == [(True, False)]
 
+
+@pytest.mark.parametrize("world,workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
+def test_split_dataset_by_node_is_never_flagged_in_a_window(tmp_path, world, workers):
+    """A datasets stream (1001 ids, 4 shards) split with split_dataset_by_node (whole shards
+    per rank on 2 ranks, every 3rd example on 3), read with 0 or 2 workers, windows of 5 steps,
+    2 epochs: no window finds a sample on two ranks or a disagreement; a rank out of data is
+    named only where the ranks' own logs show unequal step counts."""
+    pytest.importorskip("datasets")
+    proc, got, ids = run(tmp_path, "--loader", "hf", "--workers", str(workers),
+                         "--check-every", "5", "--epochs", "2", nproc=world)
+    windows = [e for e in got if "window" in e]
+    assert not {v for e in windows for v in failed(e)} - {"equal-step-counts"}, \
+        [e["line"] for e in windows]
+    for e in [e for e in got if "window" not in e]:
+        received = [i for r in range(world) for i in ids[r][e["epoch"]]]
+        assert (e["seen"], e["unique"]) == (len(received), len(set(received)))
+        assert len(received) == len(set(received)) == 1001
+        steps = e["steps"]
+        if [w for w in windows if w["epoch"] == e["epoch"]]:  # (a rank out of data, named)
+            assert len(set(steps)) > 1
+        assert e["ok"] == (len(set(steps)) == 1)

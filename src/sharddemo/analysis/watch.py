@@ -43,8 +43,13 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     partial_entry)."""
     from sharddemo.analysis import build_report
 
+    inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
     n = n if n is not None else largest_id(record) + 1
     records = [r for r in (previous, record) if r is not None]
+    # The order must change only where the loader is meant to shuffle (its sampler, or a
+    # shuffled stream, says so): a loader not known to shuffle (workers interleaving a stream,
+    # rows stored in any order) is never told it forgot set_epoch.
+    description = {**description, "shuffled": bool(description.get("shuffled"))}
     trace = watch_trace(header, name=name, role=role, description=description, n=n,
                         batch_size=batch_size, records=records)
     report = build_report(trace)["modes"]["audit"]
@@ -88,9 +93,15 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                             "ids": resume["skipped"]["ids"], "reason": None}
     if unattributed:
         entry["unattributed_batches"] = unattributed
+    if inferred:
+        entry["dataset_size_inferred"] = True
     if partial:
-        return partial_entry(entry)
-    entry["line"] = watch_line(entry, failed)
+        entry = partial_entry(entry)
+    else:
+        entry["line"] = watch_line(entry, failed)
+    if inferred:
+        entry["line"] += (f" [N = {n} inferred from the largest id seen: "
+                          "watch(..., dataset_size=N) gives it]")
     return entry
 
 

@@ -41,7 +41,8 @@ from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
 
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
-          on_violation: str = "warn", check_every: Optional[int] = CHECK_EVERY):
+          on_violation: str = "warn", check_every: Optional[int] = CHECK_EVERY,
+          dataset_size: Optional[int] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
@@ -54,25 +55,30 @@ def watch(loader, accelerator=None, *, name: str = "train",
     the epoch's end) or "ignore" (the report only). `check_every`: every this many steps the
     ranks meet once to check the window of steps so far (replication, ranks that disagree
     about the dataset, a rank out of data; docs/watch.md); 0 or None: only at the epoch's
-    end."""
+    end. `dataset_size`: N, the ids 0..N-1 a stream read with `id_field` can deliver
+    (default: a map-style dataset's length; for a stream, inferred from the largest id seen,
+    which cannot see ids lost at the tail, and the line says so)."""
     if on_violation not in ON_VIOLATION:
         raise ValueError(f"sharddemo.watch: on_violation must be one of "
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"sharddemo.watch: expected a DataLoader, got {type(loader).__name__}")
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
-                  on_violation=on_violation, check_every=check_every)
+                  on_violation=on_violation, check_every=check_every,
+                  dataset_size=dataset_size)
 
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
-           check_every: Optional[int] = CHECK_EVERY):
+           check_every: Optional[int] = CHECK_EVERY, dataset_size: Optional[int] = None):
     """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
     (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     state = WatchState(accelerator, name, report, id_field, on_violation, role, check_every)
     state.epoch = start_epoch
+    if dataset_size is not None:
+        state.n = int(dataset_size)  # (before attach: the loader's own length comes second)
     attach(loader, state)
     if accelerator is not None:
         follow(accelerator, state)

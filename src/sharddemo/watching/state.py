@@ -236,6 +236,10 @@ class WatchState:
         self.description = describe_loader(loader)
         self.batch_size = loader_batch_size(loader)
         dataset = getattr(base_loader(loader), "dataset", None)
+        if self.description.get("shuffled") is None and self.description.get("iterable_dataset"):
+            # a stream: its own object says whether it is built to shuffle (workers
+            # interleaving its shards are no shuffle)
+            self.description["shuffled"] = stream_shuffles(dataset)
         if self.n is None:
             self.n = root_length(dataset)
         if self.id_field is None and self.mapping is None:
@@ -439,6 +443,20 @@ class WatchState:
         self.loaded = False
         self.unattributed = 0
         return entry
+
+
+def stream_shuffles(dataset) -> bool:
+    """Whether a stream is built to deal a new order: a datasets IterableDataset after
+    .shuffle() (a BufferShuffledExamplesIterable in its chain of example iterables). Anything
+    else (a stream of the user's, workers interleaving shards) is not known to shuffle."""
+    inner = getattr(dataset, "_ex_iterable", None)
+    for _ in range(32):
+        if inner is None:
+            return False
+        if "Shuffled" in type(inner).__name__:
+            return True
+        inner = getattr(inner, "ex_iterable", None)
+    return False
 
 
 def read_field(batch, field) -> torch.Tensor:
