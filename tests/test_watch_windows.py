@@ -93,11 +93,17 @@ def run(tmp_path, *args, nproc: int = 2, check: bool = True):
     return proc, got, ids
 
 
-def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path):
-    """Every rank reads ids 0..999 whole (batch 8), default check_every: the first window,
-    steps 1-50, is checked as batch 51 arrives and fails no-silent-replication; each failing
-    verdict is reported once an epoch (no line every window)."""
-    proc, got, ids = run(tmp_path, "--loader", "stream")
+@pytest.mark.parametrize("stream", ["torch", "datasets"])
+def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
+    """Every rank reads the whole stream (a torch IterableDataset of ids 0..999, or a datasets
+    stream of 1001 ids not passed through split_dataset_by_node), batch 8, default
+    check_every: the first window, steps 1-50, is checked as batch 51 arrives and fails
+    no-silent-replication; each failing verdict is reported once an epoch (no line every
+    window)."""
+    if stream == "datasets":
+        pytest.importorskip("datasets")
+    proc, got, ids = run(tmp_path, *(["--loader", "stream"] if stream == "torch" else
+                                     ["--loader", "hf", "--no-split"]))
     assert ids[0] == ids[1]  # what the loops received: the same stream on both ranks
     windows = [e for e in got if "window" in e]
     assert len(windows) == 1

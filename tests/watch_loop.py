@@ -21,7 +21,8 @@ ids it received to `--ids`/rank<r>.json.
 `--loader` prepared (N = 1001, batch 8, shuffled: accelerate's fill at the end), sampler (a
 shuffling DistributedSampler over 1001 samples with set_epoch, batch 8: its padding at the end),
 stream (every rank reads ids 0..999 whole, batch 8, id_field), hf (a datasets stream of 1001
-ids in 4 shards, split_dataset_by_node, `--workers`, dataset_size=1001) or uneven (a stream split by rank
+ids in 4 shards, split_dataset_by_node unless `--no-split`, `--workers`, dataset_size=1001) or
+uneven (a stream split by rank
 whose lengths differ: rank r reads 30 * (r + 1) ids in batches of 2, so rank 0 runs out of
 data after 15 steps while rank 1 goes on). Each rank writes the ids it received, epoch by
 epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
@@ -209,8 +210,8 @@ def windows(args, accelerator) -> None:
 
         stream = datasets.Dataset.from_dict({"id": list(range(1001))}).to_iterable_dataset(
             num_shards=4)
-        mine = split_dataset_by_node(stream, rank=accelerator.process_index,
-                                     world_size=accelerator.num_processes)
+        mine = stream if args.no_split else split_dataset_by_node(
+            stream, rank=accelerator.process_index, world_size=accelerator.num_processes)
         loader = watch(DataLoader(mine, batch_size=8, num_workers=args.workers), accelerator,
                        id_field="id", dataset_size=1001, **common)
     elif args.loader == "sampler":
@@ -261,6 +262,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--no-split", action="store_true")
     parser.add_argument("--end", choices=["close", "with", "exit", "raise"], default="close")
     parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
