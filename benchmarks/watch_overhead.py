@@ -66,7 +66,8 @@ def rank_main(watched: bool, out: str) -> None:
                     spent[0] += time.perf_counter() - start
 
             setattr(WatchState, name, timed)
-        loader = watch(loader, accelerator, report=None)
+        loader = watch(loader, accelerator, report=None,
+                       check_every=int(os.environ.get("WATCH_CHECK_EVERY", "50")))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
