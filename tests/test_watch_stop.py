@@ -133,10 +133,11 @@ def test_a_prepared_loader_stopped_at_step_20_on_2_ranks(tmp_path, end):
     assert lines.count("\n") == 0 and "(partial)" in lines and lines.endswith(": ok")
 
 
-@pytest.mark.parametrize("end", ["exit", "raise"])
+@pytest.mark.parametrize("end", ["exit", "raise", "late"])
 def test_where_the_ranks_cannot_meet_the_main_process_writes_its_part(tmp_path, end):
-    """No close() before the process ends (exit), or an exception leaving the with block
-    (raise): the main process writes its own part alone, marked main-only; nothing hangs."""
+    """No close() before the process ends (exit), an exception leaving the with block
+    (raise), or close() after end_training() ended the process group (late): the main process
+    writes its own part alone, marked main-only; nothing hangs."""
     got, ids, lines = stopped(tmp_path, "--end", end)
     [entry] = got
     assert entry["ranks"] == "main-only" and entry["world_size"] == 2

@@ -14,7 +14,8 @@ whole (`--loader stream`, with id_field), then ends the watched run as `--end` s
 (loader.close() on every rank), `with` (the loader used as a context manager), `exit` (no close:
 the process ends, and the watch's exit handler writes what the main process has) or `raise` (an
 exception at the stop, inside the with block, on every rank: the watch cannot know that the
-others are still there, and the main process writes what it has alone). Each rank writes the
+others are still there, and the main process writes what it has alone) or `late` (close()
+after end_training(): the same, alone). Each rank writes the
 ids it received to `--ids`/rank<r>.json.
 
 `windows`: whole epochs (`--epochs`) with window checks every `--check-every` steps, over
@@ -175,6 +176,12 @@ def stop(args, accelerator) -> None:
                 train()
         except RuntimeError as error:
             assert args.end == "raise", error
+    elif args.end == "late":  # the process group ended first: close() cannot meet the others
+        train()
+        write_ids()
+        accelerator.end_training()
+        loader.close()
+        return
     else:
         train()
         if args.end == "close":
@@ -263,7 +270,8 @@ def main() -> None:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--no-split", action="store_true")
-    parser.add_argument("--end", choices=["close", "with", "exit", "raise"], default="close")
+    parser.add_argument("--end", choices=["close", "with", "exit", "raise", "late"],
+                        default="close")
     parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")

@@ -21,8 +21,8 @@ ON_VIOLATION = ("warn", "raise", "ignore")
 
 # Steps between two window checks (watch's check_every). 50: a replicated stream is named within
 # the first 51 steps of a run (the window is checked as the next batch arrives), and the one
-# collective a window costs (about a millisecond on gloo here, ids included) is spread over 50
-# steps: a few hundredths of a millisecond a step, well under 1% of a small model's step.
+# collective a window costs is spread over 50 steps (measured: docs/benchmarks.md, about 2% of a
+# 3-4.5 ms MLP step here with the windows, 0.7% without; mostly the wait in the all-gather).
 CHECK_EVERY = 50
 
 # Ids each rank sends per window at most (the first ones of the window): a fixed width, the same
@@ -175,11 +175,15 @@ class WatchState:
 
         if self.finished:
             return None
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        dist = torch.distributed
+        if self.ranks.num_processes > 1 and not (dist.is_available() and dist.is_initialized()):
+            # the process group is gone (end_training came first): the ranks cannot meet
+            return self.close_alone()
         self.finished = True
         if self in OPEN:
             OPEN.remove(self)
-        if self.ranks is None:
-            self.ranks = ranks_of(self.accelerator)
         if self.windows_on():
             # the same exchange as a window's, so that a rank still iterating, or at its
             # epoch's end, meets this one: every rank takes the same branch from its heads
