@@ -68,7 +68,8 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
             setattr(WatchState, name, timed)
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
         folder = os.path.join(os.path.dirname(out), "lineage") if lineage else None
-        loader = watch(loader, accelerator, report=None, lineage=folder)
+        loader = watch(loader, accelerator, report=None, lineage=folder,
+                       check_every=int(os.environ.get("WATCH_CHECK_EVERY", "50")))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed

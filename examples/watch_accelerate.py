@@ -87,6 +87,7 @@ def main() -> None:
         if accelerator.is_main_process:
             with open(f"{args.checkpoint}/step.txt", "w") as handle:
                 handle.write(f"{epoch} {step}")
+        loader.close()  # the epoch stopped in is reported as partial (every rank, here)
         accelerator.end_training()
 
     for epoch in range(first, args.epochs):
@@ -104,7 +105,8 @@ def main() -> None:
                 return save(0, args.save_at)  # mid-epoch: epoch 0 resumes at this step
         if args.save_at == 0 and epoch == 0:
             return save(1, 0)  # at the epoch's end: the run resumes with epoch 1
-    accelerator.end_training()
+    loader.close()  # the watched run's end (every rank): an epoch left open is reported
+    accelerator.end_training()  # a clean end of the process group (docs/watch.md)
 
 
 if __name__ == "__main__":

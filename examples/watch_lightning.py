@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--stop-at", type=int, help="checkpoint and stop after this many steps")
     parser.add_argument("--resume", help="fit(ckpt_path=...) from this checkpoint")
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--limit-train-batches", type=float, default=1.0)
     args = parser.parse_args()
     callbacks = [LightningWatch()]
     if args.stop_at:
@@ -80,7 +82,8 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
                          default_root_dir=args.root, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, logger=False,
-                         enable_checkpointing=bool(args.stop_at), num_sanity_val_steps=0)
+                         enable_checkpointing=bool(args.stop_at), num_sanity_val_steps=0,
+                         max_steps=args.max_steps, limit_train_batches=args.limit_train_batches)
     trainer.fit(Tiny(), DataLoader(Numbers(40), batch_size=4, shuffle=True),
                 DataLoader(Numbers(7), batch_size=2), ckpt_path=args.resume)
 

@@ -56,14 +56,15 @@ class StopAt(TrainerCallback):
 
 
 def make_trainer(output_dir=None, epochs: int = 2, stop_at=None, lineage=None, model=None,
-                 accumulation: int = 1, callbacks=()) -> Trainer:
+                 accumulation: int = 1, callbacks=(), max_steps: int = -1) -> Trainer:
     saving = dict(save_strategy="steps", save_steps=stop_at) if stop_at else dict(
         save_strategy="no")
     training = TrainingArguments(output_dir=output_dir or tempfile.mkdtemp(),
                                  num_train_epochs=epochs, per_device_train_batch_size=4,
                                  per_device_eval_batch_size=2, eval_strategy="epoch",
                                  report_to=[], use_cpu=True, seed=0,
-                                 gradient_accumulation_steps=accumulation, **saving)
+                                 gradient_accumulation_steps=accumulation, max_steps=max_steps,
+                                 **saving)
     callbacks = [TrainerWatch(lineage=lineage), *callbacks] + (
         [StopAt(stop_at)] if stop_at else [])
     return Trainer(model=model or TinyModel(), args=training, train_dataset=Numbers(40),
@@ -78,8 +79,10 @@ def main() -> None:
                         "many steps")
     parser.add_argument("--resume", action="store_true",
                         help="resume from the last checkpoint in --output-dir")
+    parser.add_argument("--max-steps", type=int, default=-1,
+                        help="stop after this many steps (the epoch stopped in is partial)")
     args = parser.parse_args()
-    make_trainer(args.output_dir, args.epochs, args.stop_at).train(
+    make_trainer(args.output_dir, args.epochs, args.stop_at, args.max_steps).train(
         resume_from_checkpoint=True if args.resume else None)
 
 

@@ -410,7 +410,11 @@ def stop_and_resume(tmp_path, *stop_args, resume_args=(), unseeded=False):
                  ["--resume-from", str(checkpoint), *resume_args]):
         proc = accelerate_launch([*common, *args], check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
-    return entries(report)
+    got = entries(report)
+    # a stop mid-epoch reports the part before it (partial; tests/test_watch_stop.py)
+    assert [e["epoch"] for e in got if e.get("partial")] == ([0] if stop_args[-1] != "0"
+                                                             else [])
+    return [e for e in got if not e.get("partial")]
 
 
 def test_a_seeded_resume_mid_epoch_is_exact(tmp_path):
@@ -516,24 +520,36 @@ def collectives_of(*args, nproc: int = 2) -> dict:
 
 
 @pytest.mark.parametrize("world,how", [(2, "warn"), (3, "raise")])
-def test_the_watch_adds_one_collective_per_epoch_and_none_per_step(world, how):
+def test_the_watch_adds_two_collectives_per_epoch_and_none_per_step(world, how):
     """The same prepared loop (N = 40, batch 4) unwatched, then watched, each torch.distributed
-    collective counted: the watch adds one at each epoch's end (on_violation="raise" too:
-    every rank judges the record the all-reduce gave it) and none at any step."""
+    collective counted: the watch adds two at each epoch's end (the exchange every rank at
+    its end answers, so that none is left waiting in a window's; then the all-reduce: with
+    on_violation="raise" too, every rank judges the record it gave) and none at any step of
+    an epoch shorter than a window (5 steps, check_every 50)."""
     runs = collectives_of("--on-violation", how, nproc=world)
     for plain, watched in zip(runs["plain"], runs["watched"]):
         assert watched["steps"] == plain["steps"]
-        assert watched["total"] == plain["total"] + 1
+        assert watched["total"] == plain["total"] + 2
+
+
+def test_a_window_costs_one_collective_at_the_step_after_it():
+    """check_every=2 over 5 steps a rank (N = 40, batch 4, 2 ranks): a window is checked as
+    batches 3 and 5 arrive (steps 1-2, 3-4; the last batch is never in a window): one
+    collective each, none at the other steps."""
+    runs = collectives_of("--check-every", "2")
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        assert [w - p for w, p in zip(watched["steps"], plain["steps"])] == [0, 0, 1, 0, 1]
+        assert watched["total"] == plain["total"] + 2 + 2
 
 
 def test_batches_larger_than_the_slot_cost_one_more_collective():
     """Batches of 4000 where the loader names no batch size (the slot is sized for 64): the
-    detail outgrows its slot, and every rank joins one ragged gather: two at each epoch's
-    end, still none per step."""
+    detail outgrows its slot, and every rank joins one ragged gather: three at each epoch's
+    end (with the exchange before the all-reduce), still none per step."""
     runs = collectives_of("--uneven", "--on-violation", "raise")
     for plain, watched in zip(runs["plain"], runs["watched"]):
         assert watched["steps"] == plain["steps"] == [0, 0]
-        assert watched["total"] == plain["total"] + 2
+        assert watched["total"] == plain["total"] + 3
 
 
 def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught(tmp_path):
@@ -554,6 +570,9 @@ def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught
 
     before, after = set(received(1, 0)), set(received(2, 0))
     got = entries(report)
+    [stop] = [e for e in got if e.get("partial")]  # launch 1's part of epoch 0, before the stop
+    assert (stop["epoch"], stop["unique"]) == (0, len(before))
+    got = [e for e in got if not e.get("partial")]
     assert [e["epoch"] for e in got] == [0, 1]
     resume = got[0]["resume"]
     assert resume["seen_before"] == len(before) and got[0]["steps"] == [2, 2]

@@ -191,7 +191,12 @@ def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
         assert ended_or_aborted_at_teardown(proc), proc.stderr
     assert (out / "checkpoint-3" / "sharddemo_watch.pt").exists()
     train = [e for e in entries(out / "sharddemo-watch.jsonl") if e["loader"] == "train"]
-    # the stopped run ended no train epoch; the resumed one ends epoch 0, then epoch 1
+    # the stopped run reports its 3 steps of epoch 0 as partial at on_train_end (3 x 2 x 4
+    # = 24 samples, by hand); the resumed one ends epoch 0, then epoch 1
+    stop = [e for e in train if e.get("partial")]
+    assert [(e["epoch"], e["seen"], e["steps"], e["ok"]) for e in stop] == [(0, 24, [3, 3],
+                                                                              True)]
+    train = [e for e in train if not e.get("partial")]
     assert [e["epoch"] for e in train] == [0, 1]
     resume = train[0]["resume"]
     assert resume["seen_before"] == 24 and train[0]["steps"] == [2, 2]
@@ -217,6 +222,11 @@ def test_lightning_watch_catches_what_a_mid_epoch_resume_repeats_and_skips(tmp_p
                         *args], env=env, check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
     train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl") if e["loader"] == "train"]
+    # the stopped fit reports its 3 steps of epoch 0 as partial at on_train_end (24 samples)
+    stop = [e for e in train if e.get("partial")]
+    assert [(e["epoch"], e["seen"], e["steps"], e["ok"]) for e in stop] == [(0, 24, [3, 3],
+                                                                              True)]
+    train = [e for e in train if not e.get("partial")]
     assert [e["epoch"] for e in train] == [0, 1]
     orders = [list(DistributedSampler(range(40), num_replicas=W, rank=r, seed=0))
               for r in range(W)]
@@ -227,3 +237,44 @@ def test_lightning_watch_catches_what_a_mid_epoch_resume_repeats_and_skips(tmp_p
     assert resume["repeated"]["count"] == len(before & after)
     assert resume["skipped"]["count"] == 40 - len(before | after)
     assert not train[0]["ok"] and train[1]["ok"]
+
+
+def test_trainer_max_steps_reports_the_capped_epoch_as_partial(tmp_path):
+    """max_steps=3 with 5 steps an epoch (40 samples, 2 ranks, batch 4): the Trainer stops
+    mid-epoch 0 as the user asked; on_train_end reports its 3 steps x 2 ranks x 4 = 24
+    samples (by hand) as partial, which passes: nothing is called missing."""
+    out = tmp_path / "run"
+    proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out),
+                              "--max-steps", "3"], nproc=W, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    train = [e for e in entries(out / "sharddemo-watch.jsonl") if e["loader"] == "train"]
+    assert [(e["epoch"], e.get("partial"), e["seen"], e["unique"], e["steps"], e["ok"])
+            for e in train] == [(0, True, 24, 24, [3, 3], True)]
+    assert "no-missing-samples" not in {v["verdict"] for v in train[0]["verdicts"]}
+
+
+@pytest.mark.parametrize("args,steps", [(["--max-steps", "3"], [3]),
+                                        (["--limit-train-batches", "0.6"], [3, 3])])
+def test_lightning_capped_runs_report_partial_epochs_that_pass(tmp_path, args, steps):
+    """Lightning max_steps=3 (one epoch stopped at step 3) and limit_train_batches=0.6 (3 of 5
+    batches every epoch): each part is reported as partial and passes. Expected from torch's
+    DistributedSampler as Lightning injects it (seed 0, shuffled, set_epoch each epoch): the
+    first 3 batches of 4 of each rank's order."""
+    pytest.importorskip("pytorch_lightning")
+    import sys
+
+    from torch.utils.data import DistributedSampler
+
+    proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
+                    *args], env=launch_env(), check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl") if e["loader"] == "train"]
+    assert [e["epoch"] for e in train] == list(range(len(steps)))
+    for e, taken in zip(train, steps):
+        dealt = []
+        for r in range(W):
+            sampler = DistributedSampler(range(40), num_replicas=W, rank=r, seed=0)
+            sampler.set_epoch(e["epoch"])
+            dealt += list(sampler)[:taken * 4]
+        assert e["partial"] and e["ok"] and e["steps"] == [taken] * W
+        assert (e["seen"], e["unique"]) == (len(dealt), len(set(dealt)))

@@ -12,6 +12,26 @@ DistributedSampler's loader.
 rank writes the error its loop raised at the first step to `--ids`/rank<r>.txt, then ends
 cleanly (no rank is left waiting in a collective).
 
+`stop`: a loop that stops mid-epoch at `--stop-at` (what every max_steps loop does), over a
+prepared map-style loader (`--loader prepared`: N = 1000, batch 8) or a stream every rank reads
+whole (`--loader stream`, with id_field), then ends the watched run as `--end` says: `close`
+(loader.close() on every rank), `with` (the loader used as a context manager), `exit` (no close:
+the process ends, and the watch's exit handler writes what the main process has) or `raise` (an
+exception at the stop, inside the with block, on every rank: the watch cannot know that the
+others are still there, and the main process writes what it has alone) or `late` (close()
+after end_training(): the same, alone). Each rank writes the
+ids it received to `--ids`/rank<r>.json.
+
+`windows`: whole epochs (`--epochs`) with window checks every `--check-every` steps, over
+`--loader` prepared (N = 1001, batch 8, shuffled: accelerate's fill at the end), sampler (a
+shuffling DistributedSampler over 1001 samples with set_epoch, batch 8: its padding at the end),
+stream (every rank reads ids 0..999 whole, batch 8, id_field), hf (a datasets stream of 1001
+ids in 4 shards, split_dataset_by_node unless `--no-split`, `--workers`, dataset_size=1001) or
+uneven (a stream split by rank
+whose lengths differ: rank r reads 30 * (r + 1) ids in batches of 2, so rank 0 runs out of
+data after 15 steps while rank 1 goes on). Each rank writes the ids it received, epoch by
+epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
+
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
 and resumed with load_state; each rank writes the ids it received (the library's own
@@ -89,7 +109,8 @@ def collectives(args, accelerator) -> None:
         else:
             loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=4, shuffle=True)
         if watched:
-            loader = watch(loader, accelerator, report=None, on_violation=args.on_violation)
+            loader = watch(loader, accelerator, report=None, on_violation=args.on_violation,
+                           check_every=args.check_every)
         loader = accelerator.prepare(loader)
         runs["watched" if watched else "plain"] = walk(loader, 2)
     if accelerator.is_main_process:
@@ -119,6 +140,111 @@ def stateful(args, accelerator) -> None:
     path = os.path.join(args.ids, f"launch{launch}_rank{accelerator.process_index}.json")
     with open(path, "w") as handle:
         json.dump(seen, handle)
+    loader.close()
+    accelerator.end_training()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Ids 0..999, the whole stream on every rank that reads it (not split: the bug)."""
+
+    def __iter__(self):
+        return iter({"id": i, "x": float(i)} for i in range(1000))
+
+
+def stop(args, accelerator) -> None:
+    if args.loader == "stream":
+        loader = watch(DataLoader(Stream(), batch_size=8), accelerator, report=args.report,
+                       id_field="id")
+    else:
+        loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=8,
+                                  shuffle=True), accelerator, report=args.report)
+        loader = accelerator.prepare(loader)
+    mine: list[int] = []
+
+    def train() -> None:
+        for step, batch in enumerate(loader):
+            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
+            if step + 1 == args.stop_at:
+                if args.end == "raise":
+                    raise RuntimeError("the loop's own error mid-epoch")
+                break
+
+    def write_ids() -> None:
+        path = os.path.join(args.ids, f"rank{accelerator.process_index}.json")
+        with open(path, "w") as handle:
+            json.dump(mine, handle)
+
+    if args.end in ("with", "raise"):
+        try:
+            with loader:
+                train()
+        except RuntimeError as error:
+            assert args.end == "raise", error
+    elif args.end == "late":  # the process group ended first: close() cannot meet the others
+        train()
+        write_ids()
+        accelerator.end_training()
+        loader.close()
+        return
+    else:
+        train()
+        if args.end == "close":
+            loader.close()
+    write_ids()
+    accelerator.end_training()
+
+
+class UnevenStream(torch.utils.data.IterableDataset):
+    """Rank r's part of a stream: ids r, r + W, ..., 30 * (r + 1) of them."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        return iter({"id": self.rank + self.world * k} for k in range(30 * (self.rank + 1)))
+
+
+def windows(args, accelerator) -> None:
+    from torch.utils.data import DistributedSampler
+
+    common = dict(report=args.report, check_every=args.check_every,
+                  on_violation=args.on_violation)
+    sampler = None
+    if args.loader == "stream":
+        loader = watch(DataLoader(Stream(), batch_size=8), accelerator, id_field="id", **common)
+    elif args.loader == "uneven":
+        data = UnevenStream(accelerator.process_index, accelerator.num_processes)
+        loader = watch(DataLoader(data, batch_size=2), accelerator, id_field="id", **common)
+    elif args.loader == "hf":
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        stream = datasets.Dataset.from_dict({"id": list(range(1001))}).to_iterable_dataset(
+            num_shards=4)
+        mine = stream if args.no_split else split_dataset_by_node(
+            stream, rank=accelerator.process_index, world_size=accelerator.num_processes)
+        loader = watch(DataLoader(mine, batch_size=8, num_workers=args.workers), accelerator,
+                       id_field="id", dataset_size=1001, **common)
+    elif args.loader == "sampler":
+        data = TensorDataset(torch.arange(1001))
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = watch(DataLoader(data, batch_size=8, sampler=sampler), accelerator, **common)
+    else:
+        loader = watch(DataLoader(TensorDataset(torch.arange(1001)), batch_size=8,
+                                  shuffle=True), accelerator, **common)
+        loader = accelerator.prepare(loader)
+    seen: list[list[int]] = []
+    path = os.path.join(args.ids, f"rank{accelerator.process_index}.json")
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        mine: list[int] = []
+        seen.append(mine)
+        for batch in loader:
+            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
+            with open(path, "w") as handle:  # (what came, even where the watch raises)
+                json.dump(seen, handle)
+    loader.close()
     accelerator.end_training()
 
 
@@ -164,7 +290,17 @@ def plain_torch(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "bad-field"])
+    parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop", "windows",
+                                         "bad-field"])
+    parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf"],
+                        default="prepared")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--check-every", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--no-split", action="store_true")
+    parser.add_argument("--end", choices=["close", "with", "exit", "raise", "late"],
+                        default="close")
+    parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")
     parser.add_argument("--uneven", action="store_true")
@@ -180,6 +316,10 @@ def main() -> None:
         collectives(args, Accelerator(cpu=True))
     elif args.mode == "bad-field":
         bad_field(args, Accelerator(cpu=True))
+    elif args.mode == "stop":
+        stop(args, Accelerator(cpu=True))
+    elif args.mode == "windows":
+        windows(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
         stateful(args, Accelerator(cpu=True, dataloader_config=config))

@@ -33,17 +33,23 @@ def watch_trace(header: dict, *, name: str, role: str, description: dict, n: int
 def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: int, name: str,
                 role: str, description: dict, n: Optional[int], batch_size: Optional[int],
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
-                loaded: bool = False, unattributed: int = 0) -> dict:
+                loaded: bool = False, unattributed: int = 0, partial: bool = False) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
     loaded (its order is compared with the checkpoint's epoch); `unattributed`: batches whose
-    indices were not noted."""
+    indices were not noted. `partial`: the loop stopped before the epoch's end (see
+    partial_entry)."""
     from sharddemo.analysis import build_report
 
+    inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
     n = n if n is not None else largest_id(record) + 1
     records = [r for r in (previous, record) if r is not None]
+    # The order must change only where the loader is meant to shuffle (its sampler, or a
+    # shuffled stream, says so): a loader not known to shuffle (workers interleaving a stream,
+    # rows stored in any order) is never told it forgot set_epoch.
+    description = {**description, "shuffled": bool(description.get("shuffled"))}
     trace = watch_trace(header, name=name, role=role, description=description, n=n,
                         batch_size=batch_size, records=records)
     report = build_report(trace)["modes"]["audit"]
@@ -87,8 +93,68 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                             "ids": resume["skipped"]["ids"], "reason": None}
     if unattributed:
         entry["unattributed_batches"] = unattributed
-    entry["line"] = watch_line(entry, failed)
+    if inferred:
+        entry["dataset_size_inferred"] = True
+    if partial:
+        entry = partial_entry(entry)
+    else:
+        entry["line"] = watch_line(entry, failed)
+    if inferred:
+        entry["line"] += (f" [N = {n} inferred from the largest id seen: "
+                          "watch(..., dataset_size=N) gives it]")
     return entry
+
+
+# What a part of an epoch cannot show: which samples the epoch will miss (its rest has not come),
+# its order against the previous epoch's (a part's order is not an epoch's), and whether an eval
+# pass counts each sample once (the same: the rest is missing).
+WHOLE_EPOCH_ONLY = ("no-missing-samples", "order-changes-each-epoch",
+                    "eval-counts-each-sample-once")
+
+
+def partial_entry(entry: dict) -> dict:
+    """An epoch the loop stopped in (a `break`, max_steps, limit_train_batches; the run closed
+    or the process ended): `"partial": true`, its steps and samples, and only the verdicts a
+    part of an epoch supports. Never "missing": `missing` is null. The repeats a part can hold
+    are judged as in a whole epoch (padding and accelerate's fill come only in a rank's last
+    batch, so a part that holds them reached the loader's end and the same reasons apply)."""
+    verdicts = [v for v in entry["verdicts"] if v["verdict"] not in WHOLE_EPOCH_ONLY]
+    entry.update(partial=True, missing=None, order_changed=None, verdicts=verdicts,
+                 ok=all(v["ok"] for v in verdicts))
+    entry["line"] = partial_line(entry)
+    return entry
+
+
+# What the main process's own part shows without the other ranks' (main_only_entry).
+NEEDS_THE_RANKS = ("equal-step-counts", "no-silent-replication")
+
+
+def main_only_entry(entry: dict, world: int) -> dict:
+    """A partial entry the main process wrote alone, where the ranks could no longer meet (the
+    process ending): its own steps and samples, marked "ranks": "main-only", and only what
+    one rank's part shows (a sample it received twice)."""
+    verdicts = [v for v in entry["verdicts"] if v["verdict"] not in NEEDS_THE_RANKS]
+    entry.update(world_size=world, ranks="main-only", verdicts=verdicts,
+                 ok=all(v["ok"] for v in verdicts))
+    entry["line"] = partial_line(entry)
+    return entry
+
+
+def partial_line(entry: dict) -> str:
+    """sharddemo: epoch 0 train (partial): 160 samples, 160 distinct, across 2 ranks, 20 steps
+    each: ok"""
+    steps, world = entry["steps"], entry["world_size"]
+    each = (f"{plural(steps[0], 'step')}{' each' if len(steps) > 1 else ''}"
+            if len(set(steps)) == 1 else f"steps per rank {steps}")
+    alone = entry.get("ranks") == "main-only"
+    where = (f"on the main process alone of {world} ranks (the ranks could not meet)" if alone
+             else f"across {plural(world, 'rank')}")
+    text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
+            f"{plural(entry['seen'], 'sample')}, {entry['unique']} distinct, {where}, {each}")
+    failed = [v for v in entry["verdicts"] if not v["ok"]]
+    if not failed:
+        return text + ": ok"
+    return text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
 
 
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:

@@ -284,6 +284,21 @@ class Counts:
         return mine if accelerator.is_main_process else None
 
 
+    def holds(self, ids: np.ndarray) -> Optional[np.ndarray]:
+        """Mid-epoch, local (no collective): whether this rank has received each of `ids` (0-based,
+        as add_ids gives them) so far this epoch; None where the ids are counted on a device (the
+        counter stays there until the epoch's end). sharddemo.watch's window check."""
+        if self.on_device or self.shift_now:
+            return None
+        self.state.add(self.pending, self.shift_now)
+        self.pending, self.pending_ids = [], 0
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.zeros(ids.shape, dtype=bool)
+        inside = (ids >= 0) & (ids < self.n)
+        out[inside] = self.counts[ids[inside]] > 0
+        return out
+
+
 class BitCounts(Counts):
     """The count path at two bits per sample, for the largest datasets (from BITS_FROM): a
     bitmap of the samples this rank received and one of those it received more than once
@@ -303,6 +318,9 @@ class BitCounts(Counts):
 
     def delivers_everywhere(self, world: int) -> bool:
         return world == 1
+
+    def holds(self, ids):
+        return None  # (two bits a sample: not looked up mid-epoch)
 
     def present_so_far(self, accelerator):
         raise NotImplementedError("the 2-bit count path keeps no per-rank count to save")

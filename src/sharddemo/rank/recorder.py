@@ -74,6 +74,10 @@ class IdLog:
     def delivers_everywhere(self, world: int) -> bool:
         return True  # the gather is an all-gather: every rank holds every rank's ids
 
+    def holds(self, ids) -> None:
+        """(Counts.holds: the id path keeps no counter to look ids up in.)"""
+        return None
+
     def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
         """A collective: the lengths exchanged, then one ragged gather of one tensor per rank
         (the batch sizes, the batches' workers, then the ids; int32 when every id fits). The
@@ -194,6 +198,13 @@ class Recorder:
         """One batch given by its 0-based ids (a 1-D integer tensor), where the caller read
         them itself (sharddemo.watch)."""
         self.log.add(ids, worker, 0)
+
+    def holds(self, ids):
+        """Mid-epoch, local: whether this rank has received each of `ids` so far this epoch (a
+        bool array), or None where that cannot be looked up without a copy (the id path, ids
+        counted on a device, BitCounts)."""
+        holds = getattr(self.log, "holds", None)
+        return holds(ids) if holds is not None else None
 
     @property
     def delivers_everywhere(self) -> bool:

@@ -39,12 +39,13 @@ from typing import Any, Optional
 from sharddemo.errors import ShardingViolation
 from sharddemo.watching.hooks import attach, checkpoint, follow
 from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
-from sharddemo.watching.state import ON_VIOLATION, WatchState
+from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
 
 
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
-          on_violation: str = "warn", lineage: Optional[str] = None):
+          on_violation: str = "warn", check_every: Optional[int] = CHECK_EVERY,
+          dataset_size: Optional[int] = None, lineage: Optional[str] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
@@ -54,15 +55,27 @@ def watch(loader, accelerator=None, *, name: str = "train",
     batch's field (dict key, tuple position, or "." for a batch that is the ids) holding each
     sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
     `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
-    the epoch's end) or "ignore" (the report only). `lineage`: a folder where each rank
+    the epoch's end) or "ignore" (the report only). `check_every`: every this many steps the
+    ranks meet once to check the window of steps so far (replication, ranks that disagree
+    about the dataset, a rank out of data; docs/watch.md); 0 or None: only at the epoch's
+    end. `dataset_size`: N, the ids 0..N-1 a stream read with `id_field` can deliver
+    (default: a map-style dataset's length; for a stream, inferred from the largest id seen,
+    which cannot see ids lost at the tail, and the line says so). `lineage`: a folder where each rank
     appends the ids of every batch its loop receives, with the epoch and the step, for
     `sharddemo lineage DIR --step K` (docs/watch.md, "The batch behind a step"; None: none)."""
     check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
                     on_violation=on_violation)
+    for label, value in (("check_every", check_every), ("dataset_size", dataset_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < (0 if label == "check_every" else 1)):
+            raise ValueError(f"sharddemo.watch: {label} must be "
+                             f"{'a number of steps (0: no windows)' if label == 'check_every' else 'the number of samples, at least 1'}"
+                             f" or None, got {value!r}")
     if lineage is not None:
         check_lineage_folder(lineage)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
-                  on_violation=on_violation, lineage=lineage)
+                        on_violation=on_violation, check_every=check_every,
+                        dataset_size=dataset_size, lineage=lineage)
 
 
 def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
@@ -141,14 +154,17 @@ def check_report(report, accelerator) -> None:
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
+           check_every: Optional[int] = CHECK_EVERY, dataset_size: Optional[int] = None,
            lineage: Optional[str] = None):
     """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
     (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run);
     `lineage`: the folder of the lineage writer (checked by the caller)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
-    state = WatchState(accelerator, name, report, id_field, on_violation, role)
+    state = WatchState(accelerator, name, report, id_field, on_violation, role, check_every)
     state.epoch = start_epoch
+    if dataset_size is not None:
+        state.n = int(dataset_size)  # (before attach: the loader's own length comes second)
     if lineage is not None:
         state.lineage = LineageWriter(lineage, state)
     attach(loader, state)

@@ -146,7 +146,34 @@ def attach(loader, state):
                 my_tap.active = None
         watch_state.close_epoch(self)
 
+    def close(self):
+        """The end of the watched run, on every rank at the same point: the epoch the loop
+        left open (a `break`, max_steps) is reported as partial (docs/watch.md)."""
+        self.__dict__["_sharddemo_watch"].close()
+        if hasattr(cls, "close"):
+            return cls.close(self)
+        return None
+
+    def __enter__(self):
+        if hasattr(cls, "__enter__"):
+            cls.__enter__(self)
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        watch_state = self.__dict__["_sharddemo_watch"]
+        if kind is None:
+            watch_state.close()
+        else:
+            # an exception: the other ranks may not come to a collective; the main process
+            # reports what it has of an open epoch alone
+            watch_state.close_alone()
+        if hasattr(cls, "__exit__"):
+            return cls.__exit__(self, kind, value, traceback)
+        return None
+
     watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "close": close, "__enter__": __enter__,
+                                          "__exit__": __exit__,
                                           "__reduce_ex__": _as_plain(cls, "_sharddemo_watch",
                                                                      "_sharddemo_loader_tap")})
     loader.__dict__["_sharddemo_watch"] = state

@@ -39,6 +39,15 @@ def _loaders(combined) -> list:
     return [] if combined is None else [combined]
 
 
+def _capped(trainer, loader) -> bool:
+    """Whether Lightning takes fewer batches an epoch than the loader has
+    (limit_train_batches): each epoch is then a part, as the user asked."""
+    try:
+        return int(trainer.num_training_batches) < len(loader)
+    except (TypeError, ValueError, OverflowError):  # no length (a stream), or inf
+        return False
+
+
 class LightningWatch(*_BASES):
     """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every
     validation pass (docs/watch.md). `report`: the JSON-lines file (default
@@ -115,16 +124,24 @@ class LightningWatch(*_BASES):
         self._watch_all(trainer, trainer.train_dataloader, "train", "train")
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        # the loaders' exhaustion ends their epoch; where the loop stopped short of it
-        # (limit_train_batches, max_steps) the epoch ends here, on every rank alike. A fit
-        # stopped mid-epoch (trainer.should_stop: a time limit, a callback) leaves it open.
+        # the loaders' exhaustion ends their epoch; where the loop stopped short of it at the
+        # epoch's own limit (limit_train_batches) the epoch ends here as partial, on every rank
+        # alike. A fit stopped before that (max_steps, trainer.should_stop: a time limit, a
+        # callback) leaves it open: on_train_end reports it as partial (after the checkpoint
+        # of this epoch's end, which saves the watch's place mid-epoch, was written).
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if trainer.should_stop and done < trainer.num_training_batches:
+        if done < trainer.num_training_batches:
             return
         for loader in _loaders(trainer.train_dataloader):
             watched = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
             if watched is not None:
-                watched.close_epoch(loader)
+                watched.close_epoch(loader, partial=_capped(trainer, loader))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for loader in (*_loaders(trainer.train_dataloader), *_loaders(trainer.val_dataloaders)):
+            watched = getattr(loader, "__dict__", {}).get("_sharddemo_watch")
+            if watched is not None:
+                watched.close()
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:

@@ -7,6 +7,7 @@ line and the report."""
 from __future__ import annotations
 
 import datetime
+import atexit
 import json
 import os
 import uuid
@@ -21,6 +22,23 @@ from sharddemo.rank.collect import ranks_of
 from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
+
+# Steps between two window checks (watch's check_every). 50: a replicated stream is named within
+# the first 51 steps of a run (the window is checked as the next batch arrives), and the one
+# collective a window costs is spread over 50 steps (measured: docs/benchmarks.md, about 2% of a
+# 3-4.5 ms MLP step here with the windows, 0.7% without; mostly the wait in the all-gather).
+CHECK_EVERY = 50
+
+# Ids each rank sends per window at most (the first ones of the window): a fixed width, the same
+# on every rank whatever its batches (an all-gather needs equal sizes), 8 KB of int64. Enough to
+# see replication (an unsplit loader shares every id) and, looked up in each rank's own counter,
+# overlaps with what it received earlier.
+WINDOW_IDS = 1024
+
+# The figures ahead of the ids in a rank's window row: done (0 running, 1 at its epoch's end,
+# 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, and the
+# samples it found at the previous window that another rank received in an earlier one.
+WINDOW_HEAD = 5
 
 
 RUN: dict = {}
@@ -37,12 +55,40 @@ def run_stamp() -> dict:
     return dict(RUN)
 
 
+class MainAlone:
+    """The main process on its own, where the ranks can no longer meet (the interpreter's
+    exit): what the recorder asks of the ranks, answered without a collective."""
+
+    num_processes = 1
+    process_index = 0
+    is_main_process = True
+    device = torch.device("cpu")
+
+
+# The watches whose run is not closed yet: at the interpreter's exit the main process writes
+# each one's open epoch alone (close_alone), with no collective (the other ranks may be gone).
+OPEN: list = []
+
+
+@atexit.register
+def close_open_watches() -> None:
+    for state in list(OPEN):
+        try:
+            state.close_alone()
+        except Exception as error:  # the process is ending: say it, never fail the exit
+            import warnings
+
+            warnings.warn(f"sharddemo.watch: the open epoch of {state.name!r} could not be "
+                          f"written at exit: {type(error).__name__}: {error}")
+
+
 class WatchState:
     """One watched loader (and the loaders accelerate makes from it): its recorder, the epoch
     count, the last epoch's record (for the order), and where the report goes."""
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
-                 on_violation: str, role: str = "train") -> None:
+                 on_violation: str, role: str = "train",
+                 check_every: Optional[int] = CHECK_EVERY) -> None:
         run_stamp()  # the run starts with its first watch
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
@@ -68,6 +114,11 @@ class WatchState:
         self.before: Optional[np.ndarray] = None
         self.loaded = False
         self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
+        self.finished = False  # close() ran (or close_alone): nothing more is reported
+        OPEN.append(self)
+        # windows of steps checked within the epoch (check_window); 0 or None: none
+        self.check_every = check_every or 0
+        self.new_windows()
 
     # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
     # rank, and writes the main process's state_dict)
@@ -101,11 +152,81 @@ class WatchState:
             before = before.numpy()
         self.before = before if before is not None and int(before.sum()) > 0 else None
 
-    def close_epoch(self, loader=None) -> None:
+    def close_epoch(self, loader=None, partial: bool = False) -> None:
         """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
-        framework's epoch-end event)."""
+        framework's epoch-end event). `partial`: the loop took only part of the epoch on
+        purpose (Lightning's limit_train_batches)."""
         if not self.closed:
-            self.end_epoch(loader)
+            self.end_epoch(loader, partial=partial)
+
+    def open_steps(self) -> int:
+        """Steps of the open epoch on this rank (0: none open)."""
+        return self.recorder.steps if self.recorder is not None else 0
+
+    def close(self) -> Optional[dict]:
+        """The end of the run, on every rank at the same point (a collective, like an epoch's
+        end): an epoch the loop left open (a `break`, max_steps) is reported as partial, with
+        the verdicts a part of an epoch supports. Then the watch is done; a second call does
+        nothing. Returns the partial epoch's entry on the main process, else None."""
+        from sharddemo.rank.collect import exchange_ints
+
+        if self.finished:
+            return None
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        dist = torch.distributed
+        if self.ranks.num_processes > 1 and not (dist.is_available() and dist.is_initialized()):
+            # the process group is gone (end_training came first): the ranks cannot meet
+            return self.close_alone()
+        self.finished = True
+        if self in OPEN:
+            OPEN.remove(self)
+        if self.windows_on():
+            # the same exchange as a window's, so that a rank still iterating, or at its
+            # epoch's end, meets this one: every rank takes the same branch from its heads
+            entry = None
+            while True:
+                heads = self.drain(2)
+                ending = any(h["done"] == 1 for h in heads)  # ranks at their epoch's end
+                if ending or any(h["steps"] for h in heads):
+                    entry = self.end_epoch(partial=True, drained=True)
+                if not ending:  # (else they close next: meet them once more)
+                    return entry
+        steps = self.open_steps()
+        # whether any rank has an epoch open (a rank whose loader ran out has none): every
+        # rank takes the same branch
+        if self.ranks.num_processes > 1:
+            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
+        if not steps:
+            return None
+        return self.end_epoch(partial=True)
+
+    def close_alone(self) -> Optional[dict]:
+        """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
+        an exception leaving a `with` block): the main process reports its own part of the
+        open epoch, marked "ranks": "main-only", with no collective; the others say nothing."""
+        if self.finished:
+            return None
+        self.finished = True
+        if self in OPEN:
+            OPEN.remove(self)
+        if not self.open_steps() or not self.ranks.is_main_process:
+            self.recorder = None
+            return None
+        world = self.ranks.num_processes
+        recorder, self.recorder = self.recorder, None
+        if world > 1:
+            recorder.accelerator = MainAlone()
+            recorder.log.slots = None  # (the slots are the ranks' exchange: none here)
+        record = recorder.finish(self.epoch)
+        entry = self.judge(record, partial=True, ranks=MainAlone() if world > 1 else None)
+        if world > 1:
+            from sharddemo.analysis.watch import main_only_entry
+
+            entry = main_only_entry(entry, world)
+        self.entries.append(entry)
+        self.publish(entry)
+        return entry
 
     # -- set-up, once per loader attached
     def describe(self, loader) -> None:
@@ -118,6 +239,10 @@ class WatchState:
         self.description = describe_loader(loader)
         self.batch_size = loader_batch_size(loader)
         dataset = getattr(base_loader(loader), "dataset", None)
+        if self.description.get("shuffled") is None and self.description.get("iterable_dataset"):
+            # a stream: its own object says whether it is built to shuffle (workers
+            # interleaving its shards are no shuffle)
+            self.description["shuffled"] = stream_shuffles(dataset)
         if self.n is None:
             self.n = root_length(dataset)
         if self.id_field is None and self.mapping is None:
@@ -137,6 +262,14 @@ class WatchState:
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
             self.recorder = self.new_recorder()
+        steps = self.recorder.steps
+        if (steps and self.check_every and steps % self.check_every == 0
+                and self.windowed != steps and self.ranks.num_processes > 1):
+            # a batch after a full window: the window held no rank's last batch (padding and
+            # fill come there), so it can be judged; every rank reaches this step alike, and a
+            # rank out of data answers from its epoch's end (drain)
+            self.windowed = steps
+            self.check_window(0)
         if self.id_field is not None:
             ids = read_field(batch, self.id_field)
         elif not tap.fifo:
@@ -156,17 +289,117 @@ class WatchState:
         if self.lineage:
             self.lineage.append(self.epoch, ids)
         self.recorder.add_ids(ids)
+        if self.check_every:
+            self.window_ids.append(ids)
 
-    def end_epoch(self, loader=None) -> Optional[dict]:
+    # -- windows of steps within the epoch
+    def new_windows(self) -> None:
+        """The epoch's window state, empty (at the start of each epoch)."""
+        self.window_ids: list = []  # the ids of this window's batches on this rank
+        self.window_first = 1  # the window's first step
+        self.windowed = 0  # the step count the last window was checked at
+        self.found_earlier = 0  # sent at the next window (see WINDOW_HEAD)
+        self.window_failed: set = set()  # verdicts a window of this epoch reported already
+
+    def windows_on(self) -> bool:
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        return bool(self.check_every) and self.ranks.num_processes > 1
+
+    def exchange_window(self, done: int) -> tuple[list[dict], list[np.ndarray]]:
+        """ONE collective (an all-gather of one row per rank, the same width on every rank):
+        every rank's figures and the ids of its window (none from a rank that is done)."""
+        from sharddemo.rank.collect import collective
+
+        steps = self.open_steps()
+        mine = torch.empty(0, dtype=torch.int64)
+        if not done and self.window_ids:
+            mine = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in self.window_ids])
+        sent = mine[:WINDOW_IDS]
+        row = torch.full((WINDOW_HEAD + WINDOW_IDS,), -1, dtype=torch.int64)
+        row[:WINDOW_HEAD] = torch.tensor([done, steps, -1 if self.n is None else self.n,
+                                          sent.numel(), self.found_earlier])
+        row[WINDOW_HEAD:WINDOW_HEAD + sent.numel()] = sent
+        world = self.ranks.num_processes
+        row = row.to(self.ranks.device)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            # (torch's own all-gather: accelerate's gather of the same row costs several
+            # times more on gloo here, about 1 ms against 0.2)
+            rows = row.new_empty(world * row.numel())
+            collective(dist.all_gather_into_tensor, rows, row)
+        else:
+            rows = collective(self.ranks.gather, row)
+        rows = rows.to("cpu").view(world, WINDOW_HEAD + WINDOW_IDS)
+        heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4]}
+                 for r in rows[:, :WINDOW_HEAD].tolist()]
+        ids = [rows[r, WINDOW_HEAD:WINDOW_HEAD + h["count"]].numpy() for r, h in
+               enumerate(heads)]
+        self.found_earlier = 0
+        if not done and self.recorder is not None:
+            # which of the others' window ids this rank received in an earlier window (it
+            # holds them, and not in this window): said at the next window, to every rank
+            me = self.ranks.process_index
+            others = [part for r, part in enumerate(ids) if r != me and len(part)]
+            if others:
+                others = np.sort(np.concatenate(others))
+                others = others[np.concatenate(([True], others[1:] != others[:-1]))]
+                held = self.recorder.holds(others)
+                if held is not None:
+                    now = np.isin(others, mine.numpy())
+                    self.found_earlier = int(np.count_nonzero(held & ~now))
+        return heads, ids
+
+    def check_window(self, done: int) -> list[dict]:
+        """A window's exchange and its judgement (analysis.watch_window), the same on every
+        rank: a failing window prints its line at once and is a report entry (each failing
+        verdict once an epoch); with on_violation="raise" every rank raises here."""
+        from sharddemo.analysis.watch_window import judge_window
+
+        heads, ids = self.exchange_window(done)
+        first, last = self.window_first, self.open_steps()
+        if not done:
+            self.window_ids, self.window_first = [], last + 1
+        entry = judge_window(epoch=self.epoch, name=self.name, first=first, last=last,
+                             at=max(h["steps"] for h in heads) + 1, heads=heads, ids=ids,
+                             earlier=sum(h["earlier"] for h in heads), n=self.n)
+        failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
+        if failed - self.window_failed:
+            self.window_failed |= failed
+            self.entries.append(entry)
+            if self.ranks.is_main_process:
+                self.publish(entry)
+            if self.on_violation == "raise":
+                self.finished = True  # (every rank raises here: nothing more to close)
+                if self in OPEN:
+                    OPEN.remove(self)
+                raise ShardingViolation(entry["line"], entry)
+        return heads
+
+    def drain(self, done: int) -> list[dict]:
+        """This rank is done with the epoch (1: its loader ran out or the epoch ended; 2: the
+        run closes): it answers the others' window exchanges until every rank is done, so that
+        no rank still iterating is left waiting in a collective. Returns the last heads."""
+        while True:
+            heads = self.check_window(done)
+            if all(h["done"] for h in heads):
+                return heads
+
+    def end_epoch(self, loader=None, partial: bool = False,
+                  drained: bool = False) -> Optional[dict]:
         """The epoch's end on every rank: one collective (the recorder's), then the verdict on
         the main process, the line and the report; ShardingViolation on every rank where
         asked (each rank judges the record it holds: no second collective). `loader`: the
         loader the epoch came from (what accelerate's gather_for_metrics keeps of its last
-        step is read from it)."""
+        step is read from it). `partial`: the loop stopped before the loader's end (close(),
+        limit_train_batches): the entry says so and judges only what a part can show."""
         from sharddemo.rank.collect import exchange_ints
 
         if self.recorder is None:
             self.recorder = self.new_recorder()
+        if self.windows_on() and not drained:
+            self.drain(1)
+        self.new_windows()
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
@@ -175,14 +408,12 @@ class WatchState:
         entry = None
         try:  # the watch's own reporting: a failure here never stops the training by itself
             if record is not None:
-                entry = self.judge(record)
-                self.previous = record
+                entry = self.judge(record, partial=partial)
+                if not partial:  # (a part's order is no epoch's order to compare the next with)
+                    self.previous = record
                 self.entries.append(entry)
             if self.ranks.is_main_process:
-                if self.on_violation != "ignore":
-                    say(entry["line"])
-                if self.report:
-                    append_entry(self.report, entry)
+                self.publish(entry)
         except Exception as error:
             if raising:
                 raise
@@ -203,12 +434,31 @@ class WatchState:
                                     entry or {})
         return entry
 
-    def judge(self, record: dict) -> dict:
-        """The record -> the report's entry and verdicts (analysis.watch, as `audit`)."""
+    def publish(self, entry: dict) -> None:
+        """The main process's line (none with on_violation="ignore") and report entry, each
+        entry stamped with its run (two runs may append to one file)."""
+        entry.update(run_stamp())
+        if self.on_violation != "ignore":
+            say(entry["line"])
+        if self.report:
+            append_entry(self.report, entry)
+
+    def judge(self, record: dict, partial: bool = False, ranks=None) -> dict:
+        """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
+        partial epoch is judged alone: no resume check (its rest may still come), and its
+        order is not compared."""
         from sharddemo.analysis.watch import judge_epoch
         from sharddemo.rank.session import trace_header
 
         present = record.pop("_present", None)
+        if partial:
+            entry = judge_epoch(trace_header(ranks or self.ranks), record, None,
+                                epoch=self.epoch, name=self.name, role=self.role,
+                                description=self.description, n=self.n,
+                                batch_size=self.batch_size, unattributed=self.unattributed,
+                                partial=True)
+            self.unattributed = 0
+            return entry
         entry = judge_epoch(trace_header(self.ranks), record, self.previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
@@ -220,6 +470,20 @@ class WatchState:
         self.loaded = False
         self.unattributed = 0
         return entry
+
+
+def stream_shuffles(dataset) -> bool:
+    """Whether a stream is built to deal a new order: a datasets IterableDataset after
+    .shuffle() (a BufferShuffledExamplesIterable in its chain of example iterables). Anything
+    else (a stream of the user's, workers interleaving shards) is not known to shuffle."""
+    inner = getattr(dataset, "_ex_iterable", None)
+    for _ in range(32):
+        if inner is None:
+            return False
+        if "Shuffled" in type(inner).__name__:
+            return True
+        inner = getattr(inner, "ex_iterable", None)
+    return False
 
 
 def read_field(batch, field) -> torch.Tensor:

@@ -176,11 +176,23 @@ class TrainerWatch(TrainerCallback):
     def on_epoch_end(self, args, state, control, train_dataloader=None, **kwargs):
         # The Trainer takes exactly the epoch's steps and never asks the loader for one more,
         # so the loader is not exhausted: the epoch ends here, on every rank alike.
+        # A stop mid-epoch (max_steps, a callback, a time limit) leaves it open: the Trainer's
+        # state.epoch (epoch + steps taken / steps in the epoch) is then not a whole number,
+        # and on_train_end reports the part as partial.
         watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
-        if control.should_training_stop and state.global_step < state.max_steps:
-            return  # stopped mid-epoch (a callback, a time limit): the epoch is not over
+        mid_epoch = abs(float(state.epoch or 0) - round(float(state.epoch or 0))) > 1e-6
+        if control.should_training_stop and mid_epoch:
+            return
         if watched is not None:
             watched.close_epoch(train_dataloader)
+
+    def on_train_end(self, args, state, control, train_dataloader=None, **kwargs):
+        """The end of training, on every rank: an epoch left open (max_steps, a stop) is
+        reported as partial, and the watches are closed."""
+        watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
+        for one in (watched, self.eval_state):
+            if one is not None:
+                one.close()
 
     def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
         watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")

@@ -1,0 +1,114 @@
+"""The watch's check of a window of steps, pure (no torch): what a part of an epoch can already
+show, judged from one exchange in which every rank sent its figures and the ids it received in
+the window (sharddemo.watching.state.WatchState.check_window).
+
+Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at step 51 both ranks
+send ids 0..399; all 400 were received by both, so `no-silent-replication` fails for steps 1-50
+and the line says so at once. Padding and accelerate's even-batches fill come only in a rank's
+last batch, and a window never holds a rank's last batch (it is checked when the next batch
+arrives), so no window calls them a fault.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sharddemo.analysis.watch import WATCH_SCHEMA, plural
+
+# A window's verdicts, in the order they are listed.
+WINDOW_VERDICTS = ("equal-step-counts", "ranks-agree-on-dataset", "no-silent-replication")
+
+
+def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
+                 heads: list[dict], ids: list, earlier: int,
+                 n: int | None) -> dict:
+    """The window of steps `first`..`last` of epoch `epoch`, checked at rank steps `at`:
+    `heads[r]` rank r's {"done": 0 running, else out of data (or closing), "steps": its steps
+    so far, "n": its dataset's length or -1}; `ids[r]` the ids a running rank received in the
+    window (capped; [] for a rank out of data); `earlier`: samples a rank found, at the
+    previous window, that another rank received in an earlier window of this epoch. Returns
+    the entry (docs/watch.schema.json, with `window`) and its line."""
+    world = len(heads)
+    running = [r for r, h in enumerate(heads) if not h["done"]]
+    out_of_data = [r for r, h in enumerate(heads) if h["done"]]
+    verdicts = []
+
+    def add(verdict: str, ok: bool, detail: str = "") -> None:
+        verdicts.append({"verdict": verdict, "epoch": epoch, "ok": bool(ok), "detail": detail})
+
+    ok = not (running and out_of_data)
+    add("equal-step-counts", ok, "" if ok else (
+        f"rank{'s' if len(out_of_data) > 1 else ''} {_ranks(out_of_data)} ran out of data after "
+        f"{_steps(heads, out_of_data)} while rank{'s' if len(running) > 1 else ''} "
+        f"{_ranks(running)} went on to step {max(heads[r]['steps'] for r in running) + 1}: a "
+        "DDP loop hangs there"))
+    sizes = {r: h["n"] for r, h in enumerate(heads) if h["n"] >= 0}
+    ok = len(set(sizes.values())) <= 1
+    add("ranks-agree-on-dataset", ok, "" if ok else
+        "the ranks' datasets differ in length: " + ", ".join(
+            f"rank {r} has {size:,}" for r, size in sizes.items()))
+    # (numpy: a window holds thousands of ids a rank, and this runs on every rank)
+    sets = [_distinct(np.asarray(ids[r], dtype=np.int64)) for r in running]
+    pooled = np.sort(np.concatenate([np.empty(0, np.int64), *sets]))
+    twice = pooled[1:] == pooled[:-1]  # (each rank's ids are distinct: a pair is two ranks)
+    shared = _distinct(pooled[1:][twice]).tolist()
+    every = _distinct(pooled)
+    ok = not shared and not earlier
+    detail = ""
+    if not ok:
+        parts = []
+        if shared:
+            same = len(sets) > 1 and all(np.array_equal(s, sets[0]) for s in sets)
+            parts.append(f"{plural(len(shared), 'sample')} of steps {first}-{last} received by "
+                         f"more than one rank (ids {_short(shared)})"
+                         + (": every rank received the same samples: the loader is not "
+                            "sharded (replication)" if same else
+                            ": the ranks' shares overlap (a double split's overlap, or ranks "
+                            "that draw different orders)"))
+        if earlier:
+            parts.append(f"{plural(earlier, 'sample')} of the previous window received by a "
+                         "rank that had received it earlier in this epoch")
+        detail = "; ".join(parts)
+    add("no-silent-replication", ok, detail)
+    failed = [v for v in verdicts if not v["ok"]]
+    seen = sum(len(ids[r]) for r in running)
+    top = int(every[-1]) + 1 if every.size else 0
+    entry = {
+        "schema": WATCH_SCHEMA, "loader": name, "epoch": epoch,
+        "window": {"first_step": first, "last_step": last, "checked_at": at},
+        "partial": True, "world_size": world,
+        "dataset_size": n if n is not None else top,
+        "seen": seen, "unique": int(every.size), "missing": None,
+        "duplicated": {"count": len(shared), "ids": shared[:100],
+                       "reasons": ["replication"] if shared else []},
+        "steps": [h["steps"] for h in heads], "order_changed": None,
+        "verdicts": verdicts, "reasons": {}, "ok": not failed,
+    }
+    entry["deals"] = entry["dataset_size"]
+    entry["line"] = (f"sharddemo: epoch {epoch} {name} steps {first}-{last} (checked at step "
+                     f"{at}): " + ("ok" if not failed else "FAIL " + "; ".join(
+                         f"{v['verdict']}: {v['detail']}" for v in failed)))
+    return entry
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values (np.unique's hash path costs several times more here)."""
+    values = np.sort(values)
+    if values.size:
+        values = values[np.concatenate(([True], values[1:] != values[:-1]))]
+    return values
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _steps(heads: list[dict], ranks: list[int]) -> str:
+    steps = sorted({heads[r]["steps"] for r in ranks})
+    return (plural(steps[0], "step") if len(steps) == 1
+            else f"{', '.join(map(str, steps))} steps")
+
+
+def _short(ids: list[int], limit: int = 12) -> str:
+    head = ", ".join(map(str, ids[:limit]))
+    return head + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")

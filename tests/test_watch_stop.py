@@ -1,0 +1,160 @@
+"""A watched loop that stops mid-epoch (a `break`, max_steps, an exception, the process
+ending): the epoch so far is reported as partial, with the verdicts a part supports. In one
+process, then on 2 real gloo ranks running tests/watch_loop.py `stop`. Expected values: the
+ids each rank's loop itself received (logged by the script beside the watch), or literals
+worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, accelerate_launch, ended_or_aborted_at_teardown, launch_env
+from test_watch import entries
+from torch.utils.data import DataLoader, TensorDataset
+
+from sharddemo import ShardingViolation, watch
+
+LOOP = "tests/watch_loop.py"
+WHOLE_EPOCH_ONLY = {"no-missing-samples", "order-changes-each-epoch",
+                    "eval-counts-each-sample-once"}
+
+
+def verdicts(entry: dict) -> set[str]:
+    return {v["verdict"] for v in entry["verdicts"]}
+
+
+# -- one process --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_a_loop_that_breaks_is_reported_as_a_partial_epoch(tmp_path, capsys, how):
+    """100 samples, batches of 8, a break after 5 steps: 40 samples (by hand), none missing."""
+    report = tmp_path / "w.jsonl"
+    got = []
+    if how == "with":
+        with watch(DataLoader(TensorDataset(torch.arange(100)), batch_size=8, shuffle=True),
+                   report=str(report)) as loader:
+            for step, (ids,) in enumerate(loader):
+                got += ids.tolist()
+                if step == 4:
+                    break
+    else:
+        loader = watch(DataLoader(TensorDataset(torch.arange(100)), batch_size=8, shuffle=True),
+                       report=str(report))
+        for step, (ids,) in enumerate(loader):
+            got += ids.tolist()
+            if step == 4:
+                break
+        loader.close()
+        loader.close()  # a second close does nothing
+    [entry] = entries(report)
+    assert entry["partial"] is True and entry["missing"] is None and entry["ok"]
+    assert (entry["seen"], entry["unique"], entry["steps"]) == (len(got), len(set(got)), [5])
+    assert not verdicts(entry) & WHOLE_EPOCH_ONLY
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sharddemo:")]
+    assert lines == ["sharddemo: epoch 0 train (partial): 40 samples, 40 distinct, across "
+                     "1 rank, 5 steps: ok"]
+
+
+def test_close_after_whole_epochs_adds_nothing(tmp_path):
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(TensorDataset(torch.arange(10)), batch_size=4),
+                   report=str(report))
+    for _ in loader:
+        pass
+    loader.close()
+    assert [(e["epoch"], "partial" in e) for e in entries(report)] == [(0, False)]
+
+
+def test_a_part_that_repeats_a_sample_fails_and_raises_at_close(tmp_path):
+    """A sampler of 6 draws over 6 samples that deals 0, 1, 2 twice, stopped after 4
+    batches of 1: sample 0 came twice before the loader's end (no padding explains a repeat
+    there, and the sampler draws no more than the dataset holds)."""
+    class Twice(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter([0, 1, 2, 0, 1, 2])
+
+        def __len__(self):
+            return 6
+
+    loader = watch(DataLoader(TensorDataset(torch.arange(6)), batch_size=1, sampler=Twice()),
+                   report=None, on_violation="raise")
+    for step, _ in enumerate(loader):
+        if step == 3:
+            break
+    with pytest.raises(ShardingViolation, match=r"\(partial\).*FAIL no-unexplained-dup"):
+        loader.close()
+
+
+def test_the_process_ending_writes_the_open_epoch(tmp_path):
+    """No close(): the interpreter's exit writes the open epoch (one process: the whole
+    world, so not marked main-only). 3 steps of 8 (by hand)."""
+    report = tmp_path / "w.jsonl"
+    script = ("import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+              "from sharddemo import watch\n"
+              f"loader = watch(DataLoader(TensorDataset(torch.arange(100)), batch_size=8), "
+              f"report={str(report)!r})\n"
+              "for step, _ in enumerate(loader):\n    if step == 2:\n        break\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, env=launch_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    [entry] = entries(report)
+    assert (entry["partial"], entry["seen"], entry["steps"], entry["ok"]) == (True, 24, [3],
+                                                                             True)
+    assert "ranks" not in entry
+
+
+# -- real ranks ---------------------------------------------------------------------------------
+
+def stopped(tmp_path, *args) -> tuple[list[dict], list[list[int]], str]:
+    report = tmp_path / "w.jsonl"
+    proc = accelerate_launch([LOOP, "stop", "--report", str(report), "--ids", str(tmp_path),
+                              *args], check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    ids = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("sharddemo:")]
+    return entries(report), ids, "\n".join(lines)
+
+
+@pytest.mark.parametrize("end", ["close", "with"])
+def test_a_prepared_loader_stopped_at_step_20_on_2_ranks(tmp_path, end):
+    """1,000 samples, batch 8, prepared, a break at step 20 then close() on every rank."""
+    got, ids, lines = stopped(tmp_path, "--end", end)
+    [entry] = got
+    both = ids[0] + ids[1]
+    assert (entry["seen"], entry["unique"]) == (len(both), len(set(both)))
+    assert entry["steps"] == [len(ids[0]) // 8, len(ids[1]) // 8] == [20, 20]
+    assert entry["partial"] and entry["missing"] is None and "ranks" not in entry
+    assert entry["ok"] == (not set(ids[0]) & set(ids[1])) is True
+    assert not verdicts(entry) & WHOLE_EPOCH_ONLY
+    assert lines.count("\n") == 0 and "(partial)" in lines and lines.endswith(": ok")
+
+
+@pytest.mark.parametrize("end", ["exit", "raise", "late"])
+def test_where_the_ranks_cannot_meet_the_main_process_writes_its_part(tmp_path, end):
+    """No close() before the process ends (exit), an exception leaving the with block
+    (raise), or close() after end_training() ended the process group (late): the main process
+    writes its own part alone, marked main-only; nothing hangs."""
+    got, ids, lines = stopped(tmp_path, "--end", end)
+    [entry] = got
+    assert entry["ranks"] == "main-only" and entry["world_size"] == 2
+    assert (entry["seen"], entry["unique"], entry["steps"]) == (len(ids[0]), len(set(ids[0])),
+                                                                [20])
+    assert entry["partial"] and entry["ok"]
+    assert verdicts(entry) == {"no-unexplained-duplicates"}
+    assert "main process alone" in lines
+
+
+def test_an_unsplit_stream_stopped_at_step_20_fails_replication(tmp_path):
+    """A stream every rank reads whole, with id_field, stopped at step 20: both ranks received
+    the same 160 samples (their own logs say so)."""
+    got, ids, lines = stopped(tmp_path, "--loader", "stream", "--end", "close")
+    [entry] = got
+    assert ids[0] == ids[1]
+    assert (entry["seen"], entry["unique"]) == (2 * len(ids[0]), len(set(ids[0])))
+    failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
+    assert "no-silent-replication" in failed and not entry["ok"]
+    assert "(partial)" in lines and "FAIL" in lines
