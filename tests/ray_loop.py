@@ -4,6 +4,7 @@ import it by name)."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from torch.utils.data import TensorDataset
@@ -24,7 +25,8 @@ def watched_loop(config: dict) -> None:
         DataLoader(data, batch_size=config["batch"], shuffle=True)), report=config["report"])
     got = []
     for epoch in range(config["epochs"]):
-        loader.sampler.set_epoch(epoch)
+        if config["set_epoch"]:
+            loader.sampler.set_epoch(epoch)
         got.append([batch[0].tolist() for batch in loader])
     with open(f"{config['log']}/rank{rank}.json", "w") as out:
-        json.dump({"type": type(loader).__name__, "batches": got}, out)
+        json.dump({"type": type(loader).__name__, "batches": got, "cwd": os.getcwd()}, out)

@@ -48,7 +48,7 @@ def test_prepare_data_loader_on_two_workers_is_watched_as_it_trains(ray_cluster,
     (10 is a multiple of 2), every sample once each epoch (by hand)."""
     report = tmp_path / "w.jsonl"
     run(tmp_path, ray_loop.watched_loop, n=N, batch=BATCH, epochs=EPOCHS, report=str(report),
-        log=str(tmp_path))
+        log=str(tmp_path), set_epoch=True)
     data = TensorDataset(torch.arange(N))
     for rank in range(WORKERS):
         logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -65,3 +65,30 @@ def test_prepare_data_loader_on_two_workers_is_watched_as_it_trains(ray_cluster,
     entries = [json.loads(line) for line in report.read_text().splitlines()]
     assert [(e["epoch"], e["seen"], e["unique"], e["steps"], e["ok"]) for e in entries] == [
         (0, 10, 10, [2, 2], True), (1, 10, 10, [2, 2], True)]
+
+
+def test_padding_and_a_forgotten_set_epoch_are_named(ray_cluster, tmp_path):
+    """11 samples on 2 workers, no set_epoch: DistributedSampler pads to 12 by repeating the
+    first id of its order, and every epoch deals epoch 0's order."""
+    report = tmp_path / "w.jsonl"
+    run(tmp_path, ray_loop.watched_loop, n=11, batch=BATCH, epochs=EPOCHS, report=str(report),
+        log=str(tmp_path), set_epoch=False)
+    data = TensorDataset(torch.arange(11))
+    dealt = []
+    for rank in range(WORKERS):
+        logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        order = list(DistributedSampler(data, WORKERS, rank, shuffle=True, seed=0))
+        expected = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+        assert logged["batches"] == [expected] * EPOCHS, f"rank {rank}: {logged['batches']}"
+        dealt += order
+    repeated = sorted({i for i in dealt if dealt.count(i) > 1})
+    entries = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(e["seen"], e["unique"], e["duplicated"]["ids"], e["duplicated"]["reasons"])
+            for e in entries] == [(12, 11, repeated, ["sampler-padding"])] * EPOCHS
+    assert [e["ok"] for e in entries] == [True, False]
+    failed = [v for v in entries[1]["verdicts"] if not v["ok"]]
+    assert [v["verdict"] for v in failed] == ["order-changes-each-epoch"]
+    assert "set_epoch is never called" in failed[0]["detail"]
+    # a worker runs in Ray's session folder, not where the test (or the user) started: the
+    # report is given as an absolute path
+    assert not logged["cwd"].startswith(str(tmp_path)), logged["cwd"]
