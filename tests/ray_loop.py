@@ -22,7 +22,8 @@ def watched_loop(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     data = TensorDataset(torch.arange(config["n"]))
     loader = watch(ray.train.torch.prepare_data_loader(
-        DataLoader(data, batch_size=config["batch"], shuffle=True)), report=config["report"])
+        DataLoader(data, batch_size=config["batch"], shuffle=True)), report=config["report"],
+        on_violation=config.get("on_violation", "warn"))
     got = []
     for epoch in range(config["epochs"]):
         if config["set_epoch"]:

@@ -92,3 +92,23 @@ def test_padding_and_a_forgotten_set_epoch_are_named(ray_cluster, tmp_path):
     # a worker runs in Ray's session folder, not where the test (or the user) started: the
     # report is given as an absolute path
     assert not logged["cwd"].startswith(str(tmp_path)), logged["cwd"]
+
+
+def test_raise_stops_every_worker(ray_cluster, tmp_path):
+    """on_violation="raise", no set_epoch: epoch 1 repeats epoch 0's order, and every worker
+    raises ShardingViolation at the end of epoch 1, before its loop logs anything."""
+    from ray.train import TrainingFailedError
+
+    with pytest.raises(TrainingFailedError) as failed:
+        run(tmp_path, ray_loop.watched_loop, n=11, batch=BATCH, epochs=EPOCHS,
+            report=str(tmp_path / "w.jsonl"), log=str(tmp_path), set_epoch=False,
+            on_violation="raise")
+    from sharddemo import ShardingViolation
+
+    raised = failed.value.worker_failures  # Ray's own record: each worker's exception
+    assert sorted(raised) == list(range(WORKERS)), raised
+    for rank, error in raised.items():
+        assert isinstance(error, ShardingViolation), f"rank {rank}: {error!r}"
+        assert error.entry["epoch"] == 1 and not error.entry["ok"], error.entry
+    # no worker got past epoch 1 to log its batches
+    assert not list(tmp_path.glob("rank*.json"))
