@@ -33,6 +33,10 @@ class ShardingViolation(ShardDemoError):
         super().__init__(message)
         self.entry = entry
 
+    def __reduce__(self):
+        # pickled whole (Ray Train sends a worker's error to the driver pickled)
+        return type(self), (str(self), self.entry)
+
 
 class CollectiveFailed(RunFailed):
     """A collective (gather, exchange) failed on this rank. `kind` says how, measured on the
@@ -42,6 +46,9 @@ class CollectiveFailed(RunFailed):
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self):
+        return type(self), (str(self), self.kind)
 
 
 class Disagreement(RunFailed):

@@ -137,7 +137,7 @@ def attach(loader, state):
             my_tap.active = this_pass
         watch_state.closed = False
         try:
-            for batch in cls.__iter__(self):
+            for batch in own_pass(cls, self):
                 watch_state.add(batch, my_tap)
                 yield batch
         finally:
@@ -182,6 +182,26 @@ def attach(loader, state):
     if tap is not None:
         drop_untapped_iterator(loader)
     return loader
+
+
+def own_pass(cls, loader):
+    """One pass of `loader` as its class makes it. A loader that is its own iterator (Ray
+    Train's _WrappedDataLoader: __iter__ sets up an inner iterator and returns self, __next__
+    yields) is driven through its class's __next__ until StopIteration: iterating the
+    returned object again would call the watched __iter__ once more, without end."""
+    made = cls.__iter__(loader)
+    if made is not loader:
+        return made
+    return next_until_exhausted(cls, loader)
+
+
+def next_until_exhausted(cls, loader):
+    while True:
+        try:
+            batch = cls.__next__(loader)
+        except StopIteration:
+            return
+        yield batch
 
 
 def stateful_loaders(loader) -> list:

@@ -1,0 +1,114 @@
+"""sharddemo.watch inside Ray Train's workers: a 2-worker CPU TorchTrainer on a local Ray
+cluster (`ray.init(num_cpus=2)`, one Ray session for this module), a loop that watches the
+loader ray.train.torch.prepare_data_loader made. Skipped where ray is not installed (the `ray`
+extra; CI does not install it). Expected values: what torch's DistributedSampler(ds, 2, r,
+shuffle=True, seed=0) deals after set_epoch(e) (what prepare_data_loader builds), and the ids
+each worker's loop received, logged by the loop itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.torch")
+
+import ray_loop  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
+
+WORKERS = 2
+N, BATCH, EPOCHS = 10, 4, 2
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # the workers import the loop from tests/ray_loop.py
+    ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    yield
+    ray.shutdown()
+
+
+def run(tmp_path, loop, **config) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(loop, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
+                           run_config=RunConfig(storage_path=str(tmp_path / "ray"),
+                                                name="watch"))
+    trainer.fit()
+
+
+def test_prepare_data_loader_on_two_workers_is_watched_as_it_trains(ray_cluster, tmp_path):
+    """10 samples, batches of 4, 2 workers: 5 samples a worker, steps of 4 and 1, no padding
+    (10 is a multiple of 2), every sample once each epoch (by hand)."""
+    report = tmp_path / "w.jsonl"
+    run(tmp_path, ray_loop.watched_loop, n=N, batch=BATCH, epochs=EPOCHS, report=str(report),
+        log=str(tmp_path), set_epoch=True)
+    data = TensorDataset(torch.arange(N))
+    for rank in range(WORKERS):
+        logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert logged["type"] == "_WrappedDataLoader", logged["type"]
+        sampler = DistributedSampler(data, WORKERS, rank, shuffle=True, seed=0)
+        for epoch in range(EPOCHS):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            expected = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+            assert logged["batches"][epoch] == expected, (
+                f"rank {rank} epoch {epoch}: the loop got {logged['batches'][epoch]}, "
+                f"DistributedSampler deals {expected}")
+    # one entry per epoch, written once (by the rank-0 worker)
+    entries = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(e["epoch"], e["seen"], e["unique"], e["steps"], e["ok"]) for e in entries] == [
+        (0, 10, 10, [2, 2], True), (1, 10, 10, [2, 2], True)]
+
+
+def test_padding_and_a_forgotten_set_epoch_are_named(ray_cluster, tmp_path):
+    """11 samples on 2 workers, no set_epoch: DistributedSampler pads to 12 by repeating the
+    first id of its order, and every epoch deals epoch 0's order."""
+    report = tmp_path / "w.jsonl"
+    run(tmp_path, ray_loop.watched_loop, n=11, batch=BATCH, epochs=EPOCHS, report=str(report),
+        log=str(tmp_path), set_epoch=False)
+    data = TensorDataset(torch.arange(11))
+    dealt = []
+    for rank in range(WORKERS):
+        logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        order = list(DistributedSampler(data, WORKERS, rank, shuffle=True, seed=0))
+        expected = [order[i:i + BATCH] for i in range(0, len(order), BATCH)]
+        assert logged["batches"] == [expected] * EPOCHS, f"rank {rank}: {logged['batches']}"
+        dealt += order
+    repeated = sorted({i for i in dealt if dealt.count(i) > 1})
+    entries = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(e["seen"], e["unique"], e["duplicated"]["ids"], e["duplicated"]["reasons"])
+            for e in entries] == [(12, 11, repeated, ["sampler-padding"])] * EPOCHS
+    assert [e["ok"] for e in entries] == [True, False]
+    failed = [v for v in entries[1]["verdicts"] if not v["ok"]]
+    assert [v["verdict"] for v in failed] == ["order-changes-each-epoch"]
+    assert "set_epoch is never called" in failed[0]["detail"]
+    # a worker runs in Ray's session folder, not where the test (or the user) started: the
+    # report is given as an absolute path
+    assert not logged["cwd"].startswith(str(tmp_path)), logged["cwd"]
+
+
+def test_raise_stops_every_worker(ray_cluster, tmp_path):
+    """on_violation="raise", no set_epoch: epoch 1 repeats epoch 0's order, and every worker
+    raises ShardingViolation at the end of epoch 1, before its loop logs anything."""
+    from ray.train import TrainingFailedError
+
+    with pytest.raises(TrainingFailedError) as failed:
+        run(tmp_path, ray_loop.watched_loop, n=11, batch=BATCH, epochs=EPOCHS,
+            report=str(tmp_path / "w.jsonl"), log=str(tmp_path), set_epoch=False,
+            on_violation="raise")
+    from sharddemo import ShardingViolation
+
+    raised = failed.value.worker_failures  # Ray's own record: each worker's exception
+    assert sorted(raised) == list(range(WORKERS)), raised
+    for rank, error in raised.items():
+        assert isinstance(error, ShardingViolation), f"rank {rank}: {error!r}"
+        assert error.entry["epoch"] == 1 and not error.entry["ok"], error.entry
+    # no worker got past epoch 1 to log its batches
+    assert not list(tmp_path.glob("rank*.json"))
