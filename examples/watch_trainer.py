@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1,
                         help="stop after this many steps (the epoch stopped in is partial)")
     args = parser.parse_args()
-    make_trainer(args.output_dir, args.epochs, args.stop_at, args.max_steps).train(
+    make_trainer(args.output_dir, args.epochs, args.stop_at, max_steps=args.max_steps).train(
         resume_from_checkpoint=True if args.resume else None)
 
 

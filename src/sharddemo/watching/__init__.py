@@ -48,21 +48,37 @@ def watch(loader, accelerator=None, *, name: str = "train",
           dataset_size: Optional[int] = None, lineage: Optional[str] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
-    `accelerator`: your Accelerator (its collectives carry the exchange, and a loader it
-    prepares or skips from this one stays watched); None under torch.distributed alone or in
-    one process. `name`: the loader's name in the line and the report. `report`: the JSON-lines
-    file the main process appends one object to per epoch (None: no file). `id_field`: the
-    batch's field (dict key, tuple position, or "." for a batch that is the ids) holding each
-    sample's id; default: the indices the loader's own sampler hands out (map-style datasets).
-    `on_violation`: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank at
-    the epoch's end) or "ignore" (the report only). `check_every`: every this many steps the
-    ranks meet once to check the window of steps so far (replication, ranks that disagree
-    about the dataset, a rank out of data; docs/watch.md); 0 or None: only at the epoch's
-    end. `dataset_size`: N, the ids 0..N-1 a stream read with `id_field` can deliver
-    (default: a map-style dataset's length; for a stream, inferred from the largest id seen,
-    which cannot see ids lost at the tail, and the line says so). `lineage`: a folder where each rank
-    appends the ids of every batch its loop receives, with the epoch and the step, for
-    `sharddemo lineage DIR --step K` (docs/watch.md, "The batch behind a step"; None: none)."""
+    Args:
+        loader: a torch DataLoader (or one accelerate or torchdata made).
+        accelerator: your Accelerator (its collectives carry the exchange, and a loader it
+            prepares or skips from this one stays watched); None under torch.distributed
+            alone or in one process.
+        name: the loader's name in the line and the report.
+        report: the JSON-lines file the main process appends one entry to per epoch,
+            window and partial epoch (None: no file).
+        id_field: the batch's field (dict key, tuple position, or "." for a batch that is the
+            ids) holding each sample's id; default: the indices the loader's own sampler
+            hands out (map-style datasets).
+        on_violation: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank
+            at the same step) or "ignore" (the report only, nothing printed).
+        check_every: every this many steps the ranks meet once to check the window so far
+            (replication, ranks that disagree about the dataset, a rank out of data); 0 or
+            None: only at the epoch's end.
+        dataset_size: N for a stream read with `id_field` (default: the dataset's length;
+            for a stream, inferred from the largest id seen, and the line says so).
+        lineage: a folder where each rank appends the ids of every batch its loop receives,
+            for `sharddemo lineage DIR --step K` (docs/watch.md, "The batch behind a step").
+
+    Example::
+
+        loader = watch(DataLoader(ds, batch_size=64, shuffle=True), accelerator)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for epoch in range(epochs):
+            for step, batch in enumerate(loader):
+                ...
+        loader.close()               # the epoch stopped in is reported (partial)
+        accelerator.end_training()
+    """
     check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
                     on_violation=on_violation)
     for label, value in (("check_every", check_every), ("dataset_size", dataset_size)):

@@ -123,8 +123,7 @@ def attach(loader, state):
                              "them all and slices them to the ranks), so a rank's own sampler "
                              "does not say what reached it: pass id_field=")
         # the loader's index sampler, as torch's iterator draws from it (_index_sampler)
-        tap = tap_sampler(loader.batch_sampler if getattr(loader, "batch_sampler", None) is not None
-                   else loader.sampler)
+        tap = tap_sampler(index_sampler(loader))
     cls = type(loader)
 
     def __iter__(self):
@@ -244,8 +243,7 @@ def resume_skip(loader) -> int:
             continue
         snapshot = state.get("_snapshot")
         main = snapshot.get("_main_snapshot", {}) if snapshot else state
-        sampler = (base.batch_sampler if getattr(base, "batch_sampler", None) is not None
-                   else base.sampler)
+        sampler = index_sampler(base)
         restored = ((hasattr(sampler, "state_dict") and hasattr(sampler, "load_state_dict"))
                     or main.get("_index_sampler_state") is not None
                     or main.get("_sampler_iter_state") is not None)
@@ -285,3 +283,10 @@ def follow(accelerator, state) -> None:
 def checkpoint(accelerator, state) -> None:
     """Save and load the watch with accelerate's own checkpoint (save_state / load_state)."""
     accelerator.register_for_checkpointing(state)
+
+
+def index_sampler(loader):
+    """The sampler a DataLoader's iterator draws indices from, as torch picks it
+    (DataLoader._index_sampler): its batch sampler, or its sampler where batch_size=None."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return batch_sampler if batch_sampler is not None else loader.sampler

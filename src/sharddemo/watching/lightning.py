@@ -50,10 +50,21 @@ def _capped(trainer, loader) -> bool:
 
 class LightningWatch(*_BASES):
     """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every
-    validation pass (docs/watch.md). `report`: the JSON-lines file (default
-    <default_root_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore";
-    `lineage`: a folder for the train loader's lineage (watch(..., lineage=DIR); with several
-    train loaders, the first one's)."""
+    validation pass (docs/watch.md); an epoch cut by max_steps or limit_train_batches is
+    reported as partial.
+
+    Args:
+        report: the JSON-lines file (default <default_root_dir>/sharddemo-watch.jsonl).
+        on_violation: "warn", "raise" (ShardingViolation on every rank) or "ignore".
+        lineage: a folder for the train loader's lineage (watch(..., lineage=DIR); with
+            several train loaders, the first one's).
+
+    Example::
+
+        from sharddemo.integrations import LightningWatch
+        trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[LightningWatch()])
+        trainer.fit(model, datamodule)
+    """
 
     def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
                  lineage: Optional[str] = None) -> None:

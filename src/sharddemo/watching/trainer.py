@@ -83,9 +83,20 @@ def _follow_module_skip() -> None:
 
 class TrainerWatch(TrainerCallback):
     """Watch a transformers Trainer's train loader every epoch and its eval loader at every
-    evaluation (docs/watch.md). `report`: the JSON-lines file (default
-    <output_dir>/sharddemo-watch.jsonl); `on_violation`: "warn", "raise" or "ignore";
-    `lineage`: a folder for the train loader's lineage (watch(..., lineage=DIR))."""
+    evaluation (docs/watch.md); the epoch open at on_train_end (max_steps) is reported as
+    partial.
+
+    Args:
+        report: the JSON-lines file (default <output_dir>/sharddemo-watch.jsonl).
+        on_violation: "warn", "raise" (ShardingViolation on every rank) or "ignore".
+        lineage: a folder for the train loader's lineage (watch(..., lineage=DIR)).
+
+    Example::
+
+        from sharddemo.integrations import TrainerWatch
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[TrainerWatch()])
+        trainer.train()
+    """
 
     def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
                  lineage: Optional[str] = None) -> None:
