@@ -64,12 +64,11 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
     from sharddemo.launch import LaunchSettings
 
     if framework is not None:
-        from sharddemo.extras import FRAMEWORKS, require_framework
+        from sharddemo.extras import FRAMEWORKS
 
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, "
                              f"got {framework!r}")
-        require_framework(framework)
     opts = AuditOptions(target=_target(factory), epochs=epochs, id_field=id_field, expect=expect,
                         set_epoch=set_epoch, dataset_size=dataset_size, timeout=timeout,
                         max_time=max_time, framework=framework, grad_accum=grad_accum).validate()

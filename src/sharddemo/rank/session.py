@@ -204,10 +204,6 @@ class RankSession:
         self.accelerator = accelerator
 
     @property
-    def world(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
