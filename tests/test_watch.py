@@ -614,16 +614,22 @@ def test_torchrun_without_accelerate(tmp_path, set_epoch):
     assert got[1]["ok"] == set_epoch
 
 
-def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path):
-    """2 ranks, a prepared loader of dict batches, id_field="nope": each rank's loop raises at
-    its first step with the fields the batch has (the dataset's own "x" and "y"), and the
-    script then ends cleanly on both: no rank waits in a collective of the watch's."""
+@pytest.mark.parametrize("some", [False, True])
+def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some):
+    """2 ranks, a prepared loader of dict batches (40 rows, 4 a batch: 5 steps a rank),
+    id_field="nope", missing from every rank's batches or (`some`) from rank 1's alone (rank
+    0's rows have it): the ranks learn it together at the epoch's end (the next exchange; no
+    window within 5 steps) and each rank's loop raises the same ValueError, with the fields
+    rank 1's batches have (the dataset's own "x" and "y"); the script then ends cleanly on
+    both: no rank waits in a collective of the watch's."""
     proc = accelerate_launch([LOOP, "bad-field", "--ids", str(tmp_path),
-                              "--report", str(tmp_path / "w.jsonl")], check=False)
+                              "--report", str(tmp_path / "w.jsonl"),
+                              *(["--some"] if some else [])], check=False)
     assert ended_or_aborted_at_teardown(proc), proc.stderr
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    where = "(on rank 1)" if some else "(on ranks 0, 1)"
     assert said == ["sharddemo.watch: id_field 'nope': the batches (dict) have no field "
-                    "'nope'; they have 'x', 'y'"] * 2
+                    f"'nope'; they have 'x', 'y' {where}"] * 2
     assert not (tmp_path / "w.jsonl").exists()  # no epoch ended
 
 

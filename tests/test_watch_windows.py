@@ -8,9 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import accelerate_launch, ended_or_aborted_at_teardown
 from test_watch import entries
 
+from torch.utils.data import DataLoader, IterableDataset
+
+from sharddemo import watch
 from sharddemo.analysis.watch_window import judge_window
 
 LOOP = "tests/watch_loop.py"
@@ -182,3 +187,146 @@ def test_split_dataset_by_node_is_never_flagged_in_a_window(tmp_path, world, wor
         if [w for w in windows if w["epoch"] == e["epoch"]]:  # (a rank out of data, named)
             assert len(set(steps)) > 1
         assert e["ok"] == (len(set(steps)) == 1)
+
+
+# -- a sample a rank received twice; the order of the previous epoch --------------------------
+
+def test_a_rank_repeat_is_named_unless_the_sampler_draws_with_replacement():
+    """Rank 0's counter says it received ids 3 and 9 twice by step 5; rank 1 nothing."""
+    heads = [dict(head(5), repeats=2, examples=[3, 9]), head(5)]
+    entry = judge_window(epoch=0, name="train", first=1, last=5, at=6, heads=heads,
+                         ids=[[3, 9, 3, 9], [2, 4, 6, 8]], earlier=0, n=100)
+    assert failed(entry) == {"no-unexplained-duplicates"}
+    assert "rank 0 received 2 samples more than once by step 5 (ids 3, 9)" in entry["line"]
+    # a sampler that draws with replacement repeats by design: no window calls it a fault,
+    # nor a sample two ranks both drew (RandomSampler(replacement=True) through prepare)
+    draws = {"draws": {"sampler": "RandomSampler", "replacement": True, "count": 100}}
+    entry = judge_window(epoch=0, name="train", first=1, last=5, at=6, heads=heads,
+                         ids=[[3, 9, 3, 9], [3, 4, 6, 8]], earlier=1, n=100, loader=draws)
+    assert entry["ok"], entry["line"]
+    # ... but the same samples on every rank is replication all the same
+    entry = judge_window(epoch=0, name="train", first=1, last=5, at=6,
+                         heads=[head(5), head(5)], ids=[[1, 2, 3], [1, 2, 3]], earlier=0,
+                         n=100, loader=draws)
+    assert failed(entry) == {"no-silent-replication"}
+
+
+def test_the_previous_epochs_order_fails_only_where_every_running_rank_repeats_it():
+    same, other, unknown = (dict(head(5), order=o) for o in (1, 0, -1))
+    entry = judge_window(epoch=1, name="train", first=1, last=5, at=6, heads=[same, same],
+                         ids=[[0], [1]], earlier=0, n=100)
+    assert failed(entry) == {"order-changes-each-epoch"}
+    assert "same ids at steps 1-5 as in epoch 0" in entry["line"]
+    for heads in ([same, other], [same, unknown], [unknown, unknown]):
+        entry = judge_window(epoch=1, name="train", first=1, last=5, at=6, heads=heads,
+                             ids=[[0], [1]], earlier=0, n=100)
+        assert entry["ok"], heads
+    # (a rank at its end does not count: its window is not compared)
+    entry = judge_window(epoch=1, name="train", first=1, last=5, at=6,
+                         heads=[same, dict(head(5, done=1), order=-1)], ids=[[0], []],
+                         earlier=0, n=100)
+    assert "order-changes-each-epoch" in failed(entry)
+
+
+def test_ids_outside_the_dataset_are_one_finding():
+    """dataset_size 10: ids -1 and 12 name no sample (10 and 11 too); with no dataset size,
+    only the negative one."""
+    entry = judge_window(epoch=0, name="train", first=1, last=1, at=2,
+                         heads=[head(1, n=10), head(1, n=10)], ids=[[-1, 0], [12, 1]],
+                         earlier=0, n=10, id_field="id")
+    assert failed(entry) == {"ids-in-range"}
+    assert "id_field 'id' gave 2 ids outside 0..9 (-1, 12)" in entry["line"]
+    entry = judge_window(epoch=0, name="train", first=1, last=1, at=2,
+                         heads=[head(1, n=-1), head(1, n=-1)], ids=[[-1, 0], [12, 1]],
+                         earlier=0, n=None, id_field="id")
+    assert "id_field 'id' gave 1 id below 0 (-1)" in entry["line"]
+
+
+@given(st.lists(st.lists(st.integers(0, 60), max_size=30), min_size=2, max_size=3),
+       st.integers(1, 200))
+@settings(max_examples=200, deadline=None)
+def test_a_window_fails_replication_exactly_when_two_ranks_share_a_sample(ids, step):
+    """Any ids on 2-3 running ranks, no repeats reported, N = 61: no-silent-replication fails
+    exactly when some sample is in two ranks' windows (worked out here with sets), and
+    ids-in-range never (every id lies in 0..60)."""
+    heads = [head(step, n=61) for _ in ids]
+    entry = judge_window(epoch=0, name="train", first=1, last=step, at=step + 1, heads=heads,
+                         ids=ids, earlier=0, n=61)
+    shared = {i for a in range(len(ids)) for b in range(a) for i in set(ids[a]) & set(ids[b])}
+    assert failed(entry) == ({"no-silent-replication"} if shared else set())
+    assert entry["duplicated"]["count"] == len(shared)
+
+
+def run_cases(tmp_path, cases: str, nproc: int = 2):
+    report = tmp_path / "w.jsonl"
+    proc = accelerate_launch([LOOP, "cases", "--cases", cases, "--report", str(report),
+                              "--ids", str(tmp_path), "--check-every", "5"], nproc=nproc,
+                             check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    ids = {case: [json.loads((tmp_path / f"{case}_rank{r}.json").read_text())
+                  for r in range(nproc)] for case in cases.split(",")}
+    return proc, entries(report), ids
+
+
+def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path):
+    """One launch, 2 ranks, windows of 5 steps of 8, 2 epochs of four loaders (named in the
+    report): `dup` (each rank's own sampler deals one id twice) is named in the first window
+    after the second copy; `replacement` (RandomSampler(replacement=True), prepared) never in
+    a window; a shuffling DistributedSampler with set_epoch never, without it in epoch 1's
+    first window. Expected values from the ids each rank's loop received."""
+    proc, got, ids = run_cases(tmp_path, "dup,replacement,shuffle,shuffle-no-set-epoch")
+    windows = {}
+    for e in got:
+        if "window" in e:
+            windows.setdefault(e["loader"], []).append(e)
+    # dup: the first position at which a rank's ids repeat one it received before
+    for epoch in (0, 1):
+        firsts = []
+        for r in range(2):
+            mine = ids["dup"][r][epoch]
+            firsts.append(next(k for k in range(len(mine)) if mine[k] in mine[:k]))
+        step = max(firsts) // 8 + 1  # the batch of 8 the second copy came in
+        last = -(-step // 5) * 5  # the window of 5 steps that holds it
+        [window] = [w for w in windows["dup"] if w["epoch"] == epoch]
+        assert window["window"] == {"first_step": last - 4, "last_step": last,
+                                    "checked_at": last + 1}
+        assert failed(window) == {"no-unexplained-duplicates"}
+        repeated = sorted(ids["dup"][r][epoch][firsts[r]] for r in range(2))
+        assert window["duplicated"]["ids"] == repeated
+    # replacement: the ranks' own draws repeat (the library's sampler), no window says so
+    drawn = ids["replacement"][0][0] + ids["replacement"][1][0]
+    assert len(set(drawn)) < len(drawn)
+    assert "replacement" not in windows and "shuffle" not in windows
+    # without set_epoch DistributedSampler deals epoch 0's order again (the loops' own ids)
+    assert all(ids["shuffle-no-set-epoch"][r][1] == ids["shuffle-no-set-epoch"][r][0]
+               for r in range(2))
+    assert all(ids["shuffle"][r][1][:40] != ids["shuffle"][r][0][:40] for r in range(2))
+    [window] = windows["shuffle-no-set-epoch"]
+    assert (window["epoch"], window["window"]) == (1, {"first_step": 1, "last_step": 5,
+                                                       "checked_at": 6})
+    assert failed(window) == {"order-changes-each-epoch"}
+
+
+class Outside(IterableDataset):
+    """Ids -2..11 in batches of 2: for dataset_size=10, -2, -1, 10 and 11 name no sample."""
+
+    def __iter__(self):
+        return iter({"id": i} for i in range(-2, 12))
+
+
+def test_ids_outside_the_dataset_are_one_finding_at_the_epochs_end(tmp_path, capsys):
+    """In one process (no windows there): the epoch's entry fails ids-in-range, naming the
+    field and the range, where it read "14 of 10 samples once ... ok"; with N inferred (the
+    largest id + 1 = 12) only -2 and -1 are outside."""
+    report = tmp_path / "w.jsonl"
+    for size in (10, None):
+        loader = watch(DataLoader(Outside(), batch_size=2), report=str(report),
+                       id_field="id", dataset_size=size, name=f"n{size}")
+        for _ in loader:
+            pass
+    told, inferred = entries(report)
+    assert failed(told) == failed(inferred) == {"ids-in-range"}
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sharddemo:")]
+    assert "FAIL ids-in-range: id_field 'id' gave 4 ids outside 0..9 (-2, -1, 10, 11)" in \
+        lines[0]
+    assert "FAIL ids-in-range: id_field 'id' gave 2 ids below 0 (-2, -1)" in lines[1]

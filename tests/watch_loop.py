@@ -9,8 +9,9 @@ watched; the main process prints one line, COLLECTIVES <json>.
 DistributedSampler's loader.
 
 `bad-field`: a prepared loader of dict batches ("x", "y") watched with id_field="nope": each
-rank writes the error its loop raised at the first step to `--ids`/rank<r>.txt, then ends
-cleanly (no rank is left waiting in a collective).
+rank writes the error its loop raised to `--ids`/rank<r>.txt, then ends cleanly (no rank is
+left waiting in a collective). With `--some`, rank 0's batches do have "nope" (only rank 1's
+lack it): the ranks learn it together at the next exchange.
 
 `stop`: a loop that stops mid-epoch at `--stop-at` (what every max_steps loop does), over a
 prepared map-style loader (`--loader prepared`: N = 1000, batch 8) or a stream every rank reads
@@ -31,6 +32,14 @@ uneven (a stream split by rank
 whose lengths differ: rank r reads 30 * (r + 1) ids in batches of 2, so rank 0 runs out of
 data after 15 steps while rank 1 goes on). Each rank writes the ids it received, epoch by
 epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
+
+`cases`: several loaders in one launch, each watched under its own name (`--cases`, comma
+separated), 2 epochs each, windows every `--check-every` steps: `dup` (a sampler of its own: rank r
+takes every W-th of 1001 ids from r, and its 50th id comes again after its 60th: an unexplained
+repeat), `replacement` (a prepared loader over RandomSampler(replacement=True), 1001 draws: repeats
+by design), `shuffle` and `shuffle-no-set-epoch` (a shuffling DistributedSampler over 1001 with and
+without set_epoch); batch 8. Each rank writes the ids it received, epoch by epoch, to
+`--ids`/<case>_rank<r>.json.
 
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
 shuffled, unseeded (accelerate issue 4204), stopped with save_state after `--save-at` steps
@@ -248,16 +257,71 @@ def windows(args, accelerator) -> None:
     accelerator.end_training()
 
 
+class Repeating(Sampler):
+    """Rank r's every W-th id of 1001 from r, with its 50th id dealt again after its 60th."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.mine = list(range(rank, 1001, world))
+        self.mine.insert(60, self.mine[49])
+
+    def __iter__(self):
+        return iter(self.mine)
+
+    def __len__(self):
+        return len(self.mine)
+
+
+def cases(args, accelerator) -> None:
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    data = TensorDataset(torch.arange(1001))
+    for case in args.cases.split(","):
+        common = dict(name=case, report=args.report, check_every=args.check_every)
+        sampler = None
+        if case == "dup":
+            loader = watch(DataLoader(data, batch_size=8, sampler=Repeating(rank, world)),
+                           accelerator, **common)
+        elif case == "replacement":
+            loader = watch(DataLoader(data, batch_size=8,
+                                      sampler=RandomSampler(data, replacement=True)),
+                           accelerator, **common)
+            loader = accelerator.prepare(loader)
+        else:
+            sampler = DistributedSampler(data, shuffle=True, seed=0)
+            loader = watch(DataLoader(data, batch_size=8, sampler=sampler), accelerator,
+                           **common)
+        seen: list[list[int]] = []
+        for epoch in range(2):
+            if case == "shuffle":
+                sampler.set_epoch(epoch)
+            mine: list[int] = []
+            seen.append(mine)
+            for (ids,) in loader:
+                mine.extend(ids.tolist())
+        with open(os.path.join(args.ids, f"{case}_rank{rank}.json"), "w") as handle:
+            json.dump(seen, handle)
+        loader.close()
+    accelerator.end_training()
+
+
 class Rows(torch.utils.data.Dataset):
+    def __init__(self, with_field: bool = False) -> None:
+        self.with_field = with_field
+
     def __len__(self):
         return N
 
     def __getitem__(self, i):
-        return {"x": torch.tensor([float(i)]), "y": torch.tensor(i)}
+        row = {"x": torch.tensor([float(i)]), "y": torch.tensor(i)}
+        if self.with_field:
+            row["nope"] = torch.tensor(i)
+        return row
 
 
 def bad_field(args, accelerator) -> None:
-    loader = watch(DataLoader(Rows(), batch_size=4, shuffle=True), accelerator,
+    rows = Rows(with_field=args.some and accelerator.process_index == 0)
+    loader = watch(DataLoader(rows, batch_size=4, shuffle=True), accelerator,
                    report=args.report, id_field="nope")
     loader = accelerator.prepare(loader)
     said = "no error"
@@ -291,7 +355,9 @@ def plain_torch(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop", "windows",
-                                         "bad-field"])
+                                         "bad-field", "cases"])
+    parser.add_argument("--cases", default="dup,replacement,shuffle,shuffle-no-set-epoch")
+    parser.add_argument("--some", action="store_true")
     parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf"],
                         default="prepared")
     parser.add_argument("--epochs", type=int, default=1)
@@ -320,6 +386,8 @@ def main() -> None:
         stop(args, Accelerator(cpu=True))
     elif args.mode == "windows":
         windows(args, Accelerator(cpu=True))
+    elif args.mode == "cases":
+        cases(args, Accelerator(cpu=True))
     else:
         config = DataLoaderConfiguration(use_stateful_dataloader=True)
         stateful(args, Accelerator(cpu=True, dataloader_config=config))

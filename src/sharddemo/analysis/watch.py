@@ -33,14 +33,16 @@ def watch_trace(header: dict, *, name: str, role: str, description: dict, n: int
 def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: int, name: str,
                 role: str, description: dict, n: Optional[int], batch_size: Optional[int],
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
-                loaded: bool = False, unattributed: int = 0, partial: bool = False) -> dict:
+                loaded: bool = False, unattributed: int = 0, partial: bool = False,
+                id_field: object = None) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
     loaded (its order is compared with the checkpoint's epoch); `unattributed`: batches whose
     indices were not noted. `partial`: the loop stopped before the epoch's end (see
-    partial_entry)."""
+    partial_entry). `id_field`: where the ids are a batch's field (named where some fall
+    outside 0..N-1: the verdict ids-in-range, listed only then)."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -69,6 +71,10 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                                "the restarted loader counts its epochs from 0 again (call "
                                "set_epoch with the real epoch, or resume the loader's "
                                "state: use_stateful_dataloader)")
+    if e["out_of_range"]:  # ids that number no sample: one finding, not a contradiction
+        verdicts.append({"verdict": "ids-in-range", "epoch": epoch, "ok": False,
+                         "detail": out_of_range_detail(sorted(e["out_of_range"]),
+                                                       None if inferred else n, id_field)})
     failed = [v for v in verdicts if not v["ok"]]
     entry = {
         "schema": WATCH_SCHEMA, "loader": name, "epoch": epoch,
@@ -173,6 +179,21 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:
             "repeated": {"count": int(len(repeated)), "ids": repeated[:100].tolist()},
             "skipped": {"count": int(len(skipped)), "ids": skipped[:100].tolist()},
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
+
+
+def out_of_range_detail(outside: list[int], n: Optional[int], id_field: object = None) -> str:
+    """The one finding for ids that cannot number a sample: outside 0..N-1 (negative, where N
+    is not known)."""
+    source = f"id_field {id_field!r}" if id_field is not None else "the loader"
+    where = f"outside 0..{n - 1}" if n is not None else "below 0"
+    return (f"{source} gave {plural(len(outside), 'id')} {where} ({_short_ids(outside)}): the "
+            "watch counts samples by ids 0..N-1 (dataset_size=N); these name no sample of the "
+            "dataset")
+
+
+def _short_ids(ids: list[int], limit: int = 12) -> str:
+    head = ", ".join(map(str, ids[:limit]))
+    return head + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def plural(count: int, word: str, many: str = "") -> str:

@@ -6,28 +6,40 @@ Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at st
 send ids 0..399; all 400 were received by both, so `no-silent-replication` fails for steps 1-50
 and the line says so at once. Padding and accelerate's even-batches fill come only in a rank's
 last batch, and a window never holds a rank's last batch (it is checked when the next batch
-arrives), so no window calls them a fault.
+arrives), so no window calls them a fault. The same holds for a sample that one rank received
+twice (`no-unexplained-duplicates`): only a loader that draws with replacement repeats by design
+before its last batch. From the second epoch, a loader meant to shuffle whose ranks all received
+the same ids at the same steps as in the previous epoch fails `order-changes-each-epoch`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sharddemo.analysis.watch import WATCH_SCHEMA, plural
+from sharddemo.analysis.reasons import draws_repeat
+from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail, plural
 
-# A window's verdicts, in the order they are listed.
-WINDOW_VERDICTS = ("equal-step-counts", "ranks-agree-on-dataset", "no-silent-replication")
+# A window's verdicts, in the order they are listed (order-changes-each-epoch only where a rank
+# compared its window with the previous epoch's; ids-in-range only where an id fell outside).
+WINDOW_VERDICTS = ("equal-step-counts", "ranks-agree-on-dataset", "no-silent-replication",
+                   "no-unexplained-duplicates", "order-changes-each-epoch", "ids-in-range")
 
 
 def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                  heads: list[dict], ids: list, earlier: int,
-                 n: int | None) -> dict:
+                 n: int | None, loader: dict | None = None,
+                 id_field: object = None) -> dict:
     """The window of steps `first`..`last` of epoch `epoch`, checked at rank steps `at`:
     `heads[r]` rank r's {"done": 0 running, else out of data (or closing), "steps": its steps
-    so far, "n": its dataset's length or -1}; `ids[r]` the ids a running rank received in the
-    window (capped; [] for a rank out of data); `earlier`: samples a rank found, at the
-    previous window, that another rank received in an earlier window of this epoch. Returns
-    the entry (docs/watch.schema.json, with `window`) and its line."""
+    so far, "n": its dataset's length or -1, and optionally "repeats": the samples of its
+    window it has received more than once so far this epoch, "examples": a few of them,
+    "order": 1 where its window's ids equal the previous epoch's at the same steps, 0 where
+    they differ, -1 not compared}; `ids[r]` the ids a running rank received in the window
+    (capped; [] for a rank out of data); `earlier`: samples a rank found, at the previous
+    window, that another rank received in an earlier window of this epoch. `loader`: the
+    loader's description (its `draws`: a sampler that repeats by design); `id_field`: where
+    the ids come from a batch's field (named where they fall outside 0..N-1). Returns the
+    entry (docs/watch.schema.json, with `window`) and its line."""
     world = len(heads)
     running = [r for r, h in enumerate(heads) if not h["done"]]
     out_of_data = [r for r, h in enumerate(heads) if h["done"]]
@@ -53,12 +65,17 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     twice = pooled[1:] == pooled[:-1]  # (each rank's ids are distinct: a pair is two ranks)
     shared = _distinct(pooled[1:][twice]).tolist()
     every = _distinct(pooled)
+    # a sampler that draws with replacement deals some samples to two ranks by design: only
+    # the whole window alike on every rank (replication) is a fault then
+    by_design = draws_repeat(loader or {}, n or 0)
+    same = bool(shared) and len(sets) > 1 and all(np.array_equal(s, sets[0]) for s in sets)
+    if by_design and not same:
+        shared, earlier = [], 0
     ok = not shared and not earlier
     detail = ""
     if not ok:
         parts = []
         if shared:
-            same = len(sets) > 1 and all(np.array_equal(s, sets[0]) for s in sets)
             parts.append(f"{plural(len(shared), 'sample')} of steps {first}-{last} received by "
                          f"more than one rank (ids {_short(shared)})"
                          + (": every rank received the same samples: the loader is not "
@@ -70,6 +87,29 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                          "rank that had received it earlier in this epoch")
         detail = "; ".join(parts)
     add("no-silent-replication", ok, detail)
+    # a sample one rank received twice: its counter says so (or, where it keeps none, the
+    # window's own ids); padding and fill come only in a rank's last batch, never in a window
+    repeats = {r: heads[r].get("repeats", 0) for r in running}
+    ok = by_design or not any(repeats.values())
+    add("no-unexplained-duplicates", ok, "" if ok else "; ".join(
+        f"rank {r} received {plural(count, 'sample')} more than once by step {last} "
+        f"({_examples(heads[r].get('examples', []), count)})"
+        for r, count in repeats.items() if count)
+        + ": not the loader's own padding or fill (those come only in a rank's last batch)")
+    again = sorted({i for r in running if repeats[r] and not by_design
+                    for i in heads[r].get("examples", [])})
+    orders = [heads[r].get("order", -1) for r in running]
+    if running and all(o >= 0 for o in orders):
+        ok = not all(o == 1 for o in orders)
+        add("order-changes-each-epoch", ok, "" if ok else (
+            f"every rank received the same ids at steps {first}-{last} as in epoch "
+            f"{epoch - 1}: the loader is meant to shuffle but deals the previous epoch's order "
+            "again (set_epoch is never called?)"))
+    outside = _distinct(np.concatenate([np.empty(0, np.int64), *[
+        np.asarray(ids[r], dtype=np.int64) for r in running]]))
+    outside = outside[(outside < 0) | (outside >= n)] if n is not None else outside[outside < 0]
+    if outside.size:
+        add("ids-in-range", False, out_of_range_detail(outside.tolist(), n, id_field))
     failed = [v for v in verdicts if not v["ok"]]
     seen = sum(len(ids[r]) for r in running)
     top = int(every[-1]) + 1 if every.size else 0
@@ -79,7 +119,8 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         "partial": True, "world_size": world,
         "dataset_size": n if n is not None else top,
         "seen": seen, "unique": int(every.size), "missing": None,
-        "duplicated": {"count": len(shared), "ids": shared[:100],
+        "duplicated": {"count": len(shared) + (0 if by_design else sum(repeats.values())),
+                       "ids": sorted(set(shared[:100]) | set(again)),
                        "reasons": ["replication"] if shared else []},
         "steps": [h["steps"] for h in heads], "order_changed": None,
         "verdicts": verdicts, "reasons": {}, "ok": not failed,
@@ -107,6 +148,11 @@ def _steps(heads: list[dict], ranks: list[int]) -> str:
     steps = sorted({heads[r]["steps"] for r in ranks})
     return (plural(steps[0], "step") if len(steps) == 1
             else f"{', '.join(map(str, steps))} steps")
+
+
+def _examples(ids: list[int], count: int) -> str:
+    """'ids 3, 7' or 'ids 3, 7, ...' where more than the listed came again."""
+    return f"id{'s' if count > 1 else ''} {_short(ids)}" + (", ..." if count > len(ids) else "")
 
 
 def _short(ids: list[int], limit: int = 12) -> str:

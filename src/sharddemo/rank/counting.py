@@ -288,14 +288,21 @@ class Counts:
         """Mid-epoch, local (no collective): whether this rank has received each of `ids` (0-based,
         as add_ids gives them) so far this epoch; None where the ids are counted on a device (the
         counter stays there until the epoch's end). sharddemo.watch's window check."""
+        copies = self.copies(ids)
+        return None if copies is None else copies > 0
+
+    def copies(self, ids: np.ndarray) -> Optional[np.ndarray]:
+        """Mid-epoch, local: how many times this rank has received each of `ids` so far this
+        epoch (0 for an id outside [0, n); the byte counter's, which wraps past 255), or None
+        as for holds."""
         if self.on_device or self.shift_now:
             return None
         self.state.add(self.pending, self.shift_now)
         self.pending, self.pending_ids = [], 0
         ids = np.asarray(ids, dtype=np.int64)
-        out = np.zeros(ids.shape, dtype=bool)
+        out = np.zeros(ids.shape, dtype=np.uint8)
         inside = (ids >= 0) & (ids < self.n)
-        out[inside] = self.counts[ids[inside]] > 0
+        out[inside] = self.counts[ids[inside]]
         return out
 
 
@@ -321,6 +328,9 @@ class BitCounts(Counts):
 
     def holds(self, ids):
         return None  # (two bits a sample: not looked up mid-epoch)
+
+    def copies(self, ids):
+        return None
 
     def present_so_far(self, accelerator):
         raise NotImplementedError("the 2-bit count path keeps no per-rank count to save")

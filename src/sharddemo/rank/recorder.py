@@ -206,6 +206,12 @@ class Recorder:
         holds = getattr(self.log, "holds", None)
         return holds(ids) if holds is not None else None
 
+    def copies(self, ids):
+        """Mid-epoch, local: how many times this rank has received each of `ids` so far this
+        epoch (a uint8 array), or None where holds gives None."""
+        copies = getattr(self.log, "copies", None)
+        return copies(ids) if copies is not None else None
+
     @property
     def delivers_everywhere(self) -> bool:
         """Whether finish(everyone=True) gives the record to every rank (with no collective

@@ -62,8 +62,9 @@ def watch(loader, accelerator=None, *, name: str = "train",
         on_violation: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank
             at the same step) or "ignore" (the report only, nothing printed).
         check_every: every this many steps the ranks meet once to check the window so far
-            (replication, ranks that disagree about the dataset, a rank out of data); 0 or
-            None: only at the epoch's end.
+            (replication, a sample a rank received twice, ranks that disagree about the
+            dataset, a rank out of data, from the second epoch an order that repeats the
+            previous epoch's); 0 or None: only at the epoch's end.
         dataset_size: N for a stream read with `id_field` (default: the dataset's length;
             for a stream, inferred from the largest id seen, and the line says so).
         lineage: a folder where each rank appends the ids of every batch its loop receives,

@@ -36,9 +36,20 @@ CHECK_EVERY = 50
 WINDOW_IDS = 1024
 
 # The figures ahead of the ids in a rank's window row: done (0 running, 1 at its epoch's end,
-# 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, and the
-# samples it found at the previous window that another rank received in an earlier one.
-WINDOW_HEAD = 5
+# 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, the samples
+# it found at the previous window that another rank received in an earlier one, the samples of
+# its window it has received more than once so far this epoch, whether its window repeats the
+# previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), and whether what
+# follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids); then
+# REPEAT_EXAMPLES of its repeated ids.
+WINDOW_HEAD = 8
+REPEAT_EXAMPLES = 4
+
+# Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
+# epoch's windows to compare their ids at the same steps with: a loader meant to shuffle that
+# deals the previous epoch's order again is named in the next epoch's first window. Only for a
+# loader meant to shuffle, with windows on.
+ORDER_PREFIX = 4096
 
 
 RUN: dict = {}
@@ -115,6 +126,9 @@ class WatchState:
         self.loaded = False
         self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
         self.finished = False  # close() ran (or close_alone): nothing more is reported
+        # this rank's error reading id_field, said to every rank at the next exchange
+        self.field_error: Optional[str] = None
+        self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         OPEN.append(self)
         # windows of steps checked within the epoch (check_window); 0 or None: none
         self.check_every = check_every or 0
@@ -271,7 +285,19 @@ class WatchState:
             self.windowed = steps
             self.check_window(0)
         if self.id_field is not None:
-            ids = read_field(batch, self.id_field)
+            try:
+                ids = read_field(batch, self.id_field) if self.field_error is None else None
+            except ValueError as error:
+                if not self.windows_on():
+                    raise
+                # the ranks must learn it together (a rank raising alone leaves the others
+                # waiting in the next exchange): said to every rank at the next exchange (a
+                # window, the epoch's end, close()), where every rank raises it; until then
+                # this rank's batches are counted as steps without ids
+                self.field_error = str(error)
+                ids = None
+            if ids is None:
+                ids = torch.empty(0, dtype=torch.int64)
         elif not tap.fifo:
             # no index noted for this batch (a loader that yields batches its sampler did not
             # draw): counted as unattributed, never a failure of the user's loop
@@ -300,6 +326,9 @@ class WatchState:
         self.windowed = 0  # the step count the last window was checked at
         self.found_earlier = 0  # sent at the next window (see WINDOW_HEAD)
         self.window_failed: set = set()  # verdicts a window of this epoch reported already
+        self.window_offset = 0  # ids this rank received before the window (this epoch)
+        self.prefix: list = []  # the epoch's first ids (ORDER_PREFIX), for the next epoch
+        self.prefix_size = 0
 
     def windows_on(self) -> bool:
         if self.ranks is None:
@@ -315,11 +344,22 @@ class WatchState:
         mine = torch.empty(0, dtype=torch.int64)
         if not done and self.window_ids:
             mine = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in self.window_ids])
-        sent = mine[:WINDOW_IDS]
-        row = torch.full((WINDOW_HEAD + WINDOW_IDS,), -1, dtype=torch.int64)
+        repeats, examples, order = 0, [], -1
+        if self.field_error is not None:  # its message in place of ids
+            sent = torch.tensor(list(self.field_error.encode()[:WINDOW_IDS]), dtype=torch.int64)
+        else:
+            sent = mine[:WINDOW_IDS]
+            if not done:  # (a rank at its end holds its last batch: padding, fill)
+                repeats, examples = self.window_repeats(mine.numpy())
+                order = self.window_order(mine.numpy())
+        width = WINDOW_HEAD + REPEAT_EXAMPLES + WINDOW_IDS
+        row = torch.full((width,), -1, dtype=torch.int64)
         row[:WINDOW_HEAD] = torch.tensor([done, steps, -1 if self.n is None else self.n,
-                                          sent.numel(), self.found_earlier])
-        row[WINDOW_HEAD:WINDOW_HEAD + sent.numel()] = sent
+                                          sent.numel(), self.found_earlier, repeats, order,
+                                          int(self.field_error is not None)])
+        row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = torch.tensor(examples, dtype=torch.int64)
+        start = WINDOW_HEAD + REPEAT_EXAMPLES
+        row[start:start + sent.numel()] = sent
         world = self.ranks.num_processes
         row = row.to(self.ranks.device)
         dist = torch.distributed
@@ -330,17 +370,19 @@ class WatchState:
             collective(dist.all_gather_into_tensor, rows, row)
         else:
             rows = collective(self.ranks.gather, row)
-        rows = rows.to("cpu").view(world, WINDOW_HEAD + WINDOW_IDS)
-        heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4]}
-                 for r in rows[:, :WINDOW_HEAD].tolist()]
-        ids = [rows[r, WINDOW_HEAD:WINDOW_HEAD + h["count"]].numpy() for r, h in
-               enumerate(heads)]
+        rows = rows.to("cpu").view(world, width)
+        heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
+                  "repeats": r[5], "order": r[6], "error": r[7],
+                  "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
+                 for r in rows[:, :start].tolist()]
+        ids = [rows[r, start:start + h["count"]].numpy() for r, h in enumerate(heads)]
         self.found_earlier = 0
         if not done and self.recorder is not None:
             # which of the others' window ids this rank received in an earlier window (it
             # holds them, and not in this window): said at the next window, to every rank
             me = self.ranks.process_index
-            others = [part for r, part in enumerate(ids) if r != me and len(part)]
+            others = [part for r, part in enumerate(ids)
+                      if r != me and len(part) and not heads[r]["error"]]
             if others:
                 others = np.sort(np.concatenate(others))
                 others = others[np.concatenate(([True], others[1:] != others[:-1]))]
@@ -348,7 +390,40 @@ class WatchState:
                 if held is not None:
                     now = np.isin(others, mine.numpy())
                     self.found_earlier = int(np.count_nonzero(held & ~now))
+        if not done:
+            self.window_offset += mine.numel()
         return heads, ids
+
+    def window_repeats(self, mine: np.ndarray) -> tuple[int, list[int]]:
+        """The samples of this rank's window that it has received more than once so far this
+        epoch (its counter, on the host), or, where it keeps none (ids counted on a device, a
+        stream with no dataset length), more than once within the window; a few of them."""
+        if self.recorder is None or not mine.size:
+            return 0, []
+        copies = self.recorder.copies(mine)
+        if copies is None:
+            ordered = np.sort(mine)
+            again = ordered[1:][ordered[1:] == ordered[:-1]]
+        else:
+            again = mine[copies > 1]
+        again = np.unique(again)
+        return int(again.size), again[:REPEAT_EXAMPLES].tolist()
+
+    def window_order(self, mine: np.ndarray) -> int:
+        """Whether this rank's window repeats the previous epoch's ids at the same steps (1),
+        differs (0), or cannot be compared (-1: a loader not meant to shuffle, the first epoch,
+        steps past the kept prefix). Keeps this epoch's first ORDER_PREFIX ids for the next."""
+        if not (self.description or {}).get("shuffled"):
+            return -1
+        if self.prefix_size < ORDER_PREFIX and mine.size:
+            part = mine[:ORDER_PREFIX - self.prefix_size]
+            self.prefix.append(part)
+            self.prefix_size += part.size
+        previous, offset = self.previous_prefix, self.window_offset
+        if previous is None or offset >= previous.size or not mine.size:
+            return -1
+        size = min(mine.size, previous.size - offset)
+        return int(np.array_equal(mine[:size], previous[offset:offset + size]))
 
     def check_window(self, done: int) -> list[dict]:
         """A window's exchange and its judgement (analysis.watch_window), the same on every
@@ -357,12 +432,21 @@ class WatchState:
         from sharddemo.analysis.watch_window import judge_window
 
         heads, ids = self.exchange_window(done)
+        errors = [r for r, h in enumerate(heads) if h["error"]]
+        if errors:  # a rank could not read id_field: every rank raises its message, here
+            self.finished = True
+            if self in OPEN:
+                OPEN.remove(self)
+            raise ValueError(bytes(ids[errors[0]].tolist()).decode(errors="replace")
+                             + f" (on rank{'s' if len(errors) > 1 else ''} "
+                             + ", ".join(map(str, errors)) + ")")
         first, last = self.window_first, self.open_steps()
         if not done:
             self.window_ids, self.window_first = [], last + 1
         entry = judge_window(epoch=self.epoch, name=self.name, first=first, last=last,
                              at=max(h["steps"] for h in heads) + 1, heads=heads, ids=ids,
-                             earlier=sum(h["earlier"] for h in heads), n=self.n)
+                             earlier=sum(h["earlier"] for h in heads), n=self.n,
+                             loader=self.description, id_field=self.id_field)
         failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
         if failed - self.window_failed:
             self.window_failed |= failed
@@ -399,6 +483,10 @@ class WatchState:
             self.recorder = self.new_recorder()
         if self.windows_on() and not drained:
             self.drain(1)
+        # this epoch's first ids, for the next epoch's windows (not where it resumed mid-way:
+        # its first steps are not the epoch's)
+        self.previous_prefix = (np.concatenate(self.prefix) if self.prefix and self.before is None
+                                else None)
         self.new_windows()
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
@@ -456,14 +544,14 @@ class WatchState:
                                 epoch=self.epoch, name=self.name, role=self.role,
                                 description=self.description, n=self.n,
                                 batch_size=self.batch_size, unattributed=self.unattributed,
-                                partial=True)
+                                partial=True, id_field=self.id_field)
             self.unattributed = 0
             return entry
         entry = judge_epoch(trace_header(self.ranks), record, self.previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
-                            unattributed=self.unattributed)
+                            unattributed=self.unattributed, id_field=self.id_field)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         if present is not None:
             self.before = None
