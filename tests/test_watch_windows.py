@@ -257,12 +257,13 @@ def test_a_window_fails_replication_exactly_when_two_ranks_share_a_sample(ids, s
     assert entry["duplicated"]["count"] == len(shared)
 
 
-def run_cases(tmp_path, cases: str, nproc: int = 2):
+def run_cases(tmp_path, cases: str, *args, nproc: int = 2, check: bool = True):
     report = tmp_path / "w.jsonl"
     proc = accelerate_launch([LOOP, "cases", "--cases", cases, "--report", str(report),
-                              "--ids", str(tmp_path), "--check-every", "5"], nproc=nproc,
-                             check=False)
-    assert ended_or_aborted_at_teardown(proc), proc.stderr
+                              "--ids", str(tmp_path), "--check-every", "5", *args],
+                             nproc=nproc, check=False)
+    if check:
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
     ids = {case: [json.loads((tmp_path / f"{case}_rank{r}.json").read_text())
                   for r in range(nproc)] for case in cases.split(",")}
     return proc, entries(report), ids
@@ -330,3 +331,16 @@ def test_ids_outside_the_dataset_are_one_finding_at_the_epochs_end(tmp_path, cap
     assert "FAIL ids-in-range: id_field 'id' gave 4 ids outside 0..9 (-2, -1, 10, 11)" in \
         lines[0]
     assert "FAIL ids-in-range: id_field 'id' gave 2 ids below 0 (-2, -1)" in lines[1]
+
+
+def test_raise_at_a_repeat_stops_every_rank_at_the_same_step(tmp_path):
+    """`dup` with on_violation="raise": each rank's 61st id (0-based 60) is its 50th again, in
+    its 8th batch of 8 (60 // 8 + 1), so the window of steps 6-10 fails, checked as batch 11
+    arrives: both ranks raise ShardingViolation there, nobody hangs."""
+    proc, got, ids = run_cases(tmp_path, "dup", "--on-violation", "raise", check=False)
+    assert proc.returncode != 0
+    raised = [x for x in proc.stderr.splitlines() if "ShardingViolation: sharddemo:" in x]
+    assert len(raised) == 2 and all("steps 6-10 (checked at step 11)" in x for x in raised), \
+        proc.stderr
+    assert all(len(ids["dup"][r][0]) == 10 * 8 for r in range(2))  # 10 steps taken, not 11
+    assert [("window" in e, e["ok"]) for e in got] == [(True, False)]

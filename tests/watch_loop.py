@@ -38,7 +38,7 @@ separated), 2 epochs each, windows every `--check-every` steps: `dup` (a sampler
 takes every W-th of 1001 ids from r, and its 50th id comes again after its 60th: an unexplained
 repeat), `replacement` (a prepared loader over RandomSampler(replacement=True), 1001 draws: repeats
 by design), `shuffle` and `shuffle-no-set-epoch` (a shuffling DistributedSampler over 1001 with and
-without set_epoch); batch 8. Each rank writes the ids it received, epoch by epoch, to
+without set_epoch); batch 8; `--on-violation`. Each rank writes the ids it received, epoch by epoch, to
 `--ids`/<case>_rank<r>.json.
 
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
@@ -277,7 +277,8 @@ def cases(args, accelerator) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     data = TensorDataset(torch.arange(1001))
     for case in args.cases.split(","):
-        common = dict(name=case, report=args.report, check_every=args.check_every)
+        common = dict(name=case, report=args.report, check_every=args.check_every,
+                      on_violation=args.on_violation)
         sampler = None
         if case == "dup":
             loader = watch(DataLoader(data, batch_size=8, sampler=Repeating(rank, world)),
@@ -299,6 +300,9 @@ def cases(args, accelerator) -> None:
             seen.append(mine)
             for (ids,) in loader:
                 mine.extend(ids.tolist())
+                if args.on_violation == "raise":  # (what came, even where the watch raises)
+                    with open(os.path.join(args.ids, f"{case}_rank{rank}.json"), "w") as out:
+                        json.dump(seen, out)
         with open(os.path.join(args.ids, f"{case}_rank{rank}.json"), "w") as handle:
             json.dump(seen, handle)
         loader.close()
