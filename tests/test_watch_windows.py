@@ -344,3 +344,28 @@ def test_raise_at_a_repeat_stops_every_rank_at_the_same_step(tmp_path):
         proc.stderr
     assert all(len(ids["dup"][r][0]) == 10 * 8 for r in range(2))  # 10 steps taken, not 11
     assert [("window" in e, e["ok"]) for e in got] == [(True, False)]
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(-1, 1)),
+                min_size=2, max_size=4), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_repeat_and_order_verdicts_follow_the_running_ranks(ranks, replacement):
+    """Any ranks (done 0 running or 1-2 at an end; repeats; order 1/0/-1), disjoint ids:
+    no-unexplained-duplicates fails exactly when a running rank reports a repeat and the
+    sampler does not draw with replacement; order-changes-each-epoch is judged only where every
+    running rank compared, and fails exactly when every running rank repeats the order."""
+    heads = [{"done": done, "steps": 10, "n": 100, "repeats": repeats,
+              "examples": list(range(repeats)), "order": order}
+             for done, repeats, order in ranks]
+    ids = [[] if done else [r] for r, (done, _, _) in enumerate(ranks)]
+    loader = {"draws": {"sampler": "RandomSampler", "replacement": True, "count": 100}}
+    entry = judge_window(epoch=1, name="train", first=6, last=10, at=11, heads=heads, ids=ids,
+                         earlier=0, n=100, loader=loader if replacement else None)
+    running = [(repeats, order) for done, repeats, order in ranks if not done]
+    verdicts = {v["verdict"]: v["ok"] for v in entry["verdicts"]}
+    assert verdicts["no-unexplained-duplicates"] == (
+        replacement or not any(repeats for repeats, _ in running))
+    compared = bool(running) and all(order >= 0 for _, order in running)
+    assert ("order-changes-each-epoch" in verdicts) == compared
+    if compared:
+        assert verdicts["order-changes-each-epoch"] == (not all(o == 1 for _, o in running))

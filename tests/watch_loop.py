@@ -9,8 +9,8 @@ watched; the main process prints one line, COLLECTIVES <json>.
 DistributedSampler's loader.
 
 `bad-field`: a prepared loader of dict batches ("x", "y") watched with id_field="nope": each
-rank writes the error its loop raised to `--ids`/rank<r>.txt, then ends cleanly (no rank is
-left waiting in a collective). With `--some`, rank 0's batches do have "nope" (only rank 1's
+rank writes the error its loop raised and the batches its loop received before it to
+`--ids`/rank<r>.txt, then ends cleanly (no rank is left waiting in a collective). With `--some`, rank 0's batches do have "nope" (only rank 1's
 lack it): the ranks learn it together at the next exchange.
 
 `stop`: a loop that stops mid-epoch at `--stop-at` (what every max_steps loop does), over a
@@ -326,16 +326,16 @@ class Rows(torch.utils.data.Dataset):
 def bad_field(args, accelerator) -> None:
     rows = Rows(with_field=args.some and accelerator.process_index == 0)
     loader = watch(DataLoader(rows, batch_size=4, shuffle=True), accelerator,
-                   report=args.report, id_field="nope")
+                   report=args.report, id_field="nope", check_every=args.check_every)
     loader = accelerator.prepare(loader)
-    said = "no error"
+    said, received = "no error", 0
     try:
         for _ in loader:
-            pass
+            received += 1
     except ValueError as error:
         said = str(error)
     with open(os.path.join(args.ids, f"rank{accelerator.process_index}.txt"), "w") as handle:
-        handle.write(said)
+        handle.write(f"{said}\n{received}")
     accelerator.end_training()
 
 
