@@ -126,7 +126,9 @@ def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
 def test_sharded_loaders_never_fail_a_window(tmp_path, loader, world):
     """accelerate's prepared loader (its fill at the end) and a DistributedSampler with
     set_epoch (its padding at the end), 1001 samples, batch 8, windows of 5 steps, 2 epochs:
-    no window fails, and each epoch's entry agrees with what the loops received."""
+    no window fails (neither replication nor a repeat: the fill and the padding come in a
+    rank's last batch; nor the order in epoch 1: both deal a new one), and each epoch's entry
+    agrees with what the loops received."""
     proc, got, ids = run(tmp_path, "--loader", loader, "--check-every", "5", "--epochs", "2",
                          nproc=world)
     assert not [e for e in got if "window" in e], [e["line"] for e in got]
