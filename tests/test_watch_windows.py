@@ -271,13 +271,15 @@ def run_cases(tmp_path, cases: str, *args, nproc: int = 2, check: bool = True):
     return proc, entries(report), ids
 
 
-def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path):
-    """One launch, 2 ranks, windows of 5 steps of 8, 2 epochs of four loaders (named in the
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path, world):
+    """One launch, 2 or 3 ranks, windows of 5 steps of 8, 2 epochs of four loaders (named in the
     report): `dup` (each rank's own sampler deals one id twice) is named in the first window
     after the second copy; `replacement` (RandomSampler(replacement=True), prepared) never in
     a window; a shuffling DistributedSampler with set_epoch never, without it in epoch 1's
     first window. Expected values from the ids each rank's loop received."""
-    proc, got, ids = run_cases(tmp_path, "dup,replacement,shuffle,shuffle-no-set-epoch")
+    proc, got, ids = run_cases(tmp_path, "dup,replacement,shuffle,shuffle-no-set-epoch",
+                               nproc=world)
     windows = {}
     for e in got:
         if "window" in e:
@@ -285,25 +287,26 @@ def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path):
     # dup: the first position at which a rank's ids repeat one it received before
     for epoch in (0, 1):
         firsts = []
-        for r in range(2):
+        for r in range(world):
             mine = ids["dup"][r][epoch]
             firsts.append(next(k for k in range(len(mine)) if mine[k] in mine[:k]))
-        step = max(firsts) // 8 + 1  # the batch of 8 the second copy came in
+        assert len(set(firsts)) == 1  # (every rank's repeat at the same position)
+        step = firsts[0] // 8 + 1  # the batch of 8 the second copy came in
         last = -(-step // 5) * 5  # the window of 5 steps that holds it
         [window] = [w for w in windows["dup"] if w["epoch"] == epoch]
         assert window["window"] == {"first_step": last - 4, "last_step": last,
                                     "checked_at": last + 1}
         assert failed(window) == {"no-unexplained-duplicates"}
-        repeated = sorted(ids["dup"][r][epoch][firsts[r]] for r in range(2))
+        repeated = sorted(ids["dup"][r][epoch][firsts[r]] for r in range(world))
         assert window["duplicated"]["ids"] == repeated
     # replacement: the ranks' own draws repeat (the library's sampler), no window says so
-    drawn = ids["replacement"][0][0] + ids["replacement"][1][0]
+    drawn = [i for r in range(world) for i in ids["replacement"][r][0]]
     assert len(set(drawn)) < len(drawn)
     assert "replacement" not in windows and "shuffle" not in windows
     # without set_epoch DistributedSampler deals epoch 0's order again (the loops' own ids)
     assert all(ids["shuffle-no-set-epoch"][r][1] == ids["shuffle-no-set-epoch"][r][0]
-               for r in range(2))
-    assert all(ids["shuffle"][r][1][:40] != ids["shuffle"][r][0][:40] for r in range(2))
+               for r in range(world))
+    assert all(ids["shuffle"][r][1][:40] != ids["shuffle"][r][0][:40] for r in range(world))
     [window] = windows["shuffle-no-set-epoch"]
     assert (window["epoch"], window["window"]) == (1, {"first_step": 1, "last_step": 5,
                                                        "checked_at": 6})
