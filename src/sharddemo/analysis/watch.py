@@ -33,13 +33,17 @@ def watch_trace(header: dict, *, name: str, role: str, description: dict, n: int
 def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: int, name: str,
                 role: str, description: dict, n: Optional[int], batch_size: Optional[int],
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
-                loaded: bool = False, unattributed: int = 0, partial: bool = False) -> dict:
+                loaded: bool = False, unattributed: int = 0, partial: bool = False,
+                restarts: Optional[list] = None, again: Optional[np.ndarray] = None,
+                unknown_before: bool = False) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
     loaded (its order is compared with the checkpoint's epoch); `unattributed`: batches whose
-    indices were not noted. `partial`: the loop stopped before the epoch's end (see
+    indices were not noted. `restarts`, `again`: the epoch's chain of restarts (resume_check);
+    `unknown_before`: resumed from a checkpoint without the watch's state, so the part before
+    the stop is unknown: no missing verdict, the rest judged. `partial`: the loop stopped before the epoch's end (see
     partial_entry)."""
     from sharddemo.analysis import build_report
 
@@ -56,8 +60,20 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     e = report["epochs"][-1]
     verdicts = [v for v in report["verdicts"] if v["epoch"] == epoch]
     resume = None
-    if before is not None and present is not None:
-        resume = resume_check(before, present, epoch)
+    if unknown_before:  # (a chain that began with such a checkpoint: still unknown)
+        resume = unknown_resume(epoch, restarts or [])
+        # what came before the stop is unknown: which samples the epoch missed is too
+        verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
+    elif (before is not None and present is not None and not before.any()
+            and (again is None or not again.any())):
+        # restarted before the epoch's first step (a save after the previous epoch, or after
+        # its last step): nothing came before, the epoch is judged as any other
+        resume = resume_check(before, present, epoch, restarts, again)
+        resume.pop("verdict")
+        resume["skipped"] = {"count": e["missing_count"], "ids": e["missing"][:100]}
+        resume["at_start"] = True
+    elif before is not None and present is not None:
+        resume = resume_check(before, present, epoch, restarts, again)
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -85,7 +101,12 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         "verdicts": verdicts, "ok": not failed,
         "reasons": e["reasons"],
     }
-    if resume is not None:
+    if resume is not None and resume.pop("at_start", False):
+        entry["resume"] = resume
+    elif resume is not None and resume.get("unknown_before"):
+        entry["resume"] = resume
+        entry["missing"] = None
+    elif resume is not None:
         entry["resume"] = resume
         entry["seen"] += resume["seen_before"]
         entry["unique"] = n - resume["skipped"]["count"]
@@ -157,27 +178,112 @@ def partial_line(entry: dict) -> str:
     return text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
 
 
-def resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:
-    """A resumed epoch: the samples delivered both before the stop and after the restart
-    (repeated) and in neither (skipped), from how many ranks received each in either part."""
+def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
+                 restarts: Optional[list] = None,
+                 again: Optional[np.ndarray] = None) -> dict:
+    """A resumed epoch: the samples delivered both before a stop and after its restart
+    (repeated) and in no part (skipped), from how many ranks received each sample in each part.
+
+    `before`: how many ranks received each sample in the parts before the last restart (a
+    chain of restarts sums its parts); `after`: the part after the last restart; `restarts`:
+    the epoch's restarts, oldest first, as the checkpoints carried them (each restart but the
+    last with its own repeated samples, found when the next checkpoint was saved); `again`:
+    the samples an earlier restart of the chain repeated (1), so that the epoch's total
+    counts each repeated sample once.
+
+    Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
+    repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
+    repeated 2, 3, 5 (3 samples), skipped none, seen 4 + 4 + 3 = 11 before + after."""
     n = min(len(before), len(after))
-    before, after = before[:n], after[:n]
-    repeated = np.flatnonzero((before > 0) & (after > 0))
+    before, after = before[:n].astype(np.int64), after[:n]
+    last = (before > 0) & (after > 0)
+    chain = last if again is None else last | (again[:n] > 0)
+    repeated = np.flatnonzero(chain)
     skipped = np.flatnonzero((before == 0) & (after == 0))
+    restarts = [dict(r) for r in restarts or []] or [restart(epoch, None, None, None)]
+    restarts[-1]["seen_before"] = int(before.sum())
+    restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
     ok = not len(repeated) and not len(skipped)
     detail = "" if ok else (
-        f"{len(repeated)} sample(s) delivered again after the restart and {len(skipped)} never: "
+        f"{len(repeated)} sample(s) delivered again after "
+        f"{'a restart' if len(restarts) > 1 else 'the restart'} and {len(skipped)} never: "
         "the resumed run did not continue where it stopped (no common seed, or the loader's "
         "position not restored; docs/resume.md)")
-    return {"seen_before": int(np.count_nonzero(before)),
-            "repeated": {"count": int(len(repeated)), "ids": repeated[:100].tolist()},
-            "skipped": {"count": int(len(skipped)), "ids": skipped[:100].tolist()},
+    size_changed = [r for r in restarts if r.get("saved_on") and r.get("resumed_on")
+                    and r["saved_on"] != r["resumed_on"]]
+    if not ok and size_changed:
+        detail += "; " + "; ".join(restart_words(r) for r in size_changed)
+    return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
+            "skipped": id_list(skipped), "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
+
+
+def id_list(ids: np.ndarray) -> dict:
+    return {"count": int(len(ids)), "ids": ids[:100].tolist()}
+
+
+def restart(epoch: int, step: Optional[int], saved_on: Optional[int],
+            resumed_on: Optional[int], at_edge: bool = False) -> dict:
+    """One restart of a chain, as the report keeps it: the epoch and the step (of the main
+    process, in the epoch, over the whole chain) where the checkpoint was saved, on how many
+    ranks it was saved and resumed; `at_edge`: saved after the epoch's last step (the run
+    resumes with the next epoch). `seen_before` and `repeated` are filled as the epoch goes on
+    (resume_check); `skipped_batches`, by the resumed loader (skip_first_batches)."""
+    out = {"epoch": epoch, "step": step, "saved_on": saved_on, "resumed_on": resumed_on,
+           "seen_before": None, "repeated": None, "skipped_batches": None}
+    if at_edge:
+        out["at_edge"] = True
+    return out
+
+
+def restart_words(r: dict) -> str:
+    """'saved at epoch 0 step 3 on 2 ranks (24 samples delivered), resumed on 3:
+    skip_first_batches(3) skipped 3 batches on each of 3 ranks, 36 samples at the new size'."""
+    before = r.get("seen_before")
+    text = (f"saved at epoch {r['epoch']} step {r['step']} on "
+            f"{plural(r['saved_on'] or 0, 'rank')}"
+            f"{f' ({before:,} samples delivered)' if before is not None else ''}, resumed on "
+            f"{r['resumed_on']}")
+    if r.get("at_edge"):
+        text += " (after the epoch's last step: the run went on with the next epoch)"
+    skipped = r.get("skipped_batches")
+    if skipped and r.get("batch_size") and r.get("resumed_on"):
+        skipped_samples = skipped * r["resumed_on"] * r["batch_size"]
+        text += (f": skip_first_batches({skipped}) skipped {skipped} batches on each of "
+                 f"{plural(r['resumed_on'], 'rank')}, {skipped_samples:,} samples at the new "
+                 "size")
+    return text
+
+
+def unknown_resume(epoch: int, restarts: list) -> dict:
+    """A resume from a checkpoint that holds no state of the watch's (saved before the watch
+    was added): the part before the stop is unknown; the rest is judged."""
+    return {"seen_before": None, "repeated": None, "skipped": None, "unknown_before": True,
+            "restarts": [dict(r) for r in restarts]}
 
 
 def plural(count: int, word: str, many: str = "") -> str:
     """'1 step', '5 steps' ('1 copy', '2 copies' with `many`)."""
     return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
+def restarts_said(restarts: list) -> str:
+    """'the restart' (one, on as many ranks as it was saved on), else each restart in order:
+    'the restarts at epoch 0 step 3 (2 ranks, 5 repeated), epoch 1 step 4 (2 -> 3 ranks, 4
+    repeated)'."""
+    if len(restarts) <= 1 and not any(r.get("saved_on") != r.get("resumed_on")
+                                     or r.get("at_edge") for r in restarts):
+        return "the restart"
+    said = []
+    for r in restarts:
+        ranks = (f"{r['saved_on']} -> {plural(r['resumed_on'] or 0, 'rank')}"
+                 if r.get("saved_on") and r["saved_on"] != r.get("resumed_on")
+                 else plural(r.get("resumed_on") or 0, "rank"))
+        edge = ", after the epoch's last step" if r.get("at_edge") else ""
+        again = r.get("repeated")
+        count = f", {again['count']:,} repeated" if again is not None else ""
+        said.append(f"epoch {r['epoch']} step {r['step']} ({ranks}{edge}{count})")
+    return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
 
 
 def watch_line(entry: dict, failed: list[dict]) -> str:
@@ -203,9 +309,18 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
              None: "-"}[entry["order_changed"]]
     part = f"{deals:,} (a part of {n:,})" if deals < n else f"{n:,}"
     resumed = entry.get("resume")
-    if resumed:
+    if resumed and resumed.get("unknown_before"):
+        once = (f"{plural(entry['seen'], 'sample')} after the restart, what came before the "
+                "stop unknown (the checkpoint holds no state of the watch's: no missing "
+                "verdict)")
+    elif resumed and not resumed["seen_before"]:
+        r = (resumed.get("restarts") or [{}])[-1]
+        once += (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
+                 f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
+    elif resumed:
         once = (f"{resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
-                f"repeated after the restart, {resumed['skipped']['count']:,} skipped")
+                f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
+                f"{resumed['skipped']['count']:,} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
             f"{'sample' if n == 1 else 'samples'} {once} across {plural(world, 'rank')}, "
             f"{each}, order changed: {order}")
@@ -213,6 +328,6 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
     reasons = [REASON_LABEL.get(r, r) for r in
-               [entry["missing"]["reason"], *entry["duplicated"]["reasons"]] if r]
+               [(entry["missing"] or {}).get("reason"), *entry["duplicated"]["reasons"]] if r]
     reasons = [r for r in dict.fromkeys(reasons) if r not in details]  # not said twice
     return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")
