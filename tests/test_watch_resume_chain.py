@@ -53,6 +53,11 @@ class Chain:
         assert ended_or_aborted_at_teardown(proc), proc.stderr
         self.outputs.append(proc.stdout + proc.stderr)
 
+    def last_batch(self, launch: int, epoch: int, rank: int) -> list[int]:
+        """The last batch rank `rank` of `launch` received in `epoch`."""
+        got = json.loads((self.ids / f"launch{launch}_rank{rank}.json").read_text())
+        return [ids for e, ids in got if e == epoch][-1]
+
     def received(self, launch: int, epoch: int) -> list[int]:
         """Every id the ranks of `launch` received in `epoch`, all ranks together."""
         out = []
@@ -112,7 +117,15 @@ def test_a_chain_of_restarts_within_and_across_epochs_on_a_changed_world(tmp_pat
     (only,) = resume["restarts"]
     assert (only["epoch"], only["step"], only["saved_on"], only["resumed_on"]) == (1, 4, 2, 3)
     assert only["skipped_batches"] == 4 and only["seen_before"] == 32
-    assert only["repeated"]["ids"] == sorted(set(before) & set(after))
+    # accelerate's BatchSamplerShard for 3 ranks: rank 2's last batch (global batch 20 of 20)
+    # is the fill, the first batch of the epoch's order again; in the resumed launch it is the
+    # last batch rank 2 received. Delivered before the stop too, it is fill, not a repeat.
+    shards = [list(BatchSamplerShard(inner, 3, r)) for r in range(3)]
+    assert shards[2][-1] == list(inner)[0] and [len(x) for x in shards] == [7, 7, 7]
+    fill = set(chain.last_batch(4, 1, 2))
+    again = set(before) & set(after)
+    assert only["repeated"]["ids"] == sorted(again - fill)
+    assert only.get("fill", {"ids": []})["ids"] == sorted(again & fill)
     assert whole[1]["seen"] == 32 + 36
     # 32 + 36 = 68 deliveries of 80 samples: at least 12 never came (by hand)
     assert whole[1]["resume"]["skipped"]["count"] >= 12 and not whole[1]["ok"]
@@ -301,3 +314,29 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(t
     assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
     assert "holds no LightningWatch state" in outputs[1]
     assert train[1]["ok"] and train[1]["seen"] == 40
+
+
+@pytest.mark.parametrize("n,batch,world,skipped,fill", [
+    # N = 10, B = 3, W = 2: r0 [[0,1,2],[6,7,8]], r1 [[3,4,5],[9,0,1]] (FACTS): batch 3 of
+    # K = 4 is short, completed with 0 and 1
+    (10, 3, 2, 0, [0, 1]),
+    # N = 80, B = 4, W = 3, resumed after skip_first_batches(4): rank 2's last batch is global
+    # batch 20 of K = 20, the order's first batch again
+    (80, 4, 3, 4, [0, 1, 2, 3]),
+    # N = 80, B = 4, W = 2: K = 20 deals evenly, no fill
+    (80, 4, 2, 3, []),
+])
+def test_the_fill_of_a_resumed_part_is_read_from_each_ranks_last_batch(n, batch, world,
+                                                                        skipped, fill):
+    from sharddemo.analysis.watch import fill_ids
+
+    inner = BatchSampler(SequentialSampler(range(n)), batch, drop_last=False)
+    ranks = []
+    for r in range(world):
+        part = list(SkipBatchSampler(BatchSamplerShard(inner, world, r), skipped))
+        ranks.append({"rank": r, "steps": len(part), "tail": part[-3:]})
+    described = {"batch_sampler_shard": True, "even_batches": True, "prepared": True}
+    got = fill_ids({"ranks": ranks}, described, n, batch, skipped)
+    assert got.tolist() == fill
+    assert fill_ids({"ranks": ranks}, {**described, "even_batches": False}, n, batch,
+                    skipped).tolist() == []

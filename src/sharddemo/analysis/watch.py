@@ -73,7 +73,10 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         resume["skipped"] = {"count": e["missing_count"], "ids": e["missing"][:100]}
         resume["at_start"] = True
     elif before is not None and present is not None:
-        resume = resume_check(before, present, epoch, restarts, again)
+        skipped = ((restarts or [{}])[-1].get("skipped_batches") or 0)
+        fill = (fill_ids(record, description, n, batch_size, skipped)
+                if loader_share(description, n) == n else None)
+        resume = resume_check(before, present, epoch, restarts, again, fill)
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -180,7 +183,8 @@ def partial_line(entry: dict) -> str:
 
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
-                 again: Optional[np.ndarray] = None) -> dict:
+                 again: Optional[np.ndarray] = None,
+                 fill: Optional[np.ndarray] = None) -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -189,20 +193,28 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     the epoch's restarts, oldest first, as the checkpoints carried them (each restart but the
     last with its own repeated samples, found when the next checkpoint was saved); `again`:
     the samples an earlier restart of the chain repeated (1), so that the epoch's total
-    counts each repeated sample once.
+    counts each repeated sample once; `fill`: the samples accelerate's even_batches fill dealt
+    after the last restart (fill_ids): delivered before the stop too, they are the loader's
+    own fill, as in an uninterrupted run, not a repeat of the resume's.
 
     Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
     repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
     repeated 2, 3, 5 (3 samples), skipped none, seen 4 + 4 + 3 = 11 before + after."""
     n = min(len(before), len(after))
     before, after = before[:n].astype(np.int64), after[:n]
-    last = (before > 0) & (after > 0)
+    both = (before > 0) & (after > 0)
+    filled = np.zeros(n, dtype=bool)
+    if fill is not None and len(fill):
+        filled[fill[(fill >= 0) & (fill < n)]] = True
+    last = both & ~filled
     chain = last if again is None else last | (again[:n] > 0)
     repeated = np.flatnonzero(chain)
     skipped = np.flatnonzero((before == 0) & (after == 0))
     restarts = [dict(r) for r in restarts or []] or [restart(epoch, None, None, None)]
     restarts[-1]["seen_before"] = int(before.sum())
     restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
+    if (both & filled).any():
+        restarts[-1]["fill"] = id_list(np.flatnonzero(both & filled))
     ok = not len(repeated) and not len(skipped)
     detail = "" if ok else (
         f"{len(repeated)} sample(s) delivered again after "
@@ -216,6 +228,36 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
             "skipped": id_list(skipped), "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
+
+
+def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
+             skipped: int) -> np.ndarray:
+    """The samples accelerate's even_batches fill dealt in the part of an epoch after a restart
+    (each rank's last batch, where it lies past the epoch's K = ceil(N/B) global batches, and
+    the completion of the short batch K-1), from the ranks' last batches in the record.
+
+    Rank r's j-th batch of the epoch is global batch j*W + r (BatchSamplerShard deals them
+    round-robin); a rank that skipped `skipped` batches (skip_first_batches) and then took s
+    steps ended at batch skipped + s - 1. N = 80, B = 4, W = 3: K = 20, rank 2 ends at batch
+    6, global 20: its last batch is fill (the first 4 samples of the epoch's order)."""
+    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
+    if (not shard or description.get("even_batches") is False or description.get("drop_last")
+            or description.get("split_batches") or not batch_size):
+        return np.zeros(0, dtype=np.int64)
+    ranks = record.get("ranks") or []
+    world, k, rest = len(ranks), -(-n // batch_size), n % batch_size
+    out: list = []
+    for r, rank in enumerate(ranks):
+        batches = rank.get("tail") or rank.get("head") or []
+        if not rank.get("steps") or not batches:
+            continue
+        last = list(batches[-1])
+        at = (skipped + rank["steps"] - 1) * world + r
+        if at >= k:
+            out += last
+        elif at == k - 1 and rest:
+            out += last[rest:]
+    return np.unique(np.asarray(out, dtype=np.int64))
 
 
 def id_list(ids: np.ndarray) -> dict:
@@ -252,6 +294,9 @@ def restart_words(r: dict) -> str:
         text += (f": skip_first_batches({skipped}) skipped {skipped} batches on each of "
                  f"{plural(r['resumed_on'], 'rank')}, {skipped_samples:,} samples at the new "
                  "size")
+    if r.get("fill"):
+        text += (f"; {r['fill']['count']:,} delivered again are the resumed size's own fill "
+                 "(accelerate's even_batches), not counted as repeated")
     return text
 
 
@@ -282,6 +327,8 @@ def restarts_said(restarts: list) -> str:
         edge = ", after the epoch's last step" if r.get("at_edge") else ""
         again = r.get("repeated")
         count = f", {again['count']:,} repeated" if again is not None else ""
+        if r.get("fill"):
+            count += f", {r['fill']['count']:,} of the fill (accelerate's even_batches)"
         said.append(f"epoch {r['epoch']} step {r['step']} ({ranks}{edge}{count})")
     return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
 
