@@ -340,3 +340,27 @@ def test_the_fill_of_a_resumed_part_is_read_from_each_ranks_last_batch(n, batch,
     assert got.tolist() == fill
     assert fill_ids({"ranks": ranks}, {**described, "even_batches": False}, n, batch,
                     skipped).tolist() == []
+
+
+def test_a_checkpoint_of_3_ranks_resumed_on_2(tmp_path):
+    """Fewer ranks: 3 ranks stop at epoch 0 step 3 (3 x 3 x 4 = 36 samples), 2 resume with
+    skip_first_batches(3), counted at the new size: 7 of 10 batches each, 56 samples (by hand;
+    accelerate's SkipBatchSampler over each rank's BatchSamplerShard gives the same count).
+    36 + 56 = 92 deliveries of 80 samples: at least 12 repeated."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(3, "--save-at", "0:3", "--checkpoint", ckpt)
+    chain.launch(2, "--resume-from", ckpt, "--epochs", "1")
+    before, after = chain.received(1, 0), chain.received(2, 0)
+    inner = BatchSampler(SequentialSampler(range(80)), 4, drop_last=False)
+    left = [i for r in range(2) for b in SkipBatchSampler(BatchSamplerShard(inner, 2, r), 3)
+            for i in b]
+    assert len(before) == 36 and len(after) == len(left) == 56
+    (resumed,) = [e for e in entries(chain.report) if not e.get("partial")]
+    (only,) = resumed["resume"]["restarts"]
+    assert (only["epoch"], only["step"], only["saved_on"], only["resumed_on"]) == (0, 3, 3, 2)
+    assert only["skipped_batches"] == 3 and only["seen_before"] == 36
+    assert resumed["resume"]["repeated"]["ids"] == sorted(set(before) & set(after))
+    assert resumed["resume"]["skipped"]["ids"] == sorted(set(range(80)) - set(before + after))
+    assert resumed["seen"] == 92 and resumed["resume"]["repeated"]["count"] >= 12
+    assert not resumed["ok"]

@@ -295,8 +295,10 @@ def restart_words(r: dict) -> str:
                  f"{plural(r['resumed_on'], 'rank')}, {skipped_samples:,} samples at the new "
                  "size")
     if r.get("fill"):
-        text += (f"; {r['fill']['count']:,} delivered again are the resumed size's own fill "
-                 "(accelerate's even_batches), not counted as repeated")
+        count = r["fill"]["count"]
+        text += (f"; {plural(count, 'sample')} delivered again {'is' if count == 1 else 'are'}"
+                 " the resumed size's own fill (accelerate's even_batches), not counted as "
+                 "repeated")
     return text
 
 
