@@ -290,7 +290,8 @@ class WatchState:
                 heads = self.drain(2)
                 ending = any(h["done"] == 1 for h in heads)  # ranks at their epoch's end
                 if ending or any(h["steps"] for h in heads):
-                    entry = self.end_epoch(partial=True, drained=True)
+                    # (every batch of the pass taken, the loader not asked once more: whole)
+                    entry = self.end_epoch(partial=not self.at_edge(), drained=True)
                 if not ending:  # (else they close next: meet them once more)
                     return entry
         steps = self.open_steps()
@@ -300,7 +301,9 @@ class WatchState:
             steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
         if not steps:
             return None
-        return self.end_epoch(partial=True)
+        # a loop that took every batch of its pass and stopped before asking for one more (a
+        # save at the epoch's last step, then the end): the epoch is whole
+        return self.end_epoch(partial=not self.at_edge())
 
     def close_alone(self) -> Optional[dict]:
         """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
