@@ -6,7 +6,7 @@ account of what it received, to check the watch against.
         [--resume-from CKPT] [--save-at E:S | --save-after-epoch E] --checkpoint CKPT
 
 N = 80 samples, batches of 4, a prepared shuffled loader, no seed (each launch draws its own
-order, as an unseeded run does). `--save-at E:S` saves after step S of epoch E, inside the loop,
+order, as an unseeded run does) unless `--seed` is given. `--save-at E:S` saves after step S of epoch E, inside the loop,
 and stops; `--save-after-epoch E` saves after epoch E's loop, outside it, and stops. The
 checkpoint holds the loop's place (`place.json`: the epoch and the steps taken in it, and the
 loader's length then); a resumed launch goes on as accelerate's examples do: the steps taken
@@ -25,6 +25,7 @@ import os
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from sharddemo import watch
@@ -42,8 +43,11 @@ def main() -> None:
     parser.add_argument("--checkpoint")
     parser.add_argument("--resume-from")
     parser.add_argument("--unwatched", action="store_true")
+    parser.add_argument("--seed", type=int, help="accelerate's set_seed before the loader")
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True)
+    if args.seed is not None:
+        set_seed(args.seed)  # every launch draws the same order (FACTS: "Resuming")
     loader = DataLoader(TensorDataset(torch.arange(args.n)), batch_size=4, shuffle=True)
     if not args.unwatched:
         loader = watch(loader, accelerator, report=args.report)

@@ -365,3 +365,27 @@ def test_a_checkpoint_of_3_ranks_resumed_on_2(tmp_path):
     assert resumed["resume"]["skipped"]["ids"] == sorted(set(range(80)) - set(before + after))
     assert resumed["seen"] == 92 and resumed["resume"]["repeated"]["count"] >= 12
     assert not resumed["ok"]
+
+
+def test_a_seeded_chain_of_two_restarts_is_exact(tmp_path):
+    """With set_seed, every launch replays epoch 0's order (FACTS), so a chain of two restarts
+    within it delivers what one uninterrupted run of the same seed delivers: the parts, put
+    together, are that run's epoch 0, and the watch finds no repeat at either restart."""
+    chain = Chain(tmp_path)
+    first, second = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
+    chain.launch(2, "--seed", "3", "--epochs", "1")  # uninterrupted (launch 1)
+    chain.launch(2, "--seed", "3", "--save-at", "0:3", "--checkpoint", first)
+    chain.launch(2, "--seed", "3", "--resume-from", first, "--save-at", "0:7",
+                 "--checkpoint", second)
+    chain.launch(2, "--seed", "3", "--resume-from", second, "--epochs", "1")
+    whole = chain.received(1, 0)
+    parts = [chain.received(k, 0) for k in (2, 3, 4)]
+    assert [len(p) for p in parts] == [24, 32, 24]  # 3, 4 and 3 steps of 2 x 4 (by hand)
+    assert sorted(i for p in parts for i in p) == sorted(whole) == list(range(80))
+    got = [e for e in entries(chain.report) if not e.get("partial")]
+    assert [e["epoch"] for e in got] == [0, 0]  # the uninterrupted run's, then the chain's
+    resume = got[1]["resume"]
+    assert [(r["step"], r["seen_before"], r["repeated"]["count"]) for r in resume["restarts"]] \
+        == [(3, 24, 0), (7, 56, 0)]
+    assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+    assert got[1]["seen"] == got[1]["unique"] == 80 and got[1]["ok"], got[1]
