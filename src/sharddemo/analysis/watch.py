@@ -34,15 +34,18 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 role: str, description: dict, n: Optional[int], batch_size: Optional[int],
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
                 loaded: bool = False, unattributed: int = 0, partial: bool = False,
-                id_field: object = None) -> dict:
+                id_field: object = None, restarts: Optional[list] = None,
+                again: Optional[np.ndarray] = None, unknown_before: bool = False) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
     loaded (its order is compared with the checkpoint's epoch); `unattributed`: batches whose
-    indices were not noted. `partial`: the loop stopped before the epoch's end (see
-    partial_entry). `id_field`: where the ids are a batch's field (named where some fall
-    outside 0..N-1: the verdict ids-in-range, listed only then)."""
+    indices were not noted. `restarts`, `again`: the epoch's chain of restarts (resume_check);
+    `unknown_before`: resumed from a checkpoint without the watch's state, so the part before
+    the stop is unknown: no missing verdict, the rest judged. `partial`: the loop stopped
+    before the epoch's end (see partial_entry). `id_field`: where the ids are a batch's field
+    (named where some fall outside 0..N-1: the verdict ids-in-range, listed only then)."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -58,8 +61,23 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     e = report["epochs"][-1]
     verdicts = [v for v in report["verdicts"] if v["epoch"] == epoch]
     resume = None
-    if before is not None and present is not None:
-        resume = resume_check(before, present, epoch)
+    if unknown_before:  # (a chain that began with such a checkpoint: still unknown)
+        resume = unknown_resume(epoch, restarts or [])
+        # what came before the stop is unknown: which samples the epoch missed is too
+        verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
+    elif (before is not None and present is not None and not before.any()
+            and (again is None or not again.any())):
+        # restarted before the epoch's first step (a save after the previous epoch, or after
+        # its last step): nothing came before, the epoch is judged as any other
+        resume = resume_check(before, present, epoch, restarts, again)
+        resume.pop("verdict")
+        resume["skipped"] = {"count": e["missing_count"], "ids": e["missing"][:100]}
+        resume["at_start"] = True
+    elif before is not None and present is not None:
+        skipped = ((restarts or [{}])[-1].get("skipped_batches") or 0)
+        fill = (fill_ids(record, description, n, batch_size, skipped)
+                if loader_share(description, n) == n else None)
+        resume = resume_check(before, present, epoch, restarts, again, fill)
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -91,7 +109,12 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         "verdicts": verdicts, "ok": not failed,
         "reasons": e["reasons"],
     }
-    if resume is not None:
+    if resume is not None and resume.pop("at_start", False):
+        entry["resume"] = resume
+    elif resume is not None and resume.get("unknown_before"):
+        entry["resume"] = resume
+        entry["missing"] = None
+    elif resume is not None:
         entry["resume"] = resume
         entry["seen"] += resume["seen_before"]
         entry["unique"] = n - resume["skipped"]["count"]
@@ -163,21 +186,52 @@ def partial_line(entry: dict) -> str:
     return text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
 
 
-def resume_check(before: np.ndarray, after: np.ndarray, epoch: int) -> dict:
-    """A resumed epoch: the samples delivered both before the stop and after the restart
-    (repeated) and in neither (skipped), from how many ranks received each in either part."""
+def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
+                 restarts: Optional[list] = None,
+                 again: Optional[np.ndarray] = None,
+                 fill: Optional[np.ndarray] = None) -> dict:
+    """A resumed epoch: the samples delivered both before a stop and after its restart
+    (repeated) and in no part (skipped), from how many ranks received each sample in each part.
+
+    `before`: how many ranks received each sample in the parts before the last restart (a
+    chain of restarts sums its parts); `after`: the part after the last restart; `restarts`:
+    the epoch's restarts, oldest first, as the checkpoints carried them (each restart but the
+    last with its own repeated samples, found when the next checkpoint was saved); `again`:
+    the samples an earlier restart of the chain repeated (1), so that the epoch's total
+    counts each repeated sample once; `fill`: the samples accelerate's even_batches fill dealt
+    after the last restart (fill_ids): delivered before the stop too, they are the loader's
+    own fill, as in an uninterrupted run, not a repeat of the resume's.
+
+    Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
+    repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
+    repeated 2, 3, 5 (3 samples), skipped none, seen 4 + 4 + 3 = 11 before + after."""
     n = min(len(before), len(after))
-    before, after = before[:n], after[:n]
-    repeated = np.flatnonzero((before > 0) & (after > 0))
+    before, after = before[:n].astype(np.int64), after[:n]
+    both = (before > 0) & (after > 0)
+    filled = np.zeros(n, dtype=bool)
+    if fill is not None and len(fill):
+        filled[fill[(fill >= 0) & (fill < n)]] = True
+    last = both & ~filled
+    chain = last if again is None else last | (again[:n] > 0)
+    repeated = np.flatnonzero(chain)
     skipped = np.flatnonzero((before == 0) & (after == 0))
+    restarts = [dict(r) for r in restarts or []] or [restart(epoch, None, None, None)]
+    restarts[-1]["seen_before"] = int(before.sum())
+    restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
+    if (both & filled).any():
+        restarts[-1]["fill"] = id_list(np.flatnonzero(both & filled))
     ok = not len(repeated) and not len(skipped)
     detail = "" if ok else (
-        f"{len(repeated)} sample(s) delivered again after the restart and {len(skipped)} never: "
+        f"{len(repeated)} sample(s) delivered again after "
+        f"{'a restart' if len(restarts) > 1 else 'the restart'} and {len(skipped)} never: "
         "the resumed run did not continue where it stopped (no common seed, or the loader's "
         "position not restored; docs/resume.md)")
-    return {"seen_before": int(np.count_nonzero(before)),
-            "repeated": {"count": int(len(repeated)), "ids": repeated[:100].tolist()},
-            "skipped": {"count": int(len(skipped)), "ids": skipped[:100].tolist()},
+    size_changed = [r for r in restarts if r.get("saved_on") and r.get("resumed_on")
+                    and r["saved_on"] != r["resumed_on"]]
+    if not ok and size_changed:
+        detail += "; " + "; ".join(restart_words(r) for r in size_changed)
+    return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
+            "skipped": id_list(skipped), "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
 
 
@@ -196,9 +250,109 @@ def _short_ids(ids: list[int], limit: int = 12) -> str:
     return head + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")
 
 
+def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
+             skipped: int) -> np.ndarray:
+    """The samples accelerate's even_batches fill dealt in the part of an epoch after a restart
+    (each rank's last batch, where it lies past the epoch's K = ceil(N/B) global batches, and
+    the completion of the short batch K-1), from the ranks' last batches in the record.
+
+    Rank r's j-th batch of the epoch is global batch j*W + r (BatchSamplerShard deals them
+    round-robin); a rank that skipped `skipped` batches (skip_first_batches) and then took s
+    steps ended at batch skipped + s - 1. N = 80, B = 4, W = 3: K = 20, rank 2 ends at batch
+    6, global 20: its last batch is fill (the first 4 samples of the epoch's order)."""
+    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
+    if (not shard or description.get("even_batches") is False or description.get("drop_last")
+            or description.get("split_batches") or not batch_size):
+        return np.zeros(0, dtype=np.int64)
+    ranks = record.get("ranks") or []
+    world, k, rest = len(ranks), -(-n // batch_size), n % batch_size
+    out: list = []
+    for r, rank in enumerate(ranks):
+        batches = rank.get("tail") or rank.get("head") or []
+        if not rank.get("steps") or not batches:
+            continue
+        last = list(batches[-1])
+        at = (skipped + rank["steps"] - 1) * world + r
+        if at >= k:
+            out += last
+        elif at == k - 1 and rest:
+            out += last[rest:]
+    return np.unique(np.asarray(out, dtype=np.int64))
+
+
+def id_list(ids: np.ndarray) -> dict:
+    return {"count": int(len(ids)), "ids": ids[:100].tolist()}
+
+
+def restart(epoch: int, step: Optional[int], saved_on: Optional[int],
+            resumed_on: Optional[int], at_edge: bool = False) -> dict:
+    """One restart of a chain, as the report keeps it: the epoch and the step (of the main
+    process, in the epoch, over the whole chain) where the checkpoint was saved, on how many
+    ranks it was saved and resumed; `at_edge`: saved after the epoch's last step (the run
+    resumes with the next epoch). `seen_before` and `repeated` are filled as the epoch goes on
+    (resume_check); `skipped_batches`, by the resumed loader (skip_first_batches)."""
+    out = {"epoch": epoch, "step": step, "saved_on": saved_on, "resumed_on": resumed_on,
+           "seen_before": None, "repeated": None, "skipped_batches": None}
+    if at_edge:
+        out["at_edge"] = True
+    return out
+
+
+def restart_words(r: dict) -> str:
+    """'saved at epoch 0 step 3 on 2 ranks (24 samples delivered), resumed on 3:
+    skip_first_batches(3) skipped 3 batches on each of 3 ranks, 36 samples at the new size'."""
+    before = r.get("seen_before")
+    text = (f"saved at epoch {r['epoch']} step {r['step']} on "
+            f"{plural(r['saved_on'] or 0, 'rank')}"
+            f"{f' ({before:,} samples delivered)' if before is not None else ''}, resumed on "
+            f"{r['resumed_on']}")
+    if r.get("at_edge"):
+        text += " (after the epoch's last step: the run went on with the next epoch)"
+    skipped = r.get("skipped_batches")
+    if skipped and r.get("batch_size") and r.get("resumed_on"):
+        skipped_samples = skipped * r["resumed_on"] * r["batch_size"]
+        text += (f": skip_first_batches({skipped}) skipped {skipped} batches on each of "
+                 f"{plural(r['resumed_on'], 'rank')}, {skipped_samples:,} samples at the new "
+                 "size")
+    if r.get("fill"):
+        count = r["fill"]["count"]
+        text += (f"; {plural(count, 'sample')} delivered again {'is' if count == 1 else 'are'}"
+                 " the resumed size's own fill (accelerate's even_batches), not counted as "
+                 "repeated")
+    return text
+
+
+def unknown_resume(epoch: int, restarts: list) -> dict:
+    """A resume from a checkpoint that holds no state of the watch's (saved before the watch
+    was added): the part before the stop is unknown; the rest is judged."""
+    return {"seen_before": None, "repeated": None, "skipped": None, "unknown_before": True,
+            "restarts": [dict(r) for r in restarts]}
+
+
 def plural(count: int, word: str, many: str = "") -> str:
     """'1 step', '5 steps' ('1 copy', '2 copies' with `many`)."""
     return f"{count:,} {word if count == 1 else (many or word + 's')}"
+
+
+def restarts_said(restarts: list) -> str:
+    """'the restart' (one, on as many ranks as it was saved on), else each restart in order:
+    'the restarts at epoch 0 step 3 (2 ranks, 5 repeated), epoch 1 step 4 (2 -> 3 ranks, 4
+    repeated)'."""
+    if len(restarts) <= 1 and not any(r.get("saved_on") != r.get("resumed_on")
+                                     or r.get("at_edge") for r in restarts):
+        return "the restart"
+    said = []
+    for r in restarts:
+        ranks = (f"{r['saved_on']} -> {plural(r['resumed_on'] or 0, 'rank')}"
+                 if r.get("saved_on") and r["saved_on"] != r.get("resumed_on")
+                 else plural(r.get("resumed_on") or 0, "rank"))
+        edge = ", after the epoch's last step" if r.get("at_edge") else ""
+        again = r.get("repeated")
+        count = f", {again['count']:,} repeated" if again is not None else ""
+        if r.get("fill"):
+            count += f", {r['fill']['count']:,} of the fill (accelerate's even_batches)"
+        said.append(f"epoch {r['epoch']} step {r['step']} ({ranks}{edge}{count})")
+    return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
 
 
 def watch_line(entry: dict, failed: list[dict]) -> str:
@@ -224,9 +378,18 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
              None: "-"}[entry["order_changed"]]
     part = f"{deals:,} (a part of {n:,})" if deals < n else f"{n:,}"
     resumed = entry.get("resume")
-    if resumed:
+    if resumed and resumed.get("unknown_before"):
+        once = (f"{plural(entry['seen'], 'sample')} after the restart, what came before the "
+                "stop unknown (the checkpoint holds no state of the watch's: no missing "
+                "verdict)")
+    elif resumed and not resumed["seen_before"]:
+        r = (resumed.get("restarts") or [{}])[-1]
+        once += (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
+                 f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
+    elif resumed:
         once = (f"{resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
-                f"repeated after the restart, {resumed['skipped']['count']:,} skipped")
+                f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
+                f"{resumed['skipped']['count']:,} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
             f"{'sample' if n == 1 else 'samples'} {once} across {plural(world, 'rank')}, "
             f"{each}, order changed: {order}")
@@ -234,6 +397,6 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
     reasons = [REASON_LABEL.get(r, r) for r in
-               [entry["missing"]["reason"], *entry["duplicated"]["reasons"]] if r]
+               [(entry["missing"] or {}).get("reason"), *entry["duplicated"]["reasons"]] if r]
     reasons = [r for r in dict.fromkeys(reasons) if r not in details]  # not said twice
     return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")

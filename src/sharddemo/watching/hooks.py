@@ -7,6 +7,9 @@ a watched one. Classes are kept for isinstance, and everything pickles as it was
 from __future__ import annotations
 
 import collections
+import os
+import re
+
 import torch
 
 
@@ -134,6 +137,7 @@ def attach(loader, state):
             my_tap.fifo.clear()
             my_tap.drop = resume_skip(self)
             my_tap.active = this_pass
+        watch_state.start_pass(self)
         watch_state.closed = False
         try:
             for batch in own_pass(cls, self):
@@ -281,8 +285,39 @@ def follow(accelerator, state) -> None:
 
 
 def checkpoint(accelerator, state) -> None:
-    """Save and load the watch with accelerate's own checkpoint (save_state / load_state)."""
+    """Save and load the watch with accelerate's own checkpoint (save_state / load_state). A
+    checkpoint saved before the watch was added holds no state of the watch's: accelerate's
+    load_state would raise (its count of custom checkpoints differs from the objects
+    registered); it loads everything else, and each watch is told (resumed_without_state)."""
     accelerator.register_for_checkpointing(state)
+    if accelerator.__dict__.get("_sharddemo_loads"):
+        return
+    load = accelerator.load_state
+
+    def load_state(input_dir=None, *args, **kwargs):
+        registered = accelerator.__dict__.get("_custom_objects")
+        if input_dir is None or registered is None or not os.path.isdir(input_dir):
+            return load(input_dir, *args, **kwargs)
+        watches = [o for o in registered if hasattr(o, "resumed_without_state")]
+        found = [f for f in os.listdir(input_dir) if CUSTOM.match(f)]
+        if not watches or len(found) != len(registered) - len(watches):
+            return load(input_dir, *args, **kwargs)
+        kept = list(registered)
+        registered[:] = [o for o in kept if o not in watches]
+        try:
+            out = load(input_dir, *args, **kwargs)
+        finally:
+            registered[:] = kept
+        for watched in watches:
+            watched.resumed_without_state(f"{input_dir} was saved before the watch was added")
+        return out
+
+    accelerator.load_state = load_state
+    accelerator.__dict__["_sharddemo_loads"] = True
+
+
+# accelerate's file for each object registered for checkpointing
+CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
 
 
 def index_sampler(loader):

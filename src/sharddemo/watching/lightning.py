@@ -76,6 +76,7 @@ class LightningWatch(*_BASES):
         self.on_violation = on_violation
         self.train_states: list = []  # the train loaders' watches (the checkpoint's part)
         self.loaded: Optional[dict] = None  # from a checkpoint, until the loaders are watched
+        self.restored = False  # a checkpoint gave this callback its state back
         self.val_states: dict = {}  # name -> the val loader's watch (its validation passes)
         self.val_passes: dict = {}  # name -> the passes before this process (a resumed fit)
 
@@ -90,6 +91,7 @@ class LightningWatch(*_BASES):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.loaded = state_dict
+        self.restored = True
         self.val_passes = dict(state_dict.get("val", {}))
 
     def _report(self, trainer) -> str:
@@ -121,6 +123,13 @@ class LightningWatch(*_BASES):
         # epoch-start hooks run
         self._watch_all(trainer, trainer.train_dataloader, "train", "train")
         self._watch_all(trainer, trainer.val_dataloaders, "val", "eval")
+        # fit(ckpt_path=...) from a checkpoint that holds no state of this callback (saved
+        # before it was added), in the middle of an epoch: the part before the stop is unknown
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if (not self.restored and getattr(trainer, "ckpt_path", None)
+                and 0 < done < trainer.num_training_batches):
+            for state in self.train_states:
+                state.resumed_without_state(f"{trainer.ckpt_path} holds no LightningWatch state")
         # The fit loop made its first epoch's iterator before any hook ran (its setup_data),
         # a resumed fit's too: made again, it comes from the watched loaders. Nothing has been
         # taken from it yet (a loader with a length is not prefetched), so the epoch is the

@@ -124,6 +124,18 @@ class WatchState:
         # (main process; from the checkpoint, see state_dict)
         self.before: Optional[np.ndarray] = None
         self.loaded = False
+        # the open epoch's chain of restarts (analysis.watch.restart), oldest first; the
+        # samples an earlier restart of the chain repeated; the main process's steps in the
+        # epoch before the last restart; a resume from a checkpoint without the watch's state
+        self.restarts: list[dict] = []
+        self.again: Optional[np.ndarray] = None
+        self.steps_before = 0
+        self.unknown_before = False
+        # the pass now iterating: its loader's length (None: unsized) and the step it began at,
+        # and the loader the description is of
+        self.pass_length: Optional[int] = None
+        self.pass_first = 0
+        self.described = None
         self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
         self.finished = False  # close() ran (or close_alone): nothing more is reported
         # this rank's error reading id_field, said to every rank at the next exchange
@@ -140,31 +152,120 @@ class WatchState:
         """The watch's place in the run, reduced across the ranks: the epoch, which samples
         this epoch has delivered so far (a collective, where N is known), and the last
         finished epoch's record (for the order)."""
+        from sharddemo.analysis.watch import id_list
+
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
-        before = None
+        before, again, restarts = None, None, [dict(r) for r in self.restarts]
         if self.n is not None:  # (every rank alike: N is the dataset's length)
             if self.recorder is None:
                 self.recorder = self.new_recorder()
-            before = self.recorder.log.present_so_far(self.ranks)
+            before = self.recorder.log.present_so_far(self.ranks)  # since the last restart
             if self.before is not None and before is not None:  # resumed, then saved again
-                before = np.maximum(before, self.before)
-        # (a tensor, not a numpy array: Lightning loads checkpoints with weights_only=True)
+                # the part since the restart repeated these; the chain's parts add up
+                last = (self.before > 0) & (before > 0)
+                again = last if self.again is None else last | (self.again > 0)
+                restarts[-1].update(seen_before=int(self.before.sum(dtype=np.int64)),
+                                    repeated=id_list(np.flatnonzero(last)))
+                before = np.minimum(self.before.astype(np.int64) + before, 255).astype(np.uint8)
+        # (tensors, not numpy arrays: Lightning loads checkpoints with weights_only=True)
         return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
                 "dataset_size": self.n, "previous": self.previous,
                 "before": None if before is None else torch.from_numpy(before),
+                "again": None if again is None else torch.from_numpy(again.astype(np.uint8)),
+                "restarts": restarts, "step": self.steps_before + self.open_steps(),
+                "world_size": self.ranks.num_processes, "at_edge": self.at_edge(),
+                "unknown_before": self.unknown_before,
                 "lineage": self.lineage.place() if self.lineage else None}
 
+    def at_edge(self) -> bool:
+        """The pass now iterating has delivered every batch of its loader (a save at the
+        epoch's last step, inside the loop): the epoch is whole, and a run resumed from here
+        goes on with the next epoch."""
+        steps = self.open_steps() - self.pass_first
+        return bool(self.pass_length) and steps >= self.pass_length
+
+    def foreign(self, state) -> Optional[str]:
+        """Why a checkpoint's watch state is not this loader's (None: it is)."""
+        if not isinstance(state, dict) or state.get("schema") != "sharddemo.watch-state/1":
+            return "it is not a state sharddemo.watch saved"
+        size = state.get("dataset_size")
+        if size is not None and self.n is not None and int(size) != self.n:
+            return (f"it was saved for a dataset of {int(size):,} samples, this loader's has "
+                    f"{self.n:,}")
+        if state.get("loader") != self.name:
+            return (f"it was saved for the loader named {state.get('loader')!r}, not "
+                    f"{self.name!r}")
+        return None
+
+    def resumed_without_state(self, why: str) -> None:
+        """A resume from a checkpoint without (usable) watch state: the part of the epoch
+        before the stop is unknown; the rest is judged (no missing verdict for the epoch)."""
+        from sharddemo.analysis.watch import restart
+
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        if self.ranks.is_main_process:
+            warnings.warn(f"sharddemo.watch: {self.name}: resumed from a checkpoint without the "
+                          f"watch's state ({why}): the part of the epoch before the stop is "
+                          "unknown; the rest is judged", RuntimeWarning, stacklevel=3)
+        self.before, self.again, self.steps_before = None, None, 0
+        self.unknown_before = True
+        self.restarts = [restart(self.epoch, None, None, self.ranks.num_processes)]
+
+    def start_pass(self, loader) -> None:
+        """A pass of `loader` begins: its description (skip_first_batches and prepare make
+        new loaders; the next epoch iterates the first one again), its length, and, for the
+        first pass after a restart, the batches skip_first_batches skipped on each rank."""
+        if self.described is not loader:
+            self.describe(loader)
+        try:
+            self.pass_length = len(loader)
+        except TypeError:
+            self.pass_length = None
+        self.pass_first = self.open_steps()
+        skipped = skipped_batches(loader)
+        if skipped and self.restarts and not self.pass_first:
+            last = self.restarts[-1]
+            if last.get("skipped_batches") is None:
+                last.update(skipped_batches=skipped, batch_size=self.batch_size)
+
     def load_state_dict(self, state: dict) -> None:
+        from sharddemo.analysis.watch import restart
+
+        problem = self.foreign(state)
+        if problem:
+            return self.resumed_without_state(f"its watch state is not this loader's: {problem}")
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
         self.epoch = int(state["epoch"])
         if self.lineage:  # the steps go on; the restart is recorded
             self.lineage.resume(state.get("lineage"))
         self.previous = state.get("previous")
         self.loaded = self.previous is not None  # the next epoch's order is the checkpoint's
-        before = state.get("before")
-        if isinstance(before, torch.Tensor):
-            before = before.numpy()
-        self.before = before if before is not None and int(before.sum()) > 0 else None
+
+        def array(key):
+            value = state.get(key)
+            return value.numpy() if isinstance(value, torch.Tensor) else value
+
+        before, again = array("before"), array("again")
+        step, saved_on = state.get("step"), state.get("world_size")
+        now = self.ranks.num_processes
+        self.unknown_before = bool(state.get("unknown_before"))
+        if state.get("at_edge"):
+            # saved after the epoch's last step: the epoch is whole, the run goes on with the
+            # next one (from its first sample: nothing before it, nothing to repeat)
+            self.restarts = [restart(self.epoch, step, saved_on, now, at_edge=True)]
+            self.epoch += 1
+            before, again, step = None, None, 0
+            self.unknown_before = False
+        else:
+            self.restarts = [*(state.get("restarts") or []),
+                             restart(self.epoch, step, saved_on, now)]
+        if before is None and self.n is not None and not self.unknown_before:
+            before = np.zeros(self.n, dtype=np.uint8)  # (a restart at the epoch's start)
+        self.before, self.again = before, again
+        self.steps_before = int(step or 0)
 
     def close_epoch(self, loader=None, partial: bool = False) -> None:
         """End the epoch now unless the loader's exhaustion ended it (every rank alike: a
@@ -203,7 +304,8 @@ class WatchState:
                 heads = self.drain(2)
                 ending = any(h["done"] == 1 for h in heads)  # ranks at their epoch's end
                 if ending or any(h["steps"] for h in heads):
-                    entry = self.end_epoch(partial=True, drained=True)
+                    # (every batch of the pass taken, the loader not asked once more: whole)
+                    entry = self.end_epoch(partial=not self.at_edge(), drained=True)
                 if not ending:  # (else they close next: meet them once more)
                     return entry
         steps = self.open_steps()
@@ -213,7 +315,9 @@ class WatchState:
             steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
         if not steps:
             return None
-        return self.end_epoch(partial=True)
+        # a loop that took every batch of its pass and stopped before asking for one more (a
+        # save at the epoch's last step, then the end): the epoch is whole
+        return self.end_epoch(partial=not self.at_edge())
 
     def close_alone(self) -> Optional[dict]:
         """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
@@ -250,8 +354,10 @@ class WatchState:
         from sharddemo.rank.describe import base_loader
 
         # the loader that runs now (prepare and skip_first_batches make new ones)
+        self.described = loader
         self.description = describe_loader(loader)
-        self.batch_size = loader_batch_size(loader)
+        # (a skip_first_batches loader's SkipBatchSampler names no batch size: the same)
+        self.batch_size = loader_batch_size(loader) or self.batch_size
         dataset = getattr(base_loader(loader), "dataset", None)
         if self.description.get("shuffled") is None and self.description.get("iterable_dataset"):
             # a stream: its own object says whether it is built to shuffle (workers
@@ -549,17 +655,31 @@ class WatchState:
                                 partial=True, id_field=self.id_field)
             self.unattributed = 0
             return entry
-        entry = judge_epoch(trace_header(self.ranks), record, self.previous, epoch=self.epoch,
+        previous = self.previous
+        if previous is not None and len(previous.get("ranks", ())) != self.ranks.num_processes:
+            previous = None  # saved on another number of ranks: its order is no comparison
+        entry = judge_epoch(trace_header(self.ranks), record, previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
-                            unattributed=self.unattributed, id_field=self.id_field)
+                            unattributed=self.unattributed, id_field=self.id_field,
+                            restarts=self.restarts, again=self.again,
+                            unknown_before=self.unknown_before)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
-        if present is not None:
-            self.before = None
+        if present is not None or self.unknown_before:
+            self.before, self.again, self.restarts = None, None, []
+            self.steps_before, self.unknown_before = 0, False
         self.loaded = False
         self.unattributed = 0
         return entry
+
+
+def skipped_batches(loader) -> int:
+    """The batches accelerate's skip_first_batches made `loader` skip on this rank: a
+    SkipBatchSampler's (map-style) or a SkipDataLoader's (iterable) skip_batches; 0 else."""
+    own = getattr(loader, "skip_batches", 0) or 0
+    sampler = getattr(loader, "batch_sampler", None)
+    return int(own or getattr(sampler, "skip_batches", 0) or 0)
 
 
 def stream_shuffles(dataset) -> bool:

@@ -17,6 +17,7 @@ the `skip_first_batches` its training loop calls).
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from typing import Optional
 
@@ -46,6 +47,17 @@ def _resuming_from() -> Optional[str]:
     `resume_from_checkpoint`, resolved by Trainer.train), or None."""
     return next((f.f_locals["resume_from_checkpoint"] for f in _trainer_frames()
                  if isinstance(f.f_locals.get("resume_from_checkpoint"), str)), None)
+
+
+def mid_epoch(folder: str) -> bool:
+    """Whether the Trainer's checkpoint in `folder` was saved in the middle of an epoch (its
+    trainer_state.json's epoch is not a whole number); False where it cannot be read."""
+    try:
+        with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as handle:
+            epoch = float(json.load(handle).get("epoch") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    return epoch != int(epoch)
 
 
 def _calling_trainer() -> Optional[Trainer]:
@@ -166,6 +178,10 @@ class TrainerWatch(TrainerCallback):
                 place = torch.load(saved, weights_only=False)
                 train_dataloader.__dict__["_sharddemo_watch"].load_state_dict(place)
                 self.evaluations = int(place.get("evaluations", 0))
+            elif folder and mid_epoch(folder):
+                # a checkpoint saved before the watch was added, in the middle of an epoch
+                train_dataloader.__dict__["_sharddemo_watch"].resumed_without_state(
+                    f"{folder} holds no {STATE_FILE}")
 
     def on_save(self, args, state, control, train_dataloader=None, **kwargs):
         """Beside the Trainer's checkpoint: the watch's place, reduced across the ranks (every

@@ -1,0 +1,99 @@
+"""A rank script for tests/test_watch_resume_chain.py: a watched accelerate loop that stops and
+resumes as preempted runs do (save_state / load_state / skip_first_batches), and keeps its own
+account of what it received, to check the watch against.
+
+    accelerate launch ... tests/resume_chain_loop.py --ids DIR --launch K --report W.jsonl \\
+        [--resume-from CKPT] [--save-at E:S | --save-after-epoch E] --checkpoint CKPT
+
+N = 80 samples, batches of 4, a prepared shuffled loader, no seed (each launch draws its own
+order, as an unseeded run does) unless `--seed` is given. `--save-at E:S` saves after step S of epoch E, inside the loop,
+and stops; `--save-after-epoch E` saves after epoch E's loop, outside it, and stops. The
+checkpoint holds the loop's place (`place.json`: the epoch and the steps taken in it, and the
+loader's length then); a resumed launch goes on as accelerate's examples do: the steps taken
+are skipped with skip_first_batches (counted at the new world size where it changed), and a
+save after an epoch's last step resumes with the next epoch, skipping 0. `--unwatched` runs the
+same loop without the watch (a checkpoint saved before the watch was added).
+
+Each rank writes what it received, batch by batch, to `--ids`/launch<K>_rank<r>.json: a list of
+[epoch, ids]."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+
+from sharddemo import watch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ids", required=True)
+    parser.add_argument("--launch", type=int, required=True)
+    parser.add_argument("--report")
+    parser.add_argument("--n", type=int, default=80)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--save-at")
+    parser.add_argument("--save-after-epoch", type=int)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--resume-from")
+    parser.add_argument("--unwatched", action="store_true")
+    parser.add_argument("--seed", type=int, help="accelerate's set_seed before the loader")
+    args = parser.parse_args()
+    accelerator = Accelerator(cpu=True)
+    if args.seed is not None:
+        set_seed(args.seed)  # every launch draws the same order (FACTS: "Resuming")
+    loader = DataLoader(TensorDataset(torch.arange(args.n)), batch_size=4, shuffle=True)
+    if not args.unwatched:
+        loader = watch(loader, accelerator, report=args.report)
+    loader = accelerator.prepare(loader)
+    first, skip = 0, 0
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+        with open(os.path.join(args.resume_from, "place.json")) as handle:
+            place = json.load(handle)
+        first, skip = place["epoch"], place["step"]
+        if skip == place["length"]:  # saved after the epoch's last step: the next epoch
+            first, skip = first + 1, 0
+    save_epoch, save_step = map(int, args.save_at.split(":")) if args.save_at else (-1, -1)
+    got: list = []
+
+    def save(epoch: int, step: int) -> None:
+        accelerator.save_state(args.checkpoint)
+        if accelerator.is_main_process:
+            with open(os.path.join(args.checkpoint, "place.json"), "w") as handle:
+                json.dump({"epoch": epoch, "step": step, "length": len(loader)}, handle)
+        accelerator.wait_for_everyone()
+
+    def train() -> None:
+        for epoch in range(first, args.epochs):
+            batches = loader
+            if epoch == first and args.resume_from:
+                batches = accelerator.skip_first_batches(loader, skip)
+            taken = skip if epoch == first else 0
+            for (ids,) in batches:
+                got.append([epoch, ids.tolist()])
+                taken += 1
+                if (epoch, taken) == (save_epoch, save_step):
+                    save(epoch, taken)
+                    return
+            if epoch == args.save_after_epoch:
+                save(epoch + 1, 0)
+                return
+
+    train()
+    with open(os.path.join(args.ids, f"launch{args.launch}_rank{accelerator.process_index}.json"),
+              "w") as handle:
+        json.dump(got, handle)
+    if not args.unwatched:
+        loader.close()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""The watch across runs that really resume (issue 42): chains of stops and restarts, within an
+epoch and across epochs, on a changed number of ranks, saves at an epoch's edge, and resumes
+from checkpoints without the watch's state (issue 40) or with another loader's. The rank
+script is tests/resume_chain_loop.py (N = 80, batches of 4, no seed); every expected value
+comes from the ids the loop itself received, logged by each rank beside the watch, from
+accelerate's own BatchSamplerShard and SkipBatchSampler, or from literals worked out by hand."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+from conftest import ROOT, accelerate_launch, ended_or_aborted_at_teardown
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+from sharddemo import watch
+from sharddemo.analysis.watch import resume_check, restart
+from test_frameworks import fresh_accelerate_state  # noqa: F401
+
+LOOP = "tests/resume_chain_loop.py"
+WATCH_SCHEMA = json.loads((ROOT / "docs" / "watch.schema.json").read_text())
+
+
+def entries(path) -> list[dict]:
+    import jsonschema
+
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    for entry in out:
+        jsonschema.validate(entry, WATCH_SCHEMA)
+    return out
+
+
+class Chain:
+    """Launches of the loop sharing one report, one folder of logged ids, checkpoints."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp = tmp_path
+        self.ids = tmp_path / "ids"
+        self.ids.mkdir()
+        self.report = tmp_path / "watch.jsonl"
+        self.launches = 0
+        self.outputs: list[str] = []
+
+    def launch(self, nproc: int, *args: str) -> None:
+        self.launches += 1
+        proc = accelerate_launch([LOOP, "--ids", str(self.ids), "--launch", str(self.launches),
+                                  "--report", str(self.report), *args], nproc=nproc,
+                                 check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+        self.outputs.append(proc.stdout + proc.stderr)
+
+    def last_batch(self, launch: int, epoch: int, rank: int) -> list[int]:
+        """The last batch rank `rank` of `launch` received in `epoch`."""
+        got = json.loads((self.ids / f"launch{launch}_rank{rank}.json").read_text())
+        return [ids for e, ids in got if e == epoch][-1]
+
+    def received(self, launch: int, epoch: int) -> list[int]:
+        """Every id the ranks of `launch` received in `epoch`, all ranks together."""
+        out = []
+        for path in sorted(self.ids.glob(f"launch{launch}_rank*.json")):
+            out += [i for e, ids in json.loads(path.read_text()) if e == epoch for i in ids]
+        return out
+
+
+def accelerate_fill(world: int, n: int = 80, batch: int = 4) -> int:
+    """The samples accelerate's BatchSamplerShard deals twice in an epoch (even_batches)."""
+    inner = BatchSampler(SequentialSampler(range(n)), batch, drop_last=False)
+    dealt = [i for r in range(world) for b in BatchSamplerShard(inner, world, r) for i in b]
+    return len(dealt) - len(set(dealt))
+
+
+def test_a_chain_of_restarts_within_and_across_epochs_on_a_changed_world(tmp_path):
+    """Four launches of one unseeded run: 2 ranks stop at epoch 0 step 3, 2 ranks resume and
+    stop at step 6, 2 ranks resume, finish epoch 0 and stop at epoch 1 step 4, 3 ranks resume
+    epoch 1 (skip_first_batches(4) at the new size) and run epoch 2 whole."""
+    chain = Chain(tmp_path)
+    ckpt = [str(tmp_path / f"ckpt{k}") for k in range(4)]
+    chain.launch(2, "--save-at", "0:3", "--checkpoint", ckpt[1])
+    chain.launch(2, "--resume-from", ckpt[1], "--save-at", "0:6", "--checkpoint", ckpt[2])
+    chain.launch(2, "--resume-from", ckpt[2], "--save-at", "1:4", "--checkpoint", ckpt[3])
+    chain.launch(3, "--resume-from", ckpt[3])
+    whole = {e["epoch"]: e for e in entries(chain.report) if not e.get("partial")}
+    assert sorted(whole) == [0, 1, 2]
+
+    # epoch 0: three parts (launches 1, 2, 3), two restarts
+    parts = [chain.received(k, 0) for k in (1, 2, 3)]
+    assert [len(p) for p in parts] == [24, 24, 32]  # 3 and 3 steps of 2 x 4, then 4 (by hand)
+    resume = whole[0]["resume"]
+    earlier: set = set()
+    repeats = []
+    for part in parts:
+        repeats.append(set(part) & earlier)
+        earlier |= set(part)
+    got = [(r["epoch"], r["step"], r["saved_on"], r["resumed_on"], r["skipped_batches"])
+           for r in resume["restarts"]]
+    assert got == [(0, 3, 2, 2, 3), (0, 6, 2, 2, 6)]
+    assert [r["repeated"]["ids"] for r in resume["restarts"]] == [sorted(x) for x in repeats[1:]]
+    assert [r["seen_before"] for r in resume["restarts"]] == [24, 48]
+    assert resume["repeated"]["ids"] == sorted(repeats[1] | repeats[2])
+    assert resume["skipped"]["ids"] == sorted(set(range(80)) - earlier)
+    assert whole[0]["seen"] == 80 and whole[0]["unique"] == len(earlier)
+    exact = not (repeats[1] or repeats[2]) and len(earlier) == 80
+    assert whole[0]["ok"] is exact
+
+    # epoch 1: 2 ranks to step 4, then 3 ranks; skip_first_batches(4) at 3 ranks skips 4
+    # batches on each (accelerate's SkipBatchSampler over each rank's BatchSamplerShard)
+    before, after = chain.received(3, 1), chain.received(4, 1)
+    inner = BatchSampler(SequentialSampler(range(80)), 4, drop_last=False)
+    left = [i for r in range(3) for b in SkipBatchSampler(BatchSamplerShard(inner, 3, r), 4)
+            for i in b]
+    assert len(before) == 32 and len(after) == len(left) == 36
+    resume = whole[1]["resume"]
+    (only,) = resume["restarts"]
+    assert (only["epoch"], only["step"], only["saved_on"], only["resumed_on"]) == (1, 4, 2, 3)
+    assert only["skipped_batches"] == 4 and only["seen_before"] == 32
+    # accelerate's BatchSamplerShard for 3 ranks: rank 2's last batch (global batch 20 of 20)
+    # is the fill, the first batch of the epoch's order again; in the resumed launch it is the
+    # last batch rank 2 received. Delivered before the stop too, it is fill, not a repeat.
+    shards = [list(BatchSamplerShard(inner, 3, r)) for r in range(3)]
+    assert shards[2][-1] == list(inner)[0] and [len(x) for x in shards] == [7, 7, 7]
+    fill = set(chain.last_batch(4, 1, 2))
+    again = set(before) & set(after)
+    assert only["repeated"]["ids"] == sorted(again - fill)
+    assert only.get("fill", {"ids": []})["ids"] == sorted(again & fill)
+    assert whole[1]["seen"] == 32 + 36
+    # 32 + 36 = 68 deliveries of 80 samples: at least 12 never came (by hand)
+    assert whole[1]["resume"]["skipped"]["count"] >= 12 and not whole[1]["ok"]
+    # the words name the size change: 4 batches x 3 ranks x 4 = 48 samples skipped at 3 ranks
+    # where 32 had been delivered on 2 (by hand)
+    (failed,) = [v["detail"] for v in whole[1]["verdicts"] if not v["ok"]]
+    assert ("saved at epoch 1 step 4 on 2 ranks (32 samples delivered), resumed on 3: "
+            "skip_first_batches(4) skipped 4 batches on each of 3 ranks, 48 samples at the new "
+            "size") in failed
+    line = next(x for x in chain.outputs[3].splitlines() if x.startswith("sharddemo: epoch 1"))
+    assert "after the restart at epoch 1 step 4 (2 -> 3 ranks" in line
+
+    # epoch 2 on 3 ranks, after the resume: accelerate's own fill, explained as fill
+    ids = chain.received(4, 2)
+    twice = sorted(i for i, c in Counter(ids).items() if c > 1)
+    assert len(twice) == accelerate_fill(3) == 4
+    assert whole[2]["duplicated"]["ids"] == twice
+    assert whole[2]["ok"], whole[2]["line"]
+    assert "resume" not in whole[2]
+
+
+def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path):
+    """A save after epoch 0's last step inside the loop (the next launch goes on with epoch 1,
+    skip_first_batches(loader, 0), as accelerate's examples compute it), then a save after
+    epoch 1's loop, outside it (the next launch goes on with epoch 2)."""
+    chain = Chain(tmp_path)
+    first, second = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
+    chain.launch(2, "--save-at", "0:10", "--checkpoint", first)  # 80 / (2 x 4) = 10 steps
+    chain.launch(2, "--resume-from", first, "--save-after-epoch", "1", "--checkpoint", second)
+    chain.launch(2, "--resume-from", second)
+    got = entries(chain.report)
+    # launch 1 took every batch of epoch 0 and stopped before asking for one more: whole
+    assert [(e["epoch"], bool(e.get("partial"))) for e in got] == [(0, False), (1, False),
+                                                                   (2, False)]
+    assert got[0]["seen"] == len(chain.received(1, 0)) == 80 and got[0]["ok"]
+    for entry, launch in ((got[1], 2), (got[2], 3)):
+        ids = chain.received(launch, entry["epoch"])
+        assert entry["seen"] == len(ids) == 80 and entry["unique"] == len(set(ids)) == 80
+        resume = entry["resume"]
+        assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+        assert entry["ok"], entry["line"]
+    (edge,) = got[1]["resume"]["restarts"]
+    assert (edge["epoch"], edge["step"], edge.get("at_edge")) == (0, 10, True)
+    (outside,) = got[2]["resume"]["restarts"]
+    assert (outside["epoch"], outside["step"], outside.get("at_edge")) == (2, 0, None)
+
+
+def test_a_resume_from_a_checkpoint_without_the_watchs_state_judges_the_rest(tmp_path):
+    """Issue 40: a checkpoint saved before the watch was added (no custom_checkpoint_0.pkl):
+    accelerate's load_state alone raises on it (its count of custom checkpoints); watched,
+    it loads, and the resumed epoch says the part before the stop is unknown."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(2, "--unwatched", "--save-at", "0:3", "--checkpoint", ckpt)
+    assert not list((tmp_path / "ckpt").glob("custom_checkpoint_*"))
+    chain.launch(2, "--resume-from", ckpt, "--epochs", "2")
+    got = entries(chain.report)
+    assert [e["epoch"] for e in got] == [0, 1]
+    resumed = got[0]
+    after = chain.received(2, 0)
+    assert len(after) == 56  # 7 of 10 steps x 2 ranks x 4 (by hand)
+    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
+    assert resumed["seen"] == len(after) and resumed["unique"] == len(set(after))
+    assert "no-missing-samples" not in {v["verdict"] for v in resumed["verdicts"]}
+    line = next(x for x in chain.outputs[1].splitlines() if x.startswith("sharddemo: epoch 0"))
+    assert resumed["ok"] and "what came before the stop unknown" in line, line
+    assert "resumed from a checkpoint without the watch's state" in chain.outputs[1]
+    assert got[1]["ok"] and got[1]["seen"] == len(chain.received(2, 1)) == 80
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+def test_a_checkpoint_of_another_dataset_size_or_loader_is_one_line_not_a_verdict(tmp_path):
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), report=None)
+    state = loader.__dict__["_sharddemo_watch"]
+    saved = {"schema": "sharddemo.watch-state/1", "loader": "train", "epoch": 0,
+             "dataset_size": 40, "previous": None, "before": torch.ones(40, dtype=torch.uint8)}
+    with pytest.warns(RuntimeWarning, match="saved for a dataset of 40 samples, this loader's "
+                                            "has 8"):
+        state.load_state_dict(saved)
+    assert [i for (b,) in loader for i in b.tolist()] == list(range(8))
+    entry = state.entries[-1]
+    assert entry["resume"]["unknown_before"] and entry["ok"] and entry["seen"] == 8
+    other = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), report=None,
+                  name="eval-set").__dict__["_sharddemo_watch"]
+    with pytest.warns(RuntimeWarning, match="saved for the loader named 'train', not "
+                                            "'eval-set'"):
+        other.load_state_dict({**saved, "dataset_size": 8})
+
+
+def test_a_chain_counts_each_part_and_each_restarts_repeats():
+    """N = 8, by hand: 0-3 before the first stop, 2-5 after it (2 and 3 repeated), 5-7 after
+    the second (5 repeated); nothing skipped; 4 + 4 + 3 = 11 deliveries."""
+    before = np.array([1, 1, 2, 2, 1, 1, 0, 0], dtype=np.uint8)  # the first two parts
+    again = np.array([0, 0, 1, 1, 0, 0, 0, 0], dtype=np.uint8)  # the first restart's repeats
+    after = np.array([0, 0, 0, 0, 0, 1, 1, 1], dtype=np.uint8)
+    first = {**restart(0, 1, 2, 2), "seen_before": 4, "repeated": {"count": 2, "ids": [2, 3]}}
+    got = resume_check(before, after, 0, [first, restart(0, 2, 2, 2)], again)
+    assert got["seen_before"] == 8 and got["repeated"] == {"count": 3, "ids": [2, 3, 5]}
+    assert got["skipped"]["count"] == 0 and not got["verdict"]["ok"]
+    assert [r["repeated"]["ids"] for r in got["restarts"]] == [[2, 3], [5]]
+    assert [r["seen_before"] for r in got["restarts"]] == [4, 8]
+
+
+def test_load_state_of_a_checkpoint_saved_before_the_watch_loads_and_says_so(
+        tmp_path, fresh_accelerate_state):  # noqa: F811
+    """accelerate's own load_state raises where an object registered for checkpointing has no
+    file in the folder; the watch's object, missing, is left out of the load (everything else
+    loads) and the epoch says the part before the stop is unknown."""
+    from accelerate import Accelerator
+
+    class Position:
+        def state_dict(self):
+            return {"at": 3}
+
+        def load_state_dict(self, state):
+            pass
+
+    folder = str(tmp_path / "ckpt")
+    Accelerator(cpu=True).save_state(folder)  # nothing registered: no custom_checkpoint_0.pkl
+    plain = Accelerator(cpu=True)
+    plain.register_for_checkpointing(Position())
+    with pytest.raises(RuntimeError, match="Number of custom checkpoints"):
+        plain.load_state(folder)
+    watched = Accelerator(cpu=True)
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), watched,
+                   report=None)
+    with pytest.warns(RuntimeWarning, match="saved before the watch was added"):
+        watched.load_state(folder)
+    assert [i for (b,) in loader for i in b.tolist()] == list(range(8))
+    entry = loader.__dict__["_sharddemo_watch"].entries[-1]
+    assert entry["resume"]["unknown_before"] and entry["ok"] and entry["missing"] is None
+
+
+def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
+    """The Trainer's checkpoint at step 3 of epoch 0 without checkpoint-3/sharddemo_watch.pt
+    (saved before TrainerWatch was added): the resumed epoch's part before the stop is
+    unknown, the rest (2 steps x 2 ranks x batch 4 = 16 samples, by hand) is judged."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    outputs = []
+    for args in (["--stop-at", "3"], ["--resume"]):
+        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
+                                 check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+        outputs.append(proc.stdout + proc.stderr)
+        if args == ["--stop-at", "3"]:
+            (out / "checkpoint-3" / "sharddemo_watch.pt").unlink()
+    train = [e for e in entries(out / "sharddemo-watch.jsonl")
+             if e["loader"] == "train" and not e.get("partial")]
+    assert [e["epoch"] for e in train] == [0, 1]
+    resumed = train[0]
+    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
+    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
+    assert "holds no sharddemo_watch.pt" in outputs[1]
+    assert train[1]["ok"] and train[1]["seen"] == 40
+
+
+def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(tmp_path):
+    """fit() stopped after 3 steps, its checkpoint stripped of LightningWatch's state (as one
+    saved before the callback was added), then fit(ckpt_path=...): Lightning runs the epoch's
+    remaining 2 steps (2 x 2 ranks x batch 4 = 16 samples, by hand); the part before the stop
+    is unknown, the rest judged."""
+    pytest.importorskip("pytorch_lightning")
+    import sys
+
+    from conftest import launch_env, run_cmd
+
+    ckpt = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
+    outputs = []
+    for args in (["--stop-at", "3"], ["--resume", str(ckpt)]):
+        proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
+                        *args], env=launch_env(), check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+        outputs.append(proc.stdout + proc.stderr)
+        if args[0] == "--stop-at":
+            saved = torch.load(ckpt, weights_only=False)
+            assert any("LightningWatch" in k for k in saved["callbacks"])
+            saved["callbacks"] = {k: v for k, v in saved["callbacks"].items()
+                                  if "LightningWatch" not in k}
+            torch.save(saved, ckpt)
+    train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl")
+             if e["loader"] == "train" and not e.get("partial")]
+    assert [e["epoch"] for e in train] == [0, 1]
+    resumed = train[0]
+    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
+    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
+    assert "holds no LightningWatch state" in outputs[1]
+    assert train[1]["ok"] and train[1]["seen"] == 40
+
+
+@pytest.mark.parametrize("n,batch,world,skipped,fill", [
+    # N = 10, B = 3, W = 2: r0 [[0,1,2],[6,7,8]], r1 [[3,4,5],[9,0,1]] (FACTS): batch 3 of
+    # K = 4 is short, completed with 0 and 1
+    (10, 3, 2, 0, [0, 1]),
+    # N = 80, B = 4, W = 3, resumed after skip_first_batches(4): rank 2's last batch is global
+    # batch 20 of K = 20, the order's first batch again
+    (80, 4, 3, 4, [0, 1, 2, 3]),
+    # N = 80, B = 4, W = 2: K = 20 deals evenly, no fill
+    (80, 4, 2, 3, []),
+])
+def test_the_fill_of_a_resumed_part_is_read_from_each_ranks_last_batch(n, batch, world,
+                                                                        skipped, fill):
+    from sharddemo.analysis.watch import fill_ids
+
+    inner = BatchSampler(SequentialSampler(range(n)), batch, drop_last=False)
+    ranks = []
+    for r in range(world):
+        part = list(SkipBatchSampler(BatchSamplerShard(inner, world, r), skipped))
+        ranks.append({"rank": r, "steps": len(part), "tail": part[-3:]})
+    described = {"batch_sampler_shard": True, "even_batches": True, "prepared": True}
+    got = fill_ids({"ranks": ranks}, described, n, batch, skipped)
+    assert got.tolist() == fill
+    assert fill_ids({"ranks": ranks}, {**described, "even_batches": False}, n, batch,
+                    skipped).tolist() == []
+
+
+def test_a_checkpoint_of_3_ranks_resumed_on_2(tmp_path):
+    """Fewer ranks: 3 ranks stop at epoch 0 step 3 (3 x 3 x 4 = 36 samples), 2 resume with
+    skip_first_batches(3), counted at the new size: 7 of 10 batches each, 56 samples (by hand;
+    accelerate's SkipBatchSampler over each rank's BatchSamplerShard gives the same count).
+    36 + 56 = 92 deliveries of 80 samples: at least 12 repeated."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(3, "--save-at", "0:3", "--checkpoint", ckpt)
+    chain.launch(2, "--resume-from", ckpt, "--epochs", "1")
+    before, after = chain.received(1, 0), chain.received(2, 0)
+    inner = BatchSampler(SequentialSampler(range(80)), 4, drop_last=False)
+    left = [i for r in range(2) for b in SkipBatchSampler(BatchSamplerShard(inner, 2, r), 3)
+            for i in b]
+    assert len(before) == 36 and len(after) == len(left) == 56
+    (resumed,) = [e for e in entries(chain.report) if not e.get("partial")]
+    (only,) = resumed["resume"]["restarts"]
+    assert (only["epoch"], only["step"], only["saved_on"], only["resumed_on"]) == (0, 3, 3, 2)
+    assert only["skipped_batches"] == 3 and only["seen_before"] == 36
+    assert resumed["resume"]["repeated"]["ids"] == sorted(set(before) & set(after))
+    assert resumed["resume"]["skipped"]["ids"] == sorted(set(range(80)) - set(before + after))
+    assert resumed["seen"] == 92 and resumed["resume"]["repeated"]["count"] >= 12
+    assert not resumed["ok"]
+
+
+def test_a_seeded_chain_of_two_restarts_is_exact(tmp_path):
+    """With set_seed, every launch replays epoch 0's order (FACTS), so a chain of two restarts
+    within it delivers what one uninterrupted run of the same seed delivers: the parts, put
+    together, are that run's epoch 0, and the watch finds no repeat at either restart."""
+    chain = Chain(tmp_path)
+    first, second = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
+    chain.launch(2, "--seed", "3", "--epochs", "1")  # uninterrupted (launch 1)
+    chain.launch(2, "--seed", "3", "--save-at", "0:3", "--checkpoint", first)
+    chain.launch(2, "--seed", "3", "--resume-from", first, "--save-at", "0:7",
+                 "--checkpoint", second)
+    chain.launch(2, "--seed", "3", "--resume-from", second, "--epochs", "1")
+    whole = chain.received(1, 0)
+    parts = [chain.received(k, 0) for k in (2, 3, 4)]
+    assert [len(p) for p in parts] == [24, 32, 24]  # 3, 4 and 3 steps of 2 x 4 (by hand)
+    assert sorted(i for p in parts for i in p) == sorted(whole) == list(range(80))
+    got = [e for e in entries(chain.report) if not e.get("partial")]
+    assert [e["epoch"] for e in got] == [0, 0]  # the uninterrupted run's, then the chain's
+    resume = got[1]["resume"]
+    assert [(r["step"], r["seen_before"], r["repeated"]["count"]) for r in resume["restarts"]] \
+        == [(3, 24, 0), (7, 56, 0)]
+    assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+    assert got[1]["seen"] == got[1]["unique"] == 80 and got[1]["ok"], got[1]
