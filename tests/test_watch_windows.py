@@ -97,9 +97,9 @@ def run(tmp_path, *args, nproc: int = 2, check: bool = True):
 def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
     """Every rank reads the whole stream (a torch IterableDataset of ids 0..999, or a datasets
     stream of 1001 ids not passed through split_dataset_by_node), batch 8, default
-    check_every: the first window, steps 1-50, is checked as batch 51 arrives and fails
-    no-silent-replication; each failing verdict is reported once an epoch (no line every
-    window)."""
+    check_every: the first window, steps 1-50, is exchanged as batch 51 arrives and judged one
+    batch later (WINDOW_LAG = 1: as batch 52 arrives), and fails no-silent-replication; each
+    failing verdict is reported once an epoch (no line every window)."""
     if stream == "datasets":
         pytest.importorskip("datasets")
     proc, got, ids = run(tmp_path, *(["--loader", "stream"] if stream == "torch" else
@@ -108,12 +108,12 @@ def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
     windows = [e for e in got if "window" in e]
     assert len(windows) == 1
     [first] = windows
-    assert first["window"] == {"first_step": 1, "last_step": 50, "checked_at": 51}
+    assert first["window"] == {"first_step": 1, "last_step": 50, "checked_at": 52}
     shared = set(ids[0][0][:400]) & set(ids[1][0][:400])  # 50 steps of 8 on each rank
     assert first["duplicated"]["count"] == len(shared) == 400
     assert failed(first) == {"no-silent-replication"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("sharddemo:")]
-    assert lines[0].startswith("sharddemo: epoch 0 train steps 1-50 (checked at step 51): FAIL")
+    assert lines[0].startswith("sharddemo: epoch 0 train steps 1-50 (checked at step 52): FAIL")
 
 
 @pytest.mark.parametrize("loader,world", [("prepared", 2), ("prepared", 3), ("sampler", 2),
@@ -136,14 +136,15 @@ def test_sharded_loaders_never_fail_a_window(tmp_path, loader, world):
 
 def test_a_rank_out_of_data_is_named_and_nobody_waits(tmp_path):
     """Rank 0's stream ends after 15 steps, rank 1's after 30 (batches of 2; their own logs
-    say so), windows of 5: rank 0 answers rank 1's windows from its epoch's end, the window
-    checked at step 16 names it, and both epochs' ends meet."""
+    say so), windows of 5: rank 0 answers rank 1's windows from its epoch's end; the window
+    rank 1 starts as its batch 16 arrives is judged one batch later (WINDOW_LAG = 1), at step
+    17, and names it; both epochs' ends meet."""
     proc, got, ids = run(tmp_path, "--loader", "uneven", "--check-every", "5")
     steps = [len(ids[r][0]) // 2 for r in range(2)]
     assert steps == [15, 30]
     [window] = [e for e in got if "window" in e]
     assert failed(window) == {"equal-step-counts"}
-    assert window["window"]["checked_at"] == steps[0] + 1
+    assert window["window"]["checked_at"] == steps[0] + 2  # started at 16, judged at 17
     assert "rank 0 ran out of data after 15 steps while rank 1 went on to step 16" in \
         window["verdicts"][0]["detail"]
     [epoch] = [e for e in got if "window" not in e]
@@ -152,13 +153,14 @@ def test_a_rank_out_of_data_is_named_and_nobody_waits(tmp_path):
 
 def test_raise_at_a_window_stops_every_rank_at_the_same_step(tmp_path):
     """The same uneven streams with on_violation="raise": both ranks raise ShardingViolation
-    at the exchange checked at step 16 (rank 0 from its epoch's end), nobody hangs."""
+    for the exchange rank 1 starts at step 16 and judges at step 17 (rank 0 from its epoch's
+    end), nobody hangs."""
     proc, got, ids = run(tmp_path, "--loader", "uneven", "--check-every", "5",
                          "--on-violation", "raise", check=False)
     assert proc.returncode != 0
     raised = [x for x in proc.stderr.splitlines() if "ShardingViolation: sharddemo:" in x]
-    assert len(raised) == 2 and all("(checked at step 16)" in x for x in raised), proc.stderr
-    assert len(ids[1][0]) // 2 == 15  # rank 1 stopped at its step 16, before taking it
+    assert len(raised) == 2 and all("(checked at step 17)" in x for x in raised), proc.stderr
+    assert len(ids[1][0]) // 2 == 16  # rank 1 stopped at its step 17, before taking it
     assert [("window" in e, e["ok"]) for e in got] == [(True, False)]
 
 
