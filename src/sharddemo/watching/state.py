@@ -137,7 +137,7 @@ class WatchState:
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
         before = None
-        if self.n is not None:  # (every rank alike: N is the dataset's length)
+        if self.n is not None and not self.two_bits():  # (every rank alike: N is the length)
             if self.recorder is None:
                 self.recorder = self.new_recorder()
             before = self.recorder.log.present_so_far(self.ranks)
@@ -265,9 +265,24 @@ class WatchState:
             self.ranks = ranks_of(self.accelerator)
         how = "count" if self.n is not None else "epoch"
         # the epoch's end: one all-reduce (the count path, up to 15 ranks), after which every
-        # rank holds the record, so that on_violation="raise" needs no collective of its own
-        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True,
-                        one_collective=True, batch=self.batch_size)
+        # rank holds the record, so that on_violation="raise" needs no collective of its own;
+        # from BITS_FROM samples the count path's two bits a sample instead (two_bits)
+        whole = not self.two_bits()
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=whole,
+                        one_collective=whole, batch=self.batch_size)
+
+    def two_bits(self) -> bool:
+        """From BITS_FROM (2^26) samples the watch counts as `audit` does there: two bits a
+        sample a rank (rank.counting.BitCounts), not the byte counter's one byte (100 MB a
+        rank at 10^8, and several times that at the epoch's end). What it gives up there: the
+        epoch's end takes the bitmaps' collectives (a small exchange, a ragged gather, then
+        the code reduced a chunk at a time) instead of one all-reduce, and one exchange more
+        with on_violation="raise"; the windows check within a window only (no look-up of
+        earlier ones); a checkpoint keeps no per-sample state (a resumed epoch is judged from
+        the resume on, as a stream without a length is)."""
+        from sharddemo.options import BITS_FROM
+
+        return self.n is not None and self.n >= BITS_FROM
 
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
