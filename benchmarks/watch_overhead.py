@@ -48,7 +48,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
                                 torch.nn.Linear(WIDTH, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True)
-    spent = [0.0]  # seconds inside the watch's own code, this epoch
+    spent = [0.0, 0.0]  # seconds inside the watch's own code, this epoch: wall, CPU (thread)
     if watched:
         from sharddemo import watch
         from sharddemo.watching.state import WatchState
@@ -59,11 +59,12 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
             original = getattr(WatchState, name)
 
             def timed(self, *a, _original=original, **kw):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 try:
                     return _original(self, *a, **kw)
                 finally:
                     spent[0] += time.perf_counter() - start
+                    spent[1] += time.thread_time() - cpu
 
             setattr(WatchState, name, timed)
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
@@ -74,8 +75,8 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
         accelerator.wait_for_everyone()
-        spent[0] = 0.0
-        start = time.perf_counter()
+        spent[0] = spent[1] = 0.0
+        start, cpu = time.perf_counter(), time.process_time()
         steps = 0
         for _, x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -84,10 +85,12 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
             optimizer.zero_grad()
             steps += 1
         times.append((time.perf_counter() - start) / steps)
+        epoch_cpu = time.process_time() - cpu  # (the rank's threads, gloo's included)
     if accelerator.is_main_process:
         with open(out, "w") as handle:
             json.dump({"step_s": times[1], "steps": steps, "watch_s": spent[0],
-                       "epoch_s": times[1] * steps}, handle)
+                       "epoch_s": times[1] * steps, "watch_cpu_s": spent[1],
+                       "epoch_cpu_s": epoch_cpu}, handle)
     accelerator.end_training()
 
 
@@ -157,7 +160,7 @@ def main() -> None:
     if args.per_batch:
         print(json.dumps(per_batch(args.passes), indent=1))
         return
-    ratios, plain_steps, shares, per_step = [], [], [], []
+    ratios, plain_steps, shares, per_step, cpu_shares = [], [], [], [], []
     for pair in range(args.pairs):
         # alternate which goes first, so neither always runs on a warmer machine
         order = (False, True) if pair % 2 == 0 else (True, False)
@@ -168,16 +171,25 @@ def main() -> None:
         share = got[True]["watch_s"] / got[True]["epoch_s"]
         shares.append(share)
         per_step.append(got[True]["watch_s"] / got[True]["steps"])
+        # the main rank's CPU time inside the watch over the epoch's (its threads together):
+        # steadier than wall time where other work shares the cores, but blind to the time a
+        # rank waits in a collective without spinning
+        cpu_shares.append(got[True]["watch_cpu_s"] / got[True]["epoch_cpu_s"])
         print(f"pair {pair}: plain {got[False]['step_s'] * 1e3:.3f} ms/step, watched "
               f"{got[True]['step_s'] * 1e3:.3f} ms/step, ratio {ratio:.4f}; inside the watch "
-              f"{got[True]['watch_s'] * 1e3:.1f} ms of the epoch ({share:.3%})", flush=True)
+              f"{got[True]['watch_s'] * 1e3:.1f} ms of the epoch ({share:.3%}), CPU "
+              f"{got[True]['watch_cpu_s'] * 1e3:.1f} ms of {got[True]['epoch_cpu_s']:.2f} s "
+              f"({cpu_shares[-1]:.3%})", flush=True)
     figures = {"pairs": args.pairs, "steps_per_rank": STEPS, "batch": BATCH,
                "median_ratio": statistics.median(ratios),
                "ratios": [round(r, 4) for r in ratios],
                "median_step_ms": statistics.median(plain_steps) * 1e3,
                "median_watch_share": statistics.median(shares),
                "shares": [round(s, 5) for s in shares],
-               "median_watch_us_per_step": statistics.median(per_step) * 1e6}
+               "median_watch_us_per_step": statistics.median(per_step) * 1e6,
+               "median_watch_cpu_share": statistics.median(cpu_shares),
+               "cpu_shares": [round(s, 5) for s in cpu_shares],
+               "check_every": int(os.environ.get("WATCH_CHECK_EVERY", "50"))}
     print(json.dumps(figures, indent=1))
     if args.record:
         record(figures, "watch_lineage" if args.lineage else "watch")

@@ -207,6 +207,37 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
                                                                          [18, 19]]
 
 
+def test_the_id_path_lists_every_id_as_a_plain_int_in_or_out_of_range():
+    """One process (world size 1): the Recorder's id path (how="epoch") with the dataset's
+    length known, over batches worked by hand. Ids in 0..n-1 are listed from one shared set of
+    int objects, an epoch holding an id outside it (-1, n) the plain way: both give the batches
+    as they were added, plain Python ints (JSON writes them as the trace always did)."""
+    import json
+
+    import torch
+    from accelerate import Accelerator
+
+    from sharddemo.rank.recorder import Recorder
+
+    accelerator = Accelerator(cpu=True)
+
+    def walk(batches, n):
+        recorder = Recorder(accelerator, lambda batch, tag: batch, how="epoch", n=n)
+        for batch in batches:
+            recorder.add(torch.tensor(batch))
+        return recorder.finish(0)["ranks"][0]["batches"]
+
+    inside = [[4, 0, 9], [9], [1, 2, 3, 3]]  # all in 0..9 (n = 10)
+    for got in (walk(inside, 10), walk(inside, 10)):  # twice: the second from the kept ints
+        assert got == inside
+        assert all(type(i) is int for batch in got for i in batch)
+    outside = [[4, 0], [-1, 10], [2]]  # -1 and 10 are outside 0..9
+    got = walk(outside, 10)
+    assert got == outside and all(type(i) is int for batch in got for i in batch)
+    assert json.dumps(walk(inside, 10)) == "[[4, 0, 9], [9], [1, 2, 3, 3]]"
+    assert walk(inside, None) == inside  # no length known: the plain way
+
+
 def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
     """Ids that live on a device are counted there (rank.counting._DeviceRunning: no copy to
     the host and no sync per step). Run here on the CPU over the batches worked by hand in the

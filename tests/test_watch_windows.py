@@ -102,9 +102,9 @@ def run(tmp_path, *args, nproc: int = 2, check: bool = True):
 def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
     """Every rank reads the whole stream (a torch IterableDataset of ids 0..999, or a datasets
     stream of 1001 ids not passed through split_dataset_by_node), batch 8, default
-    check_every: the first window, steps 1-50, is checked as batch 51 arrives and fails
-    no-silent-replication; each failing verdict is reported once an epoch (no line every
-    window)."""
+    check_every: the first window, steps 1-50, is exchanged as batch 51 arrives and judged one
+    batch later (WINDOW_LAG = 1: as batch 52 arrives), and fails no-silent-replication; each
+    failing verdict is reported once an epoch (no line every window)."""
     if stream == "datasets":
         pytest.importorskip("datasets")
     proc, got, ids = run(tmp_path, *(["--loader", "stream"] if stream == "torch" else
@@ -113,12 +113,12 @@ def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
     windows = [e for e in got if "window" in e]
     assert len(windows) == 1
     [first] = windows
-    assert first["window"] == {"first_step": 1, "last_step": 50, "checked_at": 51}
+    assert first["window"] == {"first_step": 1, "last_step": 50, "checked_at": 52}
     shared = set(ids[0][0][:400]) & set(ids[1][0][:400])  # 50 steps of 8 on each rank
     assert first["duplicated"]["count"] == len(shared) == 400
     assert failed(first) == {"no-silent-replication"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("sharddemo:")]
-    assert lines[0].startswith("sharddemo: epoch 0 train steps 1-50 (checked at step 51): FAIL")
+    assert lines[0].startswith("sharddemo: epoch 0 train steps 1-50 (checked at step 52): FAIL")
 
 
 @pytest.mark.parametrize("loader,world", [("prepared", 2), ("prepared", 3), ("sampler", 2),
@@ -143,14 +143,15 @@ def test_sharded_loaders_never_fail_a_window(tmp_path, loader, world):
 
 def test_a_rank_out_of_data_is_named_and_nobody_waits(tmp_path):
     """Rank 0's stream ends after 15 steps, rank 1's after 30 (batches of 2; their own logs
-    say so), windows of 5: rank 0 answers rank 1's windows from its epoch's end, the window
-    checked at step 16 names it, and both epochs' ends meet."""
+    say so), windows of 5: rank 0 answers rank 1's windows from its epoch's end; the window
+    rank 1 starts as its batch 16 arrives is judged one batch later (WINDOW_LAG = 1), at step
+    17, and names it; both epochs' ends meet."""
     proc, got, ids = run(tmp_path, "--loader", "uneven", "--check-every", "5")
     steps = [len(ids[r][0]) // 2 for r in range(2)]
     assert steps == [15, 30]
     [window] = [e for e in got if "window" in e]
     assert failed(window) == {"equal-step-counts"}
-    assert window["window"]["checked_at"] == steps[0] + 1
+    assert window["window"]["checked_at"] == steps[0] + 2  # started at 16, judged at 17
     assert "rank 0 ran out of data after 15 steps while rank 1 went on to step 16" in \
         window["verdicts"][0]["detail"]
     [epoch] = [e for e in got if "window" not in e]
@@ -159,13 +160,14 @@ def test_a_rank_out_of_data_is_named_and_nobody_waits(tmp_path):
 
 def test_raise_at_a_window_stops_every_rank_at_the_same_step(tmp_path):
     """The same uneven streams with on_violation="raise": both ranks raise ShardingViolation
-    at the exchange checked at step 16 (rank 0 from its epoch's end), nobody hangs."""
+    for the exchange rank 1 starts at step 16 and judges at step 17 (rank 0 from its epoch's
+    end), nobody hangs."""
     proc, got, ids = run(tmp_path, "--loader", "uneven", "--check-every", "5",
                          "--on-violation", "raise", check=False)
     assert proc.returncode != 0
     raised = [x for x in proc.stderr.splitlines() if "ShardingViolation: sharddemo:" in x]
-    assert len(raised) == 2 and all("(checked at step 16)" in x for x in raised), proc.stderr
-    assert len(ids[1][0]) // 2 == 15  # rank 1 stopped at its step 16, before taking it
+    assert len(raised) == 2 and all("(checked at step 17)" in x for x in raised), proc.stderr
+    assert len(ids[1][0]) // 2 == 16  # rank 1 stopped at its step 17, before taking it
     assert [("window" in e, e["ok"]) for e in got] == [(True, False)]
 
 
@@ -294,8 +296,9 @@ def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path, w
         step = firsts[0] // 8 + 1  # the batch of 8 the second copy came in
         last = -(-step // 5) * 5  # the window of 5 steps that holds it
         [window] = [w for w in windows["dup"] if w["epoch"] == epoch]
+        # (its exchange starts as batch last + 1 arrives and is judged one batch later)
         assert window["window"] == {"first_step": last - 4, "last_step": last,
-                                    "checked_at": last + 1}
+                                    "checked_at": last + 2}
         assert failed(window) == {"no-unexplained-duplicates"}
         repeated = sorted(ids["dup"][r][epoch][firsts[r]] for r in range(world))
         assert window["duplicated"]["ids"] == repeated
@@ -309,7 +312,7 @@ def test_repeats_and_the_previous_order_in_the_windows_of_real_ranks(tmp_path, w
     assert all(ids["shuffle"][r][1][:40] != ids["shuffle"][r][0][:40] for r in range(world))
     [window] = windows["shuffle-no-set-epoch"]
     assert (window["epoch"], window["window"]) == (1, {"first_step": 1, "last_step": 5,
-                                                       "checked_at": 6})
+                                                       "checked_at": 7})
     assert failed(window) == {"order-changes-each-epoch"}
 
 
@@ -340,14 +343,15 @@ def test_ids_outside_the_dataset_are_one_finding_at_the_epochs_end(tmp_path, cap
 
 def test_raise_at_a_repeat_stops_every_rank_at_the_same_step(tmp_path):
     """`dup` with on_violation="raise": each rank's 61st id (0-based 60) is its 50th again, in
-    its 8th batch of 8 (60 // 8 + 1), so the window of steps 6-10 fails, checked as batch 11
-    arrives: both ranks raise ShardingViolation there, nobody hangs."""
+    its 8th batch of 8 (60 // 8 + 1), so the window of steps 6-10 fails: its exchange starts as
+    batch 11 arrives and is judged as batch 12 arrives: both ranks raise ShardingViolation
+    there, having received 11 batches, nobody hangs."""
     proc, got, ids = run_cases(tmp_path, "dup", "--on-violation", "raise", check=False)
     assert proc.returncode != 0
     raised = [x for x in proc.stderr.splitlines() if "ShardingViolation: sharddemo:" in x]
-    assert len(raised) == 2 and all("steps 6-10 (checked at step 11)" in x for x in raised), \
+    assert len(raised) == 2 and all("steps 6-10 (checked at step 12)" in x for x in raised), \
         proc.stderr
-    assert all(len(ids["dup"][r][0]) == 10 * 8 for r in range(2))  # 10 steps taken, not 11
+    assert all(len(ids["dup"][r][0]) == 11 * 8 for r in range(2))  # 11 steps taken, not 12
     assert [("window" in e, e["ok"]) for e in got] == [(True, False)]
 
 

@@ -3,7 +3,8 @@ show, judged from one exchange in which every rank sent its figures and the ids 
 the window (sharddemo.watching.state.WatchState.check_window).
 
 Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at step 51 both ranks
-send ids 0..399; all 400 were received by both, so `no-silent-replication` fails for steps 1-50
+send ids 0..399 (judged a batch later, at step 52: the exchange runs in the background
+meanwhile); all 400 were received by both, so `no-silent-replication` fails for steps 1-50
 and the line says so at once. Padding and accelerate's even-batches fill come only in a rank's
 last batch, and a window never holds a rank's last batch (it is checked when the next batch
 arrives), so no window calls them a fault. The same holds for a sample that one rank received

@@ -25,12 +25,14 @@ loader this way for `compare`, `audit` and the resume audit).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from sharddemo.rank.collect import exchange_ints, gather_ragged, narrowest_dtype
-from sharddemo.options import BITS_FROM
+from sharddemo.options import BITS_FROM, COUNT_FROM
 from sharddemo.rank.counting import KEEP_BATCHES, BitCounts, Counts, slot_ints
 from sharddemo.rank.describe import base_loader, remainder
 from sharddemo.rank.ids import ReadIds, read_values, unshift
@@ -51,13 +53,26 @@ def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
             "gathered_for_metrics": for_metrics, "remainder": remainders}
 
 
-class IdLog:
-    """Every id of one epoch on this rank, batch by batch, and the worker of each batch."""
+@functools.lru_cache(maxsize=1)
+def id_objects(n: int) -> np.ndarray:
+    """The ints 0..n-1 as Python int objects in one numpy array, made once per process and
+    dataset length. The id path's record lists every id as a Python int; taken from here an
+    id costs a pointer copy, not a new int object on fresh memory (about 10 times more on
+    these machines, where first-touched memory is slow: docs/benchmarks.md, "streams"), and
+    every epoch's record shares the same objects."""
+    return np.arange(n).astype(object)
 
-    def __init__(self) -> None:
+
+class IdLog:
+    """Every id of one epoch on this rank, batch by batch, and the worker of each batch.
+    `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then
+    listed from one shared set of int objects (id_objects)."""
+
+    def __init__(self, n: Optional[int] = None) -> None:
         self.batches: list[torch.Tensor] = []
         self.workers: list[int] = []
         self.samples = 0
+        self.n = n if n is not None and 0 < n < COUNT_FROM else None
 
     @property
     def steps(self) -> int:
@@ -94,13 +109,17 @@ class IdLog:
             return None
         ranks, workers = [], []
         for (n_batches, _, _, _), part in zip(heads, parts):
-            part = part.to(torch.int64)
-            cuts = part[:n_batches].tolist()
-            workers.append(part[n_batches:2 * n_batches].tolist())
-            flat = part[2 * n_batches:].tolist()
+            array = part.to("cpu").numpy()
+            cuts = array[:n_batches].tolist()
+            workers.append(array[n_batches:2 * n_batches].tolist())
+            flat = array[2 * n_batches:]
+            # the same ints either way; from the shared objects where every id is in 0..n-1
+            pool = (id_objects(self.n) if self.n is not None and flat.size
+                    and int(flat.min()) >= 0 and int(flat.max()) < self.n else None)
             batches, start = [], 0
             for size in cuts:
-                batches.append(flat[start:start + size])
+                chunk = flat[start:start + size]
+                batches.append(pool[chunk].tolist() if pool is not None else chunk.tolist())
                 start += size
             ranks.append(batches)
         remainders = [None if h[3] == -2 else h[3] for h in heads]
@@ -172,7 +191,7 @@ class Recorder:
 
     def _new_log(self):
         if self.how != "count":
-            return IdLog()
+            return IdLog(self.n)
         if int(self.n) >= BITS_FROM and self.slots is None and not self.keep_present:
             return BitCounts(int(self.n), self.keep, self.background)  # 2 bits a sample
         log = Counts(int(self.n), self.keep, self.background, slots=self.slots)

@@ -24,10 +24,17 @@ from sharddemo.watching.hooks import Tap
 ON_VIOLATION = ("warn", "raise", "ignore")
 
 # Steps between two window checks (watch's check_every). 50: a replicated stream is named within
-# the first 51 steps of a run (the window is checked as the next batch arrives), and the one
-# collective a window costs is spread over 50 steps (measured: docs/benchmarks.md, about 2% of a
-# 3-4.5 ms MLP step here with the windows, 0.7% without; mostly the wait in the all-gather).
+# the first 52 steps of a run (the window's exchange starts as the next batch arrives and is
+# judged one batch later, WINDOW_LAG), and the one collective a window costs is spread over 50
+# steps (measured: docs/benchmarks.md, "watch windows").
 CHECK_EVERY = 50
+
+# Steps between starting a window's exchange (an all-gather started with async_op) and
+# waiting for it to judge the window. Waited for at once, the exchange made the earlier rank
+# wait for the later one, most of a window's cost (docs/benchmarks.md); one step of the loop's
+# own work later the others have reached it. Every rank waits at the same step (the window's
+# step + WINDOW_LAG), so every rank still judges the same exchange at the same step.
+WINDOW_LAG = 1
 
 # Ids each rank sends per window at most (the first ones of the window): a fixed width, the same
 # on every rank whatever its batches (an all-gather needs equal sizes), 8 KB of int64. Enough to
@@ -144,6 +151,7 @@ class WatchState:
         OPEN.append(self)
         # windows of steps checked within the epoch (check_window); 0 or None: none
         self.check_every = check_every or 0
+        self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.new_windows()
 
     # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
@@ -157,7 +165,7 @@ class WatchState:
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
         before, again, restarts = None, None, [dict(r) for r in self.restarts]
-        if self.n is not None:  # (every rank alike: N is the dataset's length)
+        if self.n is not None and not self.two_bits():  # (every rank alike: N is the length)
             if self.recorder is None:
                 self.recorder = self.new_recorder()
             before = self.recorder.log.present_so_far(self.ranks)  # since the last restart
@@ -299,6 +307,7 @@ class WatchState:
         if self.windows_on():
             # the same exchange as a window's, so that a rank still iterating, or at its
             # epoch's end, meets this one: every rank takes the same branch from its heads
+            self.finish_window()
             entry = None
             while True:
                 heads = self.drain(2)
@@ -326,6 +335,7 @@ class WatchState:
         if self.finished:
             return None
         self.finished = True
+        self.pending = None  # (the ranks can no longer meet: a started exchange is left)
         if self in OPEN:
             OPEN.remove(self)
         if not self.open_steps() or not self.ranks.is_main_process:
@@ -375,21 +385,38 @@ class WatchState:
             self.ranks = ranks_of(self.accelerator)
         how = "count" if self.n is not None else "epoch"
         # the epoch's end: one all-reduce (the count path, up to 15 ranks), after which every
-        # rank holds the record, so that on_violation="raise" needs no collective of its own
-        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=True,
-                        one_collective=True, batch=self.batch_size)
+        # rank holds the record, so that on_violation="raise" needs no collective of its own;
+        # from BITS_FROM samples the count path's two bits a sample instead (two_bits)
+        whole = not self.two_bits()
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=whole,
+                        one_collective=whole, batch=self.batch_size)
+
+    def two_bits(self) -> bool:
+        """From BITS_FROM (2^26) samples the watch counts as `audit` does there: two bits a
+        sample a rank (rank.counting.BitCounts), not the byte counter's one byte (100 MB a
+        rank at 10^8, and several times that at the epoch's end). What it gives up there: the
+        epoch's end takes the bitmaps' collectives (a small exchange, a ragged gather, then
+        the code reduced a chunk at a time) instead of one all-reduce, and one exchange more
+        with on_violation="raise"; the windows check within a window only (no look-up of
+        earlier ones); a checkpoint keeps no per-sample state (a resumed epoch is judged from
+        the resume on, as a stream without a length is)."""
+        from sharddemo.options import BITS_FROM
+
+        return self.n is not None and self.n >= BITS_FROM
 
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
             self.recorder = self.new_recorder()
         steps = self.recorder.steps
+        if self.pending is not None and steps >= self.pending["due"]:
+            self.finish_window()  # the window started WINDOW_LAG batches ago
         if (steps and self.check_every and steps % self.check_every == 0
                 and self.windowed != steps and self.ranks.num_processes > 1):
             # a batch after a full window: the window held no rank's last batch (padding and
             # fill come there), so it can be judged; every rank reaches this step alike, and a
             # rank out of data answers from its epoch's end (drain)
             self.windowed = steps
-            self.check_window(0)
+            self.start_window()
         if self.id_field is not None:
             try:
                 ids = read_field(batch, self.id_field) if self.field_error is None else None
@@ -441,47 +468,62 @@ class WatchState:
             self.ranks = ranks_of(self.accelerator)
         return bool(self.check_every) and self.ranks.num_processes > 1
 
-    def exchange_window(self, done: int) -> tuple[list[dict], list[np.ndarray]]:
-        """ONE collective (an all-gather of one row per rank, the same width on every rank):
-        every rank's figures and the ids of its window (none from a rank that is done)."""
-        from sharddemo.rank.collect import collective
-
+    def window_row(self, done: int) -> tuple[torch.Tensor, np.ndarray]:
+        """This rank's row of a window's exchange (its figures, then the first WINDOW_IDS ids
+        of its window; none from a rank that is done), on the ranks' device, and all the ids
+        of its window."""
         steps = self.open_steps()
-        mine = torch.empty(0, dtype=torch.int64)
+        mine = np.empty(0, dtype=np.int64)
         if not done and self.window_ids:
-            mine = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in self.window_ids])
+            mine = torch.cat([t.reshape(-1) for t in self.window_ids]).to(
+                "cpu", torch.int64).numpy()
         repeats, examples, order = 0, [], -1
         if self.field_error is not None:  # its message in place of ids
-            sent = torch.tensor(list(self.field_error.encode()[:WINDOW_IDS]), dtype=torch.int64)
+            sent = np.frombuffer(self.field_error.encode()[:WINDOW_IDS], dtype=np.uint8).astype(
+                np.int64)
         else:
             sent = mine[:WINDOW_IDS]
             if not done:  # (a rank at its end holds its last batch: padding, fill)
-                repeats, examples = self.window_repeats(mine.numpy())
-                order = self.window_order(mine.numpy())
-        width = WINDOW_HEAD + REPEAT_EXAMPLES + WINDOW_IDS
-        row = torch.full((width,), -1, dtype=torch.int64)
-        row[:WINDOW_HEAD] = torch.tensor([done, steps, -1 if self.n is None else self.n,
-                                          sent.numel(), self.found_earlier, repeats, order,
-                                          int(self.field_error is not None)])
-        row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = torch.tensor(examples, dtype=torch.int64)
+                repeats, examples = self.window_repeats(mine)
+                order = self.window_order(mine)
+                self.window_offset += mine.size
         start = WINDOW_HEAD + REPEAT_EXAMPLES
-        row[start:start + sent.numel()] = sent
-        world = self.ranks.num_processes
-        row = row.to(self.ranks.device)
+        row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
+        row[:WINDOW_HEAD] = (done, steps, -1 if self.n is None else self.n, sent.size,
+                             self.found_earlier, repeats, order, int(self.field_error is not None))
+        row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
+        row[start:start + sent.size] = sent
+        return torch.from_numpy(row).to(self.ranks.device), mine
+
+    def gather_rows(self, row: torch.Tensor, wait: bool = True):
+        """ONE collective (an all-gather of one row per rank, the same width on every rank).
+        `wait=False`: started in the background (async_op), returns (work, rows): rows holds
+        every rank's row once work.wait() returns."""
+        from sharddemo.rank.collect import collective
+
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             # (torch's own all-gather: accelerate's gather of the same row costs several
             # times more on gloo here, about 1 ms against 0.2)
-            rows = row.new_empty(world * row.numel())
-            collective(dist.all_gather_into_tensor, rows, row)
-        else:
-            rows = collective(self.ranks.gather, row)
-        rows = rows.to("cpu").view(world, width)
+            rows = row.new_empty(self.ranks.num_processes * row.numel())
+            work = collective(dist.all_gather_into_tensor, rows, row, async_op=not wait)
+            return rows if wait else (work, rows)
+        rows = collective(self.ranks.gather, row)
+        return rows if wait else (None, rows)
+
+    def read_rows(self, rows: torch.Tensor, done: int, mine: np.ndarray,
+                  recent: Optional[np.ndarray] = None) -> tuple[list[dict], list[np.ndarray]]:
+        """Every rank's figures and window ids from the exchanged rows; sets what this rank
+        found earlier (said at the next window). `recent`: ids this rank received after the
+        window (the exchange was judged WINDOW_LAG batches later): not earlier ones."""
+        world = self.ranks.num_processes
+        start = WINDOW_HEAD + REPEAT_EXAMPLES
+        rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
                   "repeats": r[5], "order": r[6], "error": r[7],
                   "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
-        ids = [rows[r, start:start + h["count"]].numpy() for r, h in enumerate(heads)]
+        ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
         self.found_earlier = 0
         if not done and self.recorder is not None:
             # which of the others' window ids this rank received in an earlier window (it
@@ -493,11 +535,12 @@ class WatchState:
                 others = np.sort(np.concatenate(others))
                 others = others[np.concatenate(([True], others[1:] != others[:-1]))]
                 held = self.recorder.holds(others)
-                if held is not None:
-                    now = np.isin(others, mine.numpy())
-                    self.found_earlier = int(np.count_nonzero(held & ~now))
-        if not done:
-            self.window_offset += mine.numel()
+                if held is not None and held.any():  # (a sharded loader: none, no look-up)
+                    later = np.isin(others, mine)
+                    if recent is not None and recent.size:
+                        # (held now, but maybe only from the batches after the window)
+                        later |= np.isin(others, recent)
+                    self.found_earlier = int(np.count_nonzero(held & ~later))
         return heads, ids
 
     def window_repeats(self, mine: np.ndarray) -> tuple[int, list[int]]:
@@ -533,13 +576,56 @@ class WatchState:
         size = min(mine.size, previous.size - offset)
         return int(np.array_equal(mine[:size], previous[offset:offset + size]))
 
+    def exchange_window(self, done: int) -> tuple[list[dict], list[np.ndarray]]:
+        """ONE collective, waited for: every rank's figures and the ids of its window."""
+        row, mine = self.window_row(done)
+        return self.read_rows(self.gather_rows(row), done, mine)
+
+    def start_window(self) -> None:
+        """A running rank's window, at the step after it: its exchange is started in the
+        background and judged WINDOW_LAG batches later (finish_window); the next window
+        starts empty."""
+        row, mine = self.window_row(0)
+        work, rows = self.gather_rows(row, wait=False)
+        first, last = self.window_first, self.open_steps()
+        self.window_ids, self.window_first = [], last + 1
+        self.pending = {"work": work, "rows": rows, "row": row, "mine": mine, "first": first,
+                        "last": last, "due": last + WINDOW_LAG}
+
+    def finish_window(self) -> None:
+        """Wait for the window's exchange started by start_window, if any, and judge it."""
+        from sharddemo.rank.collect import collective
+
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if pending["work"] is not None:
+            collective(pending["work"].wait)
+        recent = None
+        if self.window_ids:  # the batches after the window, received while it was exchanged
+            recent = torch.cat([t.reshape(-1) for t in self.window_ids]).to(
+                "cpu", torch.int64).numpy()
+        heads, ids = self.read_rows(pending["rows"], 0, pending["mine"], recent)
+        self.judge_exchange(heads, ids, pending["first"], pending["last"])
+
     def check_window(self, done: int) -> list[dict]:
-        """A window's exchange and its judgement (analysis.watch_window), the same on every
-        rank: a failing window prints its line at once and is a report entry (each failing
-        verdict once an epoch); with on_violation="raise" every rank raises here."""
+        """A window's exchange, waited for, and its judgement (analysis.watch_window), the
+        same on every rank: a failing window prints its line at once and is a report entry
+        (each failing verdict once an epoch); with on_violation="raise" every rank raises
+        here."""
+        heads, ids = self.exchange_window(done)
+        first, last = self.window_first, self.open_steps()
+        if not done:
+            self.window_ids, self.window_first = [], last + 1
+        self.judge_exchange(heads, ids, first, last)
+        return heads
+
+    def judge_exchange(self, heads: list[dict], ids: list, first: int, last: int) -> None:
+        """Judge one exchange (the same heads and ids on every rank). Checked at: the step
+        after the last any rank took, plus WINDOW_LAG where a rank was still running (its
+        exchange was started in the background and waited for that many batches later)."""
         from sharddemo.analysis.watch_window import judge_window
 
-        heads, ids = self.exchange_window(done)
         errors = [r for r, h in enumerate(heads) if h["error"]]
         if errors:  # a rank could not read id_field: every rank raises its message, here
             self.finished = True
@@ -548,11 +634,9 @@ class WatchState:
             raise ValueError(bytes(ids[errors[0]].tolist()).decode(errors="replace")
                              + f" (on rank{'s' if len(errors) > 1 else ''} "
                              + ", ".join(map(str, errors)) + ")")
-        first, last = self.window_first, self.open_steps()
-        if not done:
-            self.window_ids, self.window_first = [], last + 1
+        lag = WINDOW_LAG if any(not h["done"] for h in heads) else 0
         entry = judge_window(epoch=self.epoch, name=self.name, first=first, last=last,
-                             at=max(h["steps"] for h in heads) + 1, heads=heads, ids=ids,
+                             at=max(h["steps"] for h in heads) + 1 + lag, heads=heads, ids=ids,
                              earlier=sum(h["earlier"] for h in heads), n=self.n,
                              loader=self.description, id_field=self.id_field)
         failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
@@ -566,7 +650,6 @@ class WatchState:
                 if self in OPEN:
                     OPEN.remove(self)
                 raise ShardingViolation(entry["line"], entry)
-        return heads
 
     def drain(self, done: int) -> list[dict]:
         """This rank is done with the epoch (1: its loader ran out or the epoch ended; 2: the
@@ -590,6 +673,7 @@ class WatchState:
         if self.recorder is None:
             self.recorder = self.new_recorder()
         if self.windows_on() and not drained:
+            self.finish_window()  # a window started in the last WINDOW_LAG batches
             self.drain(1)
         # this epoch's first ids, for the next epoch's windows (not where it resumed mid-way:
         # its first steps are not the epoch's)
