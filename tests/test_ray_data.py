@@ -95,3 +95,39 @@ def test_a_dataset_left_out_of_datasets_to_split_is_replication(ray_cluster, tmp
         assert "no-silent-replication" in failed, entry["verdicts"]
         assert entry["duplicated"]["reasons"] == ["replication"], entry["duplicated"]
         assert "datasets_to_split" in entry["reasons"]["replication"], entry["reasons"]
+
+
+def test_ray_data_batches_in_one_process_are_watched_pass_by_pass(ray_cluster, tmp_path):
+    """The driver alone (one rank), ds.iterator() over 11 rows, batches of 4: each pass yields
+    Ray's own batches, [0..3], [4..7], [8..10] (logged below), and is one epoch; calling
+    iter_torch_batches() again and watching it goes on with the same watch (epoch 2, 3);
+    a `break` leaves an epoch open, which close() reports as partial."""
+    from sharddemo import watch
+
+    iterator = ray.data.range(N).iterator()
+    plain = [batch["id"].tolist() for batch in iterator.iter_torch_batches(batch_size=BATCH)]
+    made = iterator.iter_torch_batches(batch_size=BATCH)
+    kind = type(made)
+    report = tmp_path / "w.jsonl"
+    batches = watch(made, id_field="id", dataset_size=N, report=str(report))
+    assert batches is made and isinstance(batches, kind)
+    got = [[batch["id"].tolist() for batch in batches] for _ in range(2)]
+    for _ in range(2):
+        again = watch(iterator.iter_torch_batches(batch_size=BATCH), id_field="id",
+                      dataset_size=N, report=str(report))
+        got.append([batch["id"].tolist() for batch in again])
+    assert got == [plain] * 4
+    for batch in batches:
+        break
+    batches.close()
+    entries = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [(e["epoch"], e["seen"], e["unique"], e["steps"], e["ok"], e.get("partial"))
+            for e in entries] == [(e, N, N, [len(plain)], True, None) for e in range(4)] + [
+        (4, len(plain[0]), len(plain[0]), [1], True, True)]
+
+
+def test_ray_data_batches_need_an_id_field(ray_cluster):
+    from sharddemo import watch
+
+    with pytest.raises(ValueError, match="id_field is needed for Ray Data's batches"):
+        watch(ray.data.range(N).iterator().iter_torch_batches(batch_size=BATCH), report=None)
