@@ -172,14 +172,16 @@ def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
     return text
 
 
-def ray_split_slack(loader: dict, per_rank_batch: int) -> Optional[int]:
-    """How many rows Ray's equal split (and iter_torch_batches' drop_last) may leave out of an
-    epoch; None where the batches are not an equal split of Ray Data's."""
+def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
+    """How many rows Ray's equal split may leave out of an epoch (W - 1), and with
+    iter_torch_batches(drop_last=True) each worker's short last batch too (W x (B - 1) more,
+    B = global_size / W); None where the batches are not an equal split of Ray Data's."""
     ray = loader.get("ray_data") or {}
     if ray.get("split") != "equal" or not ray.get("world_size"):
         return None
     world = ray["world_size"]
-    return world - 1 + (world * (per_rank_batch - 1) if loader.get("drop_last") else 0)
+    batch = max(1, global_size // world)
+    return world - 1 + (world * (batch - 1) if loader.get("drop_last") else 0)
 
 
 def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
@@ -260,8 +262,7 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
         return "double-split", True
     if hint:
         return hint, True
-    slack = ray_split_slack(loader, max(1, global_size // max(1, (loader.get("ray_data") or {})
-                                                            .get("world_size") or 1)))
+    slack = ray_split_slack(loader, global_size)
     if slack is not None:
         return "ray-equal-split", missing <= slack
     if dup_code == "ranks-disagree":
