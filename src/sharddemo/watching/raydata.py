@@ -1,14 +1,15 @@
 """Ray Data's batches for the watch: the iterable `DataIterator.iter_torch_batches()` (or
 `iter_batches()`) returns, read with `id_field`, and what the DataIterator behind it says about
-how the dataset was split among the workers. Ray is never imported here: the iterable is
-recognised by its class (`ray.data.iterator._IterableFromIterator`, ray 2.60), and the
-DataIterator is found in the closure that makes each pass (its `self`).
+how the dataset was split among the workers. Ray is imported only for the one remote call
+below, where Ray's own batches were handed to the watch: the iterable is recognised by its
+class's name (`ray.data.iterator._IterableFromIterator`, ray 2.60), and the DataIterator is
+found in the closure that makes each pass (its `self`).
 
 What a worker's DataIterator tells (ray 2.60, ray/train/_internal/data_config.py):
 
 - `StreamSplitDataIterator`: its worker's part of `Dataset.streaming_split(world_size,
   equal=...)`, as `DataConfig` makes one for each dataset in `datasets_to_split` (always with
-  `equal=True`). Whether the split is equal is read once, at `watch()`, from the split's own
+  `equal=True`). Whether the split is equal is read at its first `watch()`, from the split's own
   plan in its coordinator actor (the `StreamingSplit` operator's `equal`): with `equal=True`
   Ray gives every worker the same number of rows and drops up to world_size - 1 of them.
 - `DataIteratorImpl`: the whole dataset (`ds.iterator()`), as `DataConfig` hands a dataset left
@@ -17,6 +18,7 @@ What a worker's DataIterator tells (ray 2.60, ray/train/_internal/data_config.py
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 
@@ -49,19 +51,32 @@ def data_iterator(batches):
     return pass_settings(batches).get("self")
 
 
+# StreamSplitDataIterator -> whether its split is equal (read once per DataIterator)
+EQUAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def equal_split(iterator) -> Optional[bool]:
     """Whether a StreamSplitDataIterator's split was made with equal=True: the StreamingSplit
-    operator of the split's plan, read in its coordinator actor (one remote call). None where
-    it cannot be read."""
+    operator of the split's plan, read in its coordinator actor (one remote call, once per
+    DataIterator). None where it cannot be read."""
+    try:
+        return EQUAL[iterator]
+    except (KeyError, TypeError):
+        pass
     coordinator = getattr(iterator, "_coord_actor", None)
     if coordinator is None:
         return None
     try:
         import ray
 
-        return bool(ray.get(coordinator.__ray_call__.remote(read_equal), timeout=60))
+        equal = bool(ray.get(coordinator.__ray_call__.remote(read_equal), timeout=60))
     except Exception:  # an older or newer Ray that keeps it elsewhere: not known
         return None
+    try:
+        EQUAL[iterator] = equal
+    except TypeError:
+        pass
+    return equal
 
 
 def read_equal(coordinator) -> bool:
