@@ -31,3 +31,28 @@ def watched_loop(config: dict) -> None:
         got.append([batch[0].tolist() for batch in loader])
     with open(f"{config['log']}/rank{rank}.json", "w") as out:
         json.dump({"type": type(loader).__name__, "batches": got, "cwd": os.getcwd()}, out)
+
+
+def watched_rows(config: dict) -> None:
+    """A Ray Train loop over Ray Data, as a user writes one: the worker's shard of the
+    "train" dataset, read with iter_torch_batches, watched with its "id" column. Once
+    (config["per_epoch"] False): one iterable, iterated each epoch; else iter_torch_batches()
+    called, and watched, each epoch. Each worker logs the ids its loop received, per epoch."""
+    import ray.train
+
+    from sharddemo import watch
+
+    rank = ray.train.get_context().get_world_rank()
+    shard = ray.train.get_dataset_shard("train")
+
+    def batches():
+        return watch(shard.iter_torch_batches(batch_size=config["batch"]), id_field="id",
+                     dataset_size=config["n"], report=config["report"],
+                     on_violation=config.get("on_violation", "warn"))
+
+    once = None if config["per_epoch"] else batches()
+    got = []
+    for _ in range(config["epochs"]):
+        got.append([batch["id"].tolist() for batch in (once or batches())])
+    with open(f"{config['log']}/rank{rank}.json", "w") as out:
+        json.dump({"iterator": type(shard).__name__, "batches": got}, out)

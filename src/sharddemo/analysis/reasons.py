@@ -28,6 +28,8 @@ REASON_LABEL = {
     "subset": "the loader reads a subset",
     "sampler-draws": "the sampler's own draw",
     "short-rounds": "accelerate drops rounds that end in a short batch",
+    "ray-equal-split": "ray's streaming_split(equal=True) drops up to world_size - 1 rows so "
+                       "that every worker gets the same number",
     "unexplained": "no known reason",
 }
 
@@ -64,7 +66,7 @@ REASON_SENTENCE = {
 
 # Missing samples the loader's own objects leave out by design: not a broken promise when the
 # reason accounts for all of them (missing_explained).
-BY_DESIGN_MISSING = ("drop-last", "subset", "sampler-draws")
+BY_DESIGN_MISSING = ("drop-last", "subset", "sampler-draws", "ray-equal-split")
 
 
 def missing_ok(e: dict) -> bool:
@@ -145,7 +147,41 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
                 "batches) and were dropped")
     if code in ("subset", "sampler-draws"):
         return by_design_sentence(code, loader, n, missing, explained)
+    if code == "ray-equal-split":
+        return ray_split_sentence(loader, missing, explained)
+    ray = loader.get("ray_data") or {}
+    if code == "replication" and ray.get("split") == "none":
+        return ("replication: Ray hands this dataset whole to every worker (a dataset left out "
+                "of DataConfig(datasets_to_split=...) is read with ds.iterator() on each), so "
+                "every worker walks the same rows; name it in datasets_to_split to split it")
     return REASON_SENTENCE[code]
+
+
+def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
+    """Ray Data's equal split (Dataset.streaming_split(W, equal=True), as Ray Train's
+    DataConfig splits each dataset): every worker gets the same number of rows, and up to W - 1
+    rows of the epoch reach no worker (ray issue 63285)."""
+    ray = loader["ray_data"]
+    world = ray["world_size"]
+    text = (f"ray's streaming_split(equal=True) drops up to world_size - 1 rows so that every "
+            f"worker gets the same number ({world} workers: up to {world - 1})")
+    if loader.get("drop_last"):
+        text += ", and iter_torch_batches(drop_last=True) drops each worker's short last batch"
+    if not explained:
+        text += f"; but {missing} rows never came: more than that explains, NOT explained"
+    return text
+
+
+def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
+    """How many rows Ray's equal split may leave out of an epoch (W - 1), and with
+    iter_torch_batches(drop_last=True) each worker's short last batch too (W x (B - 1) more,
+    B = global_size / W); None where the batches are not an equal split of Ray Data's."""
+    ray = loader.get("ray_data") or {}
+    if ray.get("split") != "equal" or not ray.get("world_size"):
+        return None
+    world = ray["world_size"]
+    batch = max(1, global_size // world)
+    return world - 1 + (world * (batch - 1) if loader.get("drop_last") else 0)
 
 
 def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
@@ -226,6 +262,9 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
         return "double-split", True
     if hint:
         return hint, True
+    slack = ray_split_slack(loader, global_size)
+    if slack is not None:
+        return "ray-equal-split", missing <= slack
     if dup_code == "ranks-disagree":
         return "ranks-disagree", True
     draws = loader.get("draws")

@@ -393,6 +393,10 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
             f"{'sample' if n == 1 else 'samples'} {once} across {plural(world, 'rank')}, "
             f"{each}, order changed: {order}")
+    missing = entry["missing"]
+    if not failed and missing and missing["count"] and missing["reason"] == "ray-equal-split":
+        # rows Ray's equal split drops by design: said, not an alarm
+        text += f", missing: {missing['count']:,} ({REASON_LABEL['ray-equal-split']})"
     if not failed:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)

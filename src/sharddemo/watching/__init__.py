@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
@@ -49,7 +50,8 @@ def watch(loader, accelerator=None, *, name: str = "train",
     """Watch `loader` in your own training loop; returns the same loader object.
 
     Args:
-        loader: a torch DataLoader (or one accelerate or torchdata made).
+        loader: a torch DataLoader (or one accelerate, torchdata or Ray Train made), or Ray
+            Data's batches (`DataIterator.iter_torch_batches()`: needs `id_field`).
         accelerator: your Accelerator (its collectives carry the exchange, and a loader it
             prepares or skips from this one stays watched); None under torch.distributed
             alone or in one process.
@@ -108,9 +110,19 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
     # loaders are DataLoaders too; a list, a generator or a datasets stream is not one
     from torch.utils.data import DataLoader
 
-    if not isinstance(loader, DataLoader):
+    from sharddemo.watching.raydata import is_ray_batches
+
+    if is_ray_batches(loader):
+        # Ray Data's batches (DataIterator.iter_torch_batches()): rows with no index, so
+        # their ids come from a column
+        if id_field is None:
+            raise ValueError("sharddemo.watch: id_field is needed for Ray Data's batches "
+                             "(iter_torch_batches() yields rows, not indices): give the column "
+                             "that holds each row's id, 0..N-1, and dataset_size=N")
+    elif not isinstance(loader, DataLoader):
         raise TypeError("sharddemo.watch: loader must be a torch.utils.data.DataLoader (or one "
-                        "that accelerate or torchdata made), iterated once per epoch; got "
+                        "that accelerate or torchdata made) or Ray Data's "
+                        "iter_torch_batches(), iterated once per epoch; got "
                         f"{type(loader).__name__} (wrap a dataset in a DataLoader first)")
     if accelerator is not None:
         from accelerate import Accelerator
@@ -178,6 +190,10 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     `lineage`: the folder of the lineage writer (checked by the caller)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
+    shared = ray_watch(loader)
+    if shared is not None:  # Ray Data: iter_torch_batches() called again (a new epoch's)
+        attach(loader, shared)
+        return loader
     state = WatchState(accelerator, name, report, id_field, on_violation, role, check_every)
     state.epoch = start_epoch
     if dataset_size is not None:
@@ -185,11 +201,44 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     if lineage is not None:
         state.lineage = LineageWriter(lineage, state)
     attach(loader, state)
+    keep_ray_watch(loader, state)
     if accelerator is not None:
         follow(accelerator, state)
         if hasattr(accelerator, "register_for_checkpointing"):
             checkpoint(accelerator, state)
     return loader
+
+
+# Ray DataIterator -> the watch of its batches (ray_watch): held weakly, never on Ray's object
+# (a DataIterator is shipped between processes; the watch is not)
+RAY_WATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def ray_watch(loader) -> Optional[WatchState]:
+    """The watch of the Ray DataIterator behind `loader` (Ray Data's batches), where an earlier
+    iter_torch_batches() of the same DataIterator was watched: a loop that calls
+    iter_torch_batches() each epoch, and watches each, goes on with one watch (its epochs
+    counted on, each pass compared with the one before)."""
+    from sharddemo.watching.raydata import data_iterator, is_ray_batches
+
+    if not is_ray_batches(loader):
+        return None
+    try:
+        state = RAY_WATCHES.get(data_iterator(loader))
+    except TypeError:  # (None, or an object that cannot be weakly referenced)
+        return None
+    return state if state is not None and not state.finished else None
+
+
+def keep_ray_watch(loader, state: WatchState) -> None:
+    """Note the watch of the Ray DataIterator behind `loader` (see ray_watch)."""
+    from sharddemo.watching.raydata import data_iterator, is_ray_batches
+
+    if is_ray_batches(loader):
+        try:
+            RAY_WATCHES[data_iterator(loader)] = state
+        except TypeError:
+            pass
 
 
 __all__ = ["ShardingViolation", "watch", "watch_loader"]

@@ -362,7 +362,11 @@ class WatchState:
                                              subset_mapping)
 
         from sharddemo.rank.describe import base_loader
+        from sharddemo.watching.raydata import describe_batches, is_ray_batches
 
+        if is_ray_batches(loader):  # Ray Data's batches: no DataLoader behind them
+            self.description, self.batch_size = describe_batches(loader)
+            return
         # the loader that runs now (prepare and skip_first_batches make new ones)
         self.described = loader
         self.description = describe_loader(loader)
