@@ -15,6 +15,9 @@ gloo ranks: a prepared model (DDP) and a prepared shuffled DataLoader of 80 samp
   exit          the same save, then `sys.exit(0)` inside the loop
   end_training  the loop ends, then `accelerator.end_training()` (the README's clean end)
   destroy       the loop ends, then `torch.distributed.destroy_process_group()`
+  release       `accelerator.end_training()`, then every reference to what holds the process
+                group dropped while the interpreter is whole: the model (DDP keeps the group),
+                the optimizer, `accelerator.free_memory()`, `gc.collect()`
 
 each unwatched and watched (`watch(loader, accelerator, report=...)`, its default windows). The
 launches run one after another, round by round (each round one launch of each variant,
@@ -37,9 +40,10 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "accelerate_configs", "cpu2.yaml")
 ABORT = "terminate called without an active exception"
-VARIANTS = ("none", "break", "exit", "end_training", "destroy")
+VARIANTS = ("none", "break", "exit", "end_training", "destroy", "release")
 # launches of each variant, watched and unwatched each (--launches overrides)
-DEFAULT_LAUNCHES = {"none": 30, "break": 10, "exit": 10, "end_training": 30, "destroy": 10}
+DEFAULT_LAUNCHES = {"none": 30, "break": 10, "exit": 10, "end_training": 30, "destroy": 10,
+                    "release": 10}
 
 
 def rank_main(variant: str, watched: bool, out: str) -> None:
@@ -73,6 +77,13 @@ def rank_main(variant: str, watched: bool, out: str) -> None:
         accelerator.end_training()
     elif variant == "destroy":
         torch.distributed.destroy_process_group()
+    elif variant == "release":
+        import gc
+
+        accelerator.end_training()
+        del model, optimizer, loader
+        accelerator.free_memory()
+        gc.collect()
 
 
 def launch(variant: str, watched: bool) -> dict:
@@ -120,9 +131,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--launches", type=int,
-                        help="launches of each variant, watched and unwatched each "
-                             f"(default: {DEFAULT_LAUNCHES})")
+    parser.add_argument("--launches", nargs="+", default=[], metavar="K_OR_VARIANT=K",
+                        help="launches of each variant (K), or of one (VARIANT=K), watched "
+                             f"and unwatched each (default: {DEFAULT_LAUNCHES})")
     parser.add_argument("--log", help="append each launch's result here (JSON lines)")
     parser.add_argument("--table", metavar="LOG",
                         help="print the table of the launches a --log holds, and nothing else")
@@ -138,7 +149,11 @@ def main() -> None:
             print(table([json.loads(line) for line in handle if line.strip()]))
         return
     rows = []
-    counts = {v: args.launches or DEFAULT_LAUNCHES[v] for v in args.variants}
+    counts = {v: DEFAULT_LAUNCHES[v] for v in args.variants}
+    for item in args.launches:
+        variant, _, count = item.rpartition("=")
+        for v in ([variant] if variant else args.variants):
+            counts[v] = int(count)
     # round by round, every variant in each, so that the machine's drift (and a run cut short)
     # hits them all alike
     for i in range(max(counts.values())):
