@@ -187,11 +187,16 @@ def test_trainer_dict_eval_sets_each_get_a_mode(monkeypatch, fresh_accelerate_st
 
 
 def test_trainer_batch_rebalance_is_dealt_as_its_own_sampler_deals_it():
-    """train_sampling_strategy="batch_rebalance" (transformers 5): the Trainer's
+    """train_sampling_strategy="batch_rebalance" (transformers 5.17 and later): the Trainer's
     BatchRebalanceSampler is rank-aware and the Trainer turns accelerate's re-sharding off.
     Expected: transformers' own BatchRebalanceSampler for each rank, built as
     Trainer._get_train_sampler builds it, epoch by epoch as Trainer._run_epoch sets it."""
-    from transformers.trainer_pt_utils import BatchRebalanceSampler
+    # (added in transformers 5.17.0; .ci/lowest runs this file at 5.0.0, which has none)
+    from transformers import trainer_pt_utils
+
+    if not hasattr(trainer_pt_utils, "BatchRebalanceSampler"):
+        pytest.skip("train_sampling_strategy='batch_rebalance' came with transformers 5.17.0")
+    BatchRebalanceSampler = trainer_pt_utils.BatchRebalanceSampler
 
     proc, report = audit_json("--trainer", f"{TRAINER}:make_trainer_batch_rebalance",
                               "--epochs", "2")

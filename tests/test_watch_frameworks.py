@@ -59,7 +59,9 @@ def test_trainer_watch_on_a_transformers_without_get_resumed_dataloader(
 
     from sharddemo.integrations import TrainerWatch
 
-    monkeypatch.delattr(Trainer, "get_resumed_dataloader")
+    # (raising=False: the lowest transformers the extra allows, 5.0.0, has none either;
+    # .ci/lowest runs this test there)
+    monkeypatch.delattr(Trainer, "get_resumed_dataloader", raising=False)
     monkeypatch.setattr(module, "skip_first_batches", module.skip_first_batches)  # restored
     trainer = example("watch_trainer").make_trainer(str(tmp_path / "run"), 1)
     assert not hasattr(trainer, "get_resumed_dataloader")
@@ -179,6 +181,20 @@ def test_a_resumed_lightning_fit_numbers_its_validations_on(tmp_path):
     assert [(e["epoch"], e["seen"], e["ok"]) for e in resumed] == [(1, 7, True)]
 
 
+def transformers_older_than(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
+# transformers 5.0.0 to 5.17.0 load a checkpoint's optimizer state with
+# map_location=args.device when world_size > 1, which is "cpu:0" on CPU ranks, and torch cannot
+# restore that ("don't know how to restore data location ... (tagged with cpu:0)"): the
+# Trainer itself cannot resume on gloo ranks there, watched or not. 5.18.0 loads it to "cpu".
+# (On GPUs those versions resume; .ci/lowest runs this file at 5.0.0.)
+@pytest.mark.skipif(transformers_older_than("5.18.0"),
+                    reason="transformers < 5.18 cannot resume a Trainer on CPU ranks")
 def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
     """Stopped after 3 steps (a checkpoint at step 3), then Trainer.train(
     resume_from_checkpoint=True) in fresh processes: the resumed epoch is checked against what

@@ -148,6 +148,21 @@ def test_where_the_ranks_cannot_meet_the_main_process_writes_its_part(tmp_path, 
     assert "main process alone" in lines
 
 
+def test_the_watchs_exit_handler_makes_no_call_on_a_process_group_left_open(tmp_path):
+    """A loop stopped at step 20 that neither closes the watch nor ends the process group (the
+    process group left to the interpreter's exit, as in docs/reliability.md's teardown
+    launches): the watch's exit handler writes the main process's part alone and makes no
+    collective, and neither ends nor makes a process group, on any rank (every such call after
+    the loop was written to a file by the rank script as it was made). The launch ends with
+    0, or with torch's teardown abort and nothing else."""
+    got, ids, lines = stopped(tmp_path, "--end", "left")
+    [entry] = got
+    assert entry["ranks"] == "main-only" and entry["partial"]
+    assert (entry["seen"], entry["steps"]) == (len(ids[0]), [20])
+    for rank in range(2):
+        assert (tmp_path / f"calls{rank}.txt").read_text() == "", f"rank {rank}"
+
+
 def test_an_unsplit_stream_stopped_at_step_20_fails_replication(tmp_path):
     """A stream every rank reads whole, with id_field, stopped at step 20: both ranks received
     the same 160 samples (their own logs say so)."""

@@ -20,8 +20,10 @@ whole (`--loader stream`, with id_field), then ends the watched run as `--end` s
 the process ends, and the watch's exit handler writes what the main process has) or `raise` (an
 exception at the stop, inside the with block, on every rank: the watch cannot know that the
 others are still there, and the main process writes what it has alone) or `late` (close()
-after end_training(): the same, alone). Each rank writes the
-ids it received to `--ids`/rank<r>.json.
+after end_training(): the same, alone) or `left` (neither close() nor end_training(): the
+process group is left to the interpreter's exit, and every torch.distributed call made after
+the loop, the watch's exit handler's included, is appended to `--ids`/calls<r>.txt as it is
+made). Each rank writes the ids it received to `--ids`/rank<r>.json.
 
 `windows`: whole epochs (`--epochs`) with window checks every `--check-every` steps, over
 `--loader` prepared (N = 1001, batch 8, shuffled: accelerate's fill at the end), sampler (a
@@ -77,6 +79,22 @@ def count_collectives() -> None:
             return _fn(*args, **kwargs)
 
         setattr(dist, name, counted)
+
+
+def note_process_group_calls(path: str) -> None:
+    """From now on, every collective and every call that ends or makes a process group is
+    appended to `path` as it is made (a line each), so that calls made at the interpreter's
+    exit are on disk too."""
+    open(path, "w").close()
+    for name in (*COLLECTIVES, "destroy_process_group", "new_group", "monitored_barrier"):
+        fn = getattr(dist, name)
+
+        def noted(*args, _fn=fn, _name=name, **kwargs):
+            with open(path, "a") as handle:
+                handle.write(_name + "\n")
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, noted)
 
 
 class Uneven(Sampler):
@@ -189,6 +207,11 @@ def stop(args, accelerator) -> None:
                 train()
         except RuntimeError as error:
             assert args.end == "raise", error
+    elif args.end == "left":  # the process group is left to the interpreter's exit
+        train()
+        write_ids()
+        note_process_group_calls(os.path.join(args.ids, f"calls{accelerator.process_index}.txt"))
+        return
     elif args.end == "late":  # the process group ended first: close() cannot meet the others
         train()
         write_ids()
@@ -368,7 +391,7 @@ def main() -> None:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--no-split", action="store_true")
-    parser.add_argument("--end", choices=["close", "with", "exit", "raise", "late"],
+    parser.add_argument("--end", choices=["close", "with", "exit", "raise", "late", "left"],
                         default="close")
     parser.add_argument("--stop-at", type=int, default=20)
     parser.add_argument("--no-set-epoch", action="store_true")
