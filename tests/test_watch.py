@@ -254,7 +254,7 @@ def test_ignore_prints_nothing(tmp_path, capsys):
 
 def test_ok_lines_read_calmly_with_plurals(tmp_path, capsys):
     """A sampler that draws with replacement repeats samples by design: the ok line says
-    "once and K again (the sampler's own draw)", not an alarm; one sample, one step: singular
+    "and K again (the sampler's own draw)", not an alarm; one sample, one step: singular
     words; an order that did not change where nothing shuffles: "no", not "NO". Expected from
     the ids the loop itself received."""
     data = TensorDataset(torch.arange(6))
@@ -270,7 +270,7 @@ def test_ok_lines_read_calmly_with_plurals(tmp_path, capsys):
         list(one)
     lines = [line for line in capsys.readouterr().out.splitlines()]
     assert lines == [
-        f"sharddemo: epoch 0 train: {unique} of 6 samples once and {len(got) - unique} again "
+        f"sharddemo: epoch 0 train: {unique} of 6 samples and {len(got) - unique} again "
         "(the sampler's own draw) across 1 rank, 2 steps each, order changed: -: ok",
         "sharddemo: epoch 0 one: 1 of 1 sample once across 1 rank, 1 step each, order "
         "changed: -: ok",
@@ -622,8 +622,8 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, 
     raises the same ValueError there, with the fields rank 1's batches have (the dataset's own
     "x" and "y"); the script then ends cleanly on both: no rank waits in a collective of the
     watch's. The next exchange: the epoch's end with windows of 50 (each loop received its 5
-    batches), the window of steps 1-2 with windows of 2 (checked as batch 3 arrives: each loop
-    received 2)."""
+    batches), the window of steps 1-2 with windows of 2 (its exchange starts as batch 3
+    arrives and is judged one batch later, as batch 4 arrives: each loop received 3)."""
     proc = accelerate_launch([LOOP, "bad-field", "--ids", str(tmp_path),
                               "--report", str(tmp_path / "w.jsonl"),
                               "--check-every", str(check_every),
@@ -631,7 +631,7 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, 
     assert ended_or_aborted_at_teardown(proc), proc.stderr
     said = [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(2)]
     where = "(on rank 1)" if some else "(on ranks 0, 1)"
-    received = "5" if check_every == 50 else "2"
+    received = "5" if check_every == 50 else "3"
     assert said == [["sharddemo.watch: id_field 'nope': the batches (dict) have no field "
                      f"'nope'; they have 'x', 'y' {where}", received]] * 2
     assert not (tmp_path / "w.jsonl").exists()  # no epoch ended

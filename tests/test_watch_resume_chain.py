@@ -174,13 +174,13 @@ def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path):
 
 
 def test_a_resume_from_a_checkpoint_without_the_watchs_state_judges_the_rest(tmp_path):
-    """Issue 40: a checkpoint saved before the watch was added (no custom_checkpoint_0.pkl):
-    accelerate's load_state alone raises on it (its count of custom checkpoints); watched,
-    it loads, and the resumed epoch says the part before the stop is unknown."""
+    """Issue 40: a checkpoint saved before the watch was added (no sharddemo_watch-train.pt):
+    it loads with the watch, and the resumed epoch says the part before the stop is
+    unknown."""
     chain = Chain(tmp_path)
     ckpt = str(tmp_path / "ckpt")
     chain.launch(2, "--unwatched", "--save-at", "0:3", "--checkpoint", ckpt)
-    assert not list((tmp_path / "ckpt").glob("custom_checkpoint_*"))
+    assert not list((tmp_path / "ckpt").glob("sharddemo_watch*"))
     chain.launch(2, "--resume-from", ckpt, "--epochs", "2")
     got = entries(chain.report)
     assert [e["epoch"] for e in got] == [0, 1]
@@ -232,32 +232,78 @@ def test_a_chain_counts_each_part_and_each_restarts_repeats():
 
 def test_load_state_of_a_checkpoint_saved_before_the_watch_loads_and_says_so(
         tmp_path, fresh_accelerate_state):  # noqa: F811
-    """accelerate's own load_state raises where an object registered for checkpointing has no
-    file in the folder; the watch's object, missing, is left out of the load (everything else
-    loads) and the epoch says the part before the stop is unknown."""
+    """accelerate's own load_state raises where the objects registered for checkpointing differ
+    from the folder's custom_checkpoint_N.pkl files; the watch is no such object (a file of its
+    own, through save_state's and load_state's pre-hooks), so a checkpoint saved before the
+    watch was added loads with it (the user's own object gets its state), and the epoch says the
+    part before the stop is unknown."""
     from accelerate import Accelerator
 
     class Position:
+        def __init__(self):
+            self.at = None
+
         def state_dict(self):
             return {"at": 3}
 
         def load_state_dict(self, state):
-            pass
+            self.at = state["at"]
 
     folder = str(tmp_path / "ckpt")
     Accelerator(cpu=True).save_state(folder)  # nothing registered: no custom_checkpoint_0.pkl
     plain = Accelerator(cpu=True)
     plain.register_for_checkpointing(Position())
     with pytest.raises(RuntimeError, match="Number of custom checkpoints"):
-        plain.load_state(folder)
+        plain.load_state(folder)  # (accelerate's own rule, which the watch must not meet)
+    saved = str(tmp_path / "user")
+    user = Accelerator(cpu=True)
+    user.register_for_checkpointing(Position())
+    user.save_state(saved)  # the user's object only: custom_checkpoint_0.pkl
     watched = Accelerator(cpu=True)
+    position = Position()
+    watched.register_for_checkpointing(position)
     loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), watched,
                    report=None)
     with pytest.warns(RuntimeWarning, match="saved before the watch was added"):
-        watched.load_state(folder)
+        watched.load_state(saved)
+    assert position.at == 3
     assert [i for (b,) in loader for i in b.tolist()] == list(range(8))
     entry = loader.__dict__["_sharddemo_watch"].entries[-1]
     assert entry["resume"]["unknown_before"] and entry["ok"] and entry["missing"] is None
+
+
+def test_a_checkpoint_saved_with_the_watch_loads_without_it(tmp_path, fresh_accelerate_state):  # noqa: F811
+    """The other way: a run that drops the watch loads the checkpoints it saved. The watch's
+    file sits beside accelerate's (no custom_checkpoint_N.pkl of its own), so the user's object
+    registered after watch() is still custom_checkpoint_0.pkl and gets its own state back."""
+    from accelerate import Accelerator
+
+    class Position:
+        def __init__(self, at=None):
+            self.at = at
+
+        def state_dict(self):
+            return {"at": self.at}
+
+        def load_state_dict(self, state):
+            self.at = state["at"]
+
+    folder = tmp_path / "ckpt"
+    watched = Accelerator(cpu=True)
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), watched,
+                   report=None, name="train")
+    watched.register_for_checkpointing(Position(at=5))
+    for _ in loader:
+        break
+    watched.save_state(str(folder))
+    assert sorted(p.name for p in folder.glob("*custom_checkpoint*")) == [
+        "custom_checkpoint_0.pkl"]
+    assert (folder / "sharddemo_watch-train.pt").exists()
+    plain = Accelerator(cpu=True)
+    position = Position()
+    plain.register_for_checkpointing(position)
+    plain.load_state(str(folder))  # raised RuntimeError when the watch was a registered object
+    assert position.at == 5
 
 
 def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):

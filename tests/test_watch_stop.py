@@ -59,6 +59,28 @@ def test_a_loop_that_breaks_is_reported_as_a_partial_epoch(tmp_path, capsys, how
                      "1 rank, 5 steps: ok"]
 
 
+def test_a_new_pass_after_a_break_ends_the_epoch_before_it(tmp_path):
+    """3 epochs of 100 samples, batches of 8, each left at step 5 (a step budget per epoch):
+    3 partial entries of 40 samples each (5 x 8, by hand), each holding its own epoch's ids,
+    not one epoch 0 where the second pass's samples read as repeats."""
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(TensorDataset(torch.arange(100)), batch_size=8, shuffle=True),
+                   report=str(report))
+    got: list[list[int]] = []
+    for _ in range(3):
+        got.append([])
+        for step, (ids,) in enumerate(loader):
+            got[-1] += ids.tolist()
+            if step == 4:
+                break
+    loader.close()
+    found = entries(report)
+    assert [e["epoch"] for e in found] == [0, 1, 2]
+    for mine, entry in zip(got, found):
+        assert (entry["seen"], entry["unique"], entry["steps"]) == (40, len(set(mine)), [5])
+        assert entry["partial"] and entry["ok"] and entry["missing"] is None
+
+
 def test_close_after_whole_epochs_adds_nothing(tmp_path):
     report = tmp_path / "w.jsonl"
     loader = watch(DataLoader(TensorDataset(torch.arange(10)), batch_size=4),
@@ -161,6 +183,23 @@ def test_the_watchs_exit_handler_makes_no_call_on_a_process_group_left_open(tmp_
     assert (entry["seen"], entry["steps"]) == (len(ids[0]), [20])
     for rank in range(2):
         assert (tmp_path / f"calls{rank}.txt").read_text() == "", f"rank {rank}"
+
+
+def test_epochs_capped_at_a_step_budget_are_each_a_partial_epoch_that_holds(tmp_path):
+    """3 epochs, each broken out of at step 10 (a step budget per epoch), then close(): each
+    new pass ends the epoch before it, so 3 partial entries (epochs 0, 1, 2), each with the
+    ids each rank's loop logged for that epoch and ok (a prepared loader: no repeats within an
+    epoch; before, the passes were pooled into one epoch 0 that failed on the next pass's
+    samples as repeats)."""
+    got, _, lines = stopped(tmp_path, "--end", "close", "--epochs", "3", "--stop-at", "10")
+    per_rank = [json.loads((tmp_path / f"rank{r}.epochs.json").read_text()) for r in range(2)]
+    assert [e["epoch"] for e in got] == [0, 1, 2]
+    for epoch, entry in enumerate(got):
+        both = per_rank[0][epoch] + per_rank[1][epoch]
+        assert (entry["seen"], entry["unique"]) == (len(both), len(set(both))) == (160, 160)
+        assert entry["steps"] == [10, 10] and entry["partial"] and entry["ok"], entry["line"]
+    assert per_rank[0][0] != per_rank[0][1]  # (accelerate reshuffles each pass: new samples)
+    assert lines.count("(partial)") == 3 and "FAIL" not in lines
 
 
 def test_an_unsplit_stream_stopped_at_step_20_fails_replication(tmp_path):

@@ -187,19 +187,26 @@ def stop(args, accelerator) -> None:
                                   shuffle=True), accelerator, report=args.report)
         loader = accelerator.prepare(loader)
     mine: list[int] = []
+    by_epoch: list[list[int]] = []
 
     def train() -> None:
-        for step, batch in enumerate(loader):
-            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
-            if step + 1 == args.stop_at:
-                if args.end == "raise":
-                    raise RuntimeError("the loop's own error mid-epoch")
-                break
+        for _ in range(args.epochs):  # (--epochs 3: every epoch capped at --stop-at steps)
+            by_epoch.append([])
+            for step, batch in enumerate(loader):
+                got = (batch["id"] if isinstance(batch, dict) else batch[0]).tolist()
+                mine.extend(got)
+                by_epoch[-1].extend(got)
+                if step + 1 == args.stop_at:
+                    if args.end == "raise":
+                        raise RuntimeError("the loop's own error mid-epoch")
+                    break
 
     def write_ids() -> None:
         path = os.path.join(args.ids, f"rank{accelerator.process_index}.json")
         with open(path, "w") as handle:
             json.dump(mine, handle)
+        with open(path.replace(".json", ".epochs.json"), "w") as handle:
+            json.dump(by_epoch, handle)
 
     if args.end in ("with", "raise"):
         try:

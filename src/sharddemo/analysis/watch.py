@@ -128,7 +128,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         entry = partial_entry(entry)
     else:
         entry["line"] = watch_line(entry, failed)
-    if inferred:
+    if inferred and not partial:  # (a part's largest id says nothing of the stream's N)
         entry["line"] += (f" [N = {n} inferred from the largest id seen: "
                           "watch(..., dataset_size=N) gives it]")
     return entry
@@ -357,7 +357,7 @@ def restarts_said(restarts: list) -> str:
 
 def watch_line(entry: dict, failed: list[dict]) -> str:
     """The entry's one line: what the ranks received, in calm words where every verdict held
-    ('once and 1 again (DistributedSampler padding)', 'order changed: no'), with the failed
+    ('and 1 again (DistributedSampler padding)', 'order changed: no'), with the failed
     verdicts after FAIL."""
     from sharddemo.analysis.reasons import REASON_LABEL
 
@@ -370,16 +370,17 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
     if not again:
         once = "once"
     elif failed:
-        once = plural(again, "repeat")
-    else:  # repeats the verdicts explain: the loader's own padding or fill
-        once = f"once and {again:,} again" + (f" ({'; '.join(labels)})" if labels else "")
+        once = ", " + plural(again, "repeat")
+    else:  # repeats the verdicts explain: the loader's own padding, fill or draws (`again`
+        # deliveries more than the distinct samples: not "N once", which some came more than)
+        once = f"and {again:,} again" + (f" ({'; '.join(labels)})" if labels else "")
     order_failed = any(v["verdict"] == "order-changes-each-epoch" for v in failed)
     order = {True: "yes", False: "NO" if order_failed else "no",
              None: "-"}[entry["order_changed"]]
     part = f"{deals:,} (a part of {n:,})" if deals < n else f"{n:,}"
     resumed = entry.get("resume")
     if resumed and resumed.get("unknown_before"):
-        once = (f"{plural(entry['seen'], 'sample')} after the restart, what came before the "
+        once = (f": {plural(entry['seen'], 'sample')} after the restart, what came before the "
                 "stop unknown (the checkpoint holds no state of the watch's: no missing "
                 "verdict)")
     elif resumed and not resumed["seen_before"]:
@@ -387,11 +388,12 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
         once += (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
                  f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
     elif resumed:
-        once = (f"{resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
+        once = (f": {resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
                 f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
                 f"{resumed['skipped']['count']:,} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
-            f"{'sample' if n == 1 else 'samples'} {once} across {plural(world, 'rank')}, "
+            f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once} across "
+            f"{plural(world, 'rank')}, "
             f"{each}, order changed: {order}")
     missing = entry["missing"]
     if not failed and missing and missing["count"] and missing["reason"] == "ray-equal-split":

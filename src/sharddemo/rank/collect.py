@@ -217,8 +217,17 @@ class TorchRanks:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.new_empty((self.num_processes * tensor.numel(),))
-        collective(self.dist.all_gather_into_tensor, out, tensor.contiguous())
+        collective(all_gather_flat(), out, tensor.contiguous())
         return out
+
+
+def all_gather_flat():
+    """torch's all-gather into one flat tensor: all_gather_single where torch has it (2.13
+    deprecates all_gather_into_tensor, with a FutureWarning on every rank at its first call),
+    else all_gather_into_tensor (the same collective under its older name)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def ranks_of(accelerator):

@@ -204,7 +204,7 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     keep_ray_watch(loader, state)
     if accelerator is not None:
         follow(accelerator, state)
-        if hasattr(accelerator, "register_for_checkpointing"):
+        if hasattr(accelerator, "register_save_state_pre_hook"):
             checkpoint(accelerator, state)
     return loader
 

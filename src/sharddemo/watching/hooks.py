@@ -285,39 +285,42 @@ def follow(accelerator, state) -> None:
 
 
 def checkpoint(accelerator, state) -> None:
-    """Save and load the watch with accelerate's own checkpoint (save_state / load_state). A
-    checkpoint saved before the watch was added holds no state of the watch's: accelerate's
-    load_state would raise (its count of custom checkpoints differs from the objects
-    registered); it loads everything else, and each watch is told (resumed_without_state)."""
-    accelerator.register_for_checkpointing(state)
-    if accelerator.__dict__.get("_sharddemo_loads"):
-        return
-    load = accelerator.load_state
+    """Save and load the watch with accelerate's own checkpoint (save_state / load_state), as
+    a file of its own beside accelerate's (state_file), written and read by save_state's and
+    load_state's pre-hooks, which accelerate runs on every rank. Not an object registered for
+    checkpointing: accelerate's load_state refuses a folder whose count of such objects
+    differs from the run's, so a checkpoint saved before the watch was added could not be
+    loaded with it, nor one saved with it after it was removed, and the user's own registered
+    objects would be numbered differently with and without the watch. Here a checkpoint
+    without the watch's file loads, and the watch says the part before the stop is unknown
+    (resumed_without_state); a run without the watch ignores the file."""
 
-    def load_state(input_dir=None, *args, **kwargs):
-        registered = accelerator.__dict__.get("_custom_objects")
-        if input_dir is None or registered is None or not os.path.isdir(input_dir):
-            return load(input_dir, *args, **kwargs)
-        watches = [o for o in registered if hasattr(o, "resumed_without_state")]
-        found = [f for f in os.listdir(input_dir) if CUSTOM.match(f)]
-        if not watches or len(found) != len(registered) - len(watches):
-            return load(input_dir, *args, **kwargs)
-        kept = list(registered)
-        registered[:] = [o for o in kept if o not in watches]
-        try:
-            out = load(input_dir, *args, **kwargs)
-        finally:
-            registered[:] = kept
-        for watched in watches:
-            watched.resumed_without_state(f"{input_dir} was saved before the watch was added")
-        return out
+    def save(models, weights, output_dir) -> None:
+        payload = state.state_dict()  # (a collective: every rank, at the same point)
+        each_node = getattr(getattr(accelerator, "project_configuration", None),
+                            "save_on_each_node", False)
+        writer = (accelerator.is_local_main_process if each_node
+                  else accelerator.is_main_process)
+        if writer:
+            torch.save(payload, state_file(output_dir, state.name))
 
-    accelerator.load_state = load_state
-    accelerator.__dict__["_sharddemo_loads"] = True
+    def load(models, input_dir) -> None:
+        path = state_file(input_dir, state.name)
+        if not os.path.exists(path):
+            state.resumed_without_state(f"{input_dir} holds no {os.path.basename(path)}: it was "
+                                        "saved before the watch was added")
+            return
+        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
 
 
-# accelerate's file for each object registered for checkpointing
-CUSTOM = re.compile(r"^custom_checkpoint_\d+\.pkl$")
+def state_file(folder: str, name: str) -> str:
+    """The watch's file in an accelerate checkpoint: sharddemo_watch-<name>.pt (one a watched
+    loader, by its name)."""
+    return os.path.join(folder, "sharddemo_watch-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+                        + ".pt")
 
 
 def index_sampler(loader):

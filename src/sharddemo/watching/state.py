@@ -1,6 +1,6 @@
 """The watch's state on one rank: the ranks it exchanges with (an Accelerator, or
 torch.distributed alone), the loader's description, its recorder for the open epoch, the epoch
-count, the checkpointed state (accelerate's register_for_checkpointing, the Trainer's and
+count, the checkpointed state (accelerate's save_state / load_state pre-hooks, the Trainer's and
 Lightning's callbacks), and the epoch's end: one exchange, the judgement (analysis.watch), the
 line and the report."""
 
@@ -154,8 +154,8 @@ class WatchState:
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.new_windows()
 
-    # -- checkpointing (accelerator.register_for_checkpointing: accelerate calls both on every
-    # rank, and writes the main process's state_dict)
+    # -- checkpointing (accelerate's save_state / load_state pre-hooks, watching.hooks.checkpoint:
+    # accelerate calls them on every rank, and the main process writes its state_dict)
     def state_dict(self) -> dict:
         """The watch's place in the run, reduced across the ranks: the epoch, which samples
         this epoch has delivered so far (a collective, where N is known), and the last
@@ -224,7 +224,15 @@ class WatchState:
     def start_pass(self, loader) -> None:
         """A pass of `loader` begins: its description (skip_first_batches and prepare make
         new loaders; the next epoch iterates the first one again), its length, and, for the
-        first pass after a restart, the batches skip_first_batches skipped on each rank."""
+        first pass after a restart, the batches skip_first_batches skipped on each rank.
+
+        A pass that begins while the epoch is still open, with steps taken, follows one the
+        loop left (a `break`: an epoch capped at a number of steps, as a `for epoch` loop with
+        a step budget per epoch does): that epoch ends here, on every rank (the loop begins
+        its next pass at the same point on every rank, as a prepared loader's own RNG
+        synchronisation needs too), as partial unless its pass delivered every batch."""
+        if not self.closed and not self.finished and self.open_steps():
+            self.end_epoch(self.described, partial=not self.at_edge())
         if self.described is not loader:
             self.describe(loader)
         try:
@@ -503,14 +511,14 @@ class WatchState:
         """ONE collective (an all-gather of one row per rank, the same width on every rank).
         `wait=False`: started in the background (async_op), returns (work, rows): rows holds
         every rank's row once work.wait() returns."""
-        from sharddemo.rank.collect import collective
+        from sharddemo.rank.collect import all_gather_flat, collective
 
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             # (torch's own all-gather: accelerate's gather of the same row costs several
             # times more on gloo here, about 1 ms against 0.2)
             rows = row.new_empty(self.ranks.num_processes * row.numel())
-            work = collective(dist.all_gather_into_tensor, rows, row, async_op=not wait)
+            work = collective(all_gather_flat(), rows, row, async_op=not wait)
             return rows if wait else (work, rows)
         rows = collective(self.ranks.gather, row)
         return rows if wait else (None, rows)
