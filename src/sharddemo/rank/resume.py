@@ -1,27 +1,30 @@
-"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP` (stop training, restart
-it, and compare: commands/resume.py launches, analysis/resume.py compares) and of `compare
---modes resume`.
+"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP[,EPOCH:STEP...]` (stop
+training, restart it, and compare: commands/resume.py launches, analysis/resume.py compares)
+and of `compare --modes resume`.
 
-Three real launches of the user's factory, each in fresh processes:
+Real launches of the user's factory, each in fresh processes:
 
-- reference: the plain audit (rank/audit.py), epochs 0 .. EPOCH+1 without stopping;
-- stop: walks epochs 0 .. EPOCH-1, then STEP steps of EPOCH, then saves the state the way the
+- reference: the plain audit (rank/audit.py), without stopping;
+- launch 0 (`stop`): walks from epoch 0 to the first stop, then saves the state the way the
   user's stack would (`accelerator.save_state`, which saves the prepared loaders' and samplers'
   state, plus `state_dict()` of a loader that has one and is not prepared), and exits;
-- resume (on `--resume-num-processes` ranks): builds a new Accelerator and loader with the same
-  factory, `accelerator.load_state`, then resumes as the strategy says and finishes EPOCH and
-  walks EPOCH+1:
-    skip      `accelerator.skip_first_batches(loader, STEP)` for the rest of EPOCH
+- launch j (`resume`, on its own world size): builds a new Accelerator and loader with the same
+  factory, `accelerator.load_state` from stop j-1, then resumes as the strategy says and walks
+  to stop j (and saves) or, the last launch, finishes its epoch and walks one more:
+    skip      `accelerator.skip_first_batches(loader, STEP)` for the rest of the epoch
               (accelerate's documented way),
     stateful  `DataLoaderConfiguration(use_stateful_dataloader=True)`: the loader's own state,
               restored by load_state, continues the epoch,
     restart   the epoch from its start (a loop with neither): STEP batches come again.
+  A stop after an epoch's last step (`E:last`) resumes at the next epoch's step 0, as
+  accelerate's examples do.
 
 sharddemo seeds nothing behind the factory's back: a factory that calls `set_seed` resumes
 differently from one that does not, and that is what the report shows. Per epoch: the ids the
-resume repeated and skipped against the uninterrupted run (as multisets, over all ranks),
-whether each rank's order is the uninterrupted order (same world size, deterministic loader),
-and the verdict `resume-exact`.
+resume repeated and skipped against the uninterrupted run (as multisets, over all ranks and
+launches), per restart what it repeated and lost, whether each rank's order is the
+uninterrupted order (one world size walked the epoch, deterministic loader), and the verdict
+`resume-exact`.
 """
 
 from __future__ import annotations
