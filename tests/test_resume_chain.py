@@ -93,6 +93,12 @@ def trace(world, epochs, stop):
                        for e, ranks in sorted(epochs.items())]}
 
 
+def dealt(ranks) -> list[int]:
+    """An epoch's ids in the order accelerate dealt them: global batch k went to rank k mod W."""
+    return [i for k in range(max(len(b) for b in ranks)) for batches in ranks
+            if k < len(batches) for i in batches[k]]
+
+
 def flat(ranks) -> list[int]:
     return [i for batches in ranks for batch in batches for i in batch]
 
@@ -147,6 +153,11 @@ def test_a_chain_reports_what_the_library_loops_received(chain):
     import jsonschema
 
     jsonschema.validate(result, {**SCHEMA["$defs"]["resume"], "$defs": SCHEMA["$defs"]})
+    from sharddemo.render import resume_lines
+
+    lines = resume_lines(result)  # the table's and the markdown's lines: each restart, in order
+    assert [line.split(":")[0] for line in lines if line.startswith("restart ")] == \
+        [f"restart {k}" for k in range(1, len(stops) + 1)]
     assert result["world_sizes"] == worlds
     by_epoch = {e["epoch"]: e for e in result["epochs"]}
     for epoch in range(stops[0][0], last_epoch + 1):
@@ -159,14 +170,17 @@ def test_a_chain_reports_what_the_library_loops_received(chain):
         assert e["seen"] == sum(got.values()) and e["reference_seen"] == sum(base.values())
         assert e["repeated"]["ids"] == sorted((got - base).elements()), epoch
         assert e["skipped"]["ids"] == sorted((base - got).elements()), epoch
-        # exact where the loops received what an uninterrupted run on the world size that
-        # finished the epoch receives (its own even_batches fill included), in its order
-        # where one world size walked the whole epoch
+        # exact where, beyond what the uninterrupted run on the first world size received,
+        # the loops received no more than the finishing world size's own even_batches fill
+        # adds and no fewer than it leaves out (its uninterrupted run), in its order where one
+        # world size walked the whole epoch
         finisher = worlds[walked[-1]]
         one = len({worlds[j] for j in walked}) == 1
         stitched = [sum((parts[j][epoch][r] for j in walked), []) for r in range(finisher)] \
             if one else None
-        same_samples = got == Counter(flat(refs[finisher][epoch]))
+        own = Counter(flat(refs[finisher][epoch]))
+        same_samples = all(got[x] <= max(base[x], own[x]) and got[x] >= min(base[x], own[x])
+                           for x in set(got) | set(base) | set(own))
         same_order = stitched == refs[finisher][epoch] if one else None
         assert e["order_equal"] == same_order, epoch
         assert e["resume_exact"] == (same_samples and same_order is not False), (epoch, e)
@@ -184,8 +198,12 @@ def test_a_chain_reports_what_the_library_loops_received(chain):
         assert r["repeated"]["ids"] == sorted((before & Counter(flat(after))).elements())
     # A sample lost at a restart: one that restart's skip_first_batches jumped over (the first
     # `step` batches of each rank of the new launch's fresh loader), and that no launch of the
-    # chain received in that epoch; it counts at the first restart that jumped over it.
+    # chain received in that epoch; it counts at the first restart that jumped over it. Where
+    # an epoch had more than one restart, the report may leave them unattributed (None): after
+    # epoch 0 (a launch that resumed there walks it as its loader's first pass), or where a
+    # launch of that epoch dealt another order than the uninterrupted run's.
     lost_so_far: dict[int, set] = {}
+    resumed_in = [None] + [r["resumed_at"]["epoch"] for r in result["restarts"]]
     for i, r in enumerate(result["restarts"]):
         epoch, step = r["resumed_at"]["epoch"], r["resumed_at"]["step"]
         world = worlds[i + 1]
@@ -197,7 +215,17 @@ def test_a_chain_reports_what_the_library_loops_received(chain):
         received = {x for j in range(len(parts)) for x in flat(parts[j].get(epoch, []))}
         lost = (jumped - received) - lost_so_far.setdefault(epoch, set())
         lost_so_far[epoch] |= lost
-        assert r["skipped"]["ids"] == sorted(lost), (i, r)
+        if r["skipped"] is None:
+            restarts_here = [x for x in result["restarts"] if x["resumed_at"]["epoch"] == epoch]
+            # launch j walks epoch e as its loader's pass e - (the epoch it resumed in); its
+            # order (accelerate deals global batch k to rank k mod W) against the uninterrupted
+            # run's, before the fill
+            other_pass = [j for j in range(1, len(parts)) if epoch in parts[j]
+                          and dealt(uninterrupted(n, b, worlds[j], epoch - resumed_in[j] + 1)
+                                    [epoch - resumed_in[j]])[:n] != dealt(refs[w0][epoch])[:n]]
+            assert len(restarts_here) > 1 and (other_pass or epoch > 0), (i, r)
+        else:
+            assert r["skipped"]["ids"] == sorted(lost), (i, r)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,15 +147,31 @@ def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: l
         if sizes[i + 1] != base_world and epoch in refs.get(sizes[i + 1], {}):
             fill = (_ids(refs[sizes[i + 1]][epoch]) - _ids(refs[base_world].get(epoch, []))) \
                 & repeated
-        if deterministic and epoch in refs[base_world]:
+        if epoch in refs[base_world]:
             order = positions.setdefault(epoch, {})
             if not order:
                 for k, i_d in enumerate(_global_order(refs[base_world][epoch])):
                     order.setdefault(i_d, k)
-            head = after_ranks[0][0] if after_ranks and after_ranks[0] else []
-            start = min((order.get(x, 0) for x in head), default=float("inf"))
-            starts.setdefault(epoch, []).append((len(out), start))
-        batch = next((len(b[0]) for b in (after_ranks or before_ranks) if b), 0)
+            dealt = _global_order(after_ranks)
+            batch = next((len(b[0]) for b in after_ranks + before_ranks if b), 0)
+            # where the launch went on in the epoch's order: its first sample; a launch that
+            # dealt nothing went on past its STEP x ranks x batch first slots
+            start = order.get(dealt[0], 0) if dealt else (
+                step * sizes[i + 1] * batch if batch else float("inf"))
+            # the launch dealt the uninterrupted run's order from `start` on (up to the fill)
+            reference = _global_order(refs[base_world][epoch])
+            span = min(len(dealt), len(order) - start) if dealt else 0
+            # A launch that resumed in this epoch walks it as its loader's first pass: only in
+            # epoch 0 is that the uninterrupted run's pass too (later, a fresh loader may replay
+            # epoch 0's order, and a short slice of it can match by chance).
+            # And the uninterrupted run on the launch's world size deals the same order (a
+            # loader on one process may draw another permutation than on several).
+            own = refs.get(sizes[i + 1], {}).get(epoch)
+            same = deterministic and epoch == 0 and own is not None and \
+                _global_order(own)[:len(order)] == reference[:len(order)] and (
+                    not dealt or dealt[:span] == reference[start:start + span])
+            starts.setdefault(epoch, []).append((len(out), start, same))
+        batch = next((len(b[0]) for b in after_ranks + before_ranks if b), 0)
         out.append({
             "restart": i + 1, "epoch": stop["epoch"], "step": stop["step"], "last": stop["last"],
             "steps_in_epoch": stop.get("steps"),
@@ -164,26 +180,34 @@ def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: l
             "received_before": [sum(len(x) for x in b) for b in before_ranks],
             "received_after": [sum(len(x) for x in b) for b in after_ranks],
             "repeated": _capped(repeated), "fill": sum(fill.values()),
-            "skipped": _capped(Counter()) if deterministic else None,
+            "skipped": _capped(Counter()),
             "reason": _restart_reason(plan.strategy, stop, epoch, step, sizes[i], sizes[i + 1],
-                                      batch, sum(before.values()), deterministic)})
-    # A sample the whole chain never received (beyond the fill) was lost at the first restart
-    # of its epoch that went on past its place in the uninterrupted order.
+                                      batch, sum(before.values()), sum(repeated.values()),
+                                      deterministic)})
+    # A sample the whole chain never received (beyond the fill) was lost at a restart of its
+    # epoch: the only one, where the epoch had one; else the first that went on past its place
+    # in the uninterrupted order, where every launch of the epoch dealt that order (epoch 0,
+    # a deterministic loader); else it cannot be told (None: each launch drew its own order,
+    # or a fresh loader may have replayed another epoch's).
     for epoch, lost in lost_by_epoch.items():
-        if epoch not in starts:
+        here = starts.get(epoch, [])
+        if len(here) > 1 and not all(same for _, _, same in here):
+            for r, _, _ in here:
+                out[r]["skipped"] = None
             continue
         found: dict[int, Counter] = {}
         for i_d, count in lost.items():
-            at = next((r for r, start in starts[epoch] if start > positions[epoch].get(i_d, 0)),
-                      starts[epoch][-1][0])
-            found.setdefault(at, Counter())[i_d] += count
+            at = next((r for r, start, _ in here if start > positions[epoch].get(i_d, 0)),
+                      here[-1][0] if here else None)
+            if at is not None:
+                found.setdefault(at, Counter())[i_d] += count
         for r, ids in found.items():
             out[r]["skipped"] = _capped(ids)
     return out
 
 
 def _restart_reason(strategy: str, stop: dict, epoch: int, step: int, w0: int, w1: int,
-                    batch: int, received: int, deterministic: bool) -> str:
+                    batch: int, received: int, repeated: int, deterministic: bool) -> str:
     """Why one restart repeated or skipped what it did, in plain words."""
     if stop["last"]:
         where = f"saved after the last step ({stop['step']}) of epoch {stop['epoch']}"
@@ -203,6 +227,9 @@ def _restart_reason(strategy: str, stop: dict, epoch: int, step: int, w0: int, w
         text += f"; the epoch started over from its first batch ({received} received before)"
     elif strategy == "stateful" and step:
         text += "; the loader's restored state went on by itself"
+        if repeated:
+            text += (f", and gave {repeated} sample(s) of this epoch again: the state it "
+                     "restored was not where the run had stopped")
     if not deterministic:
         text += "; each launch drew its own order (no common seed)"
     return text
