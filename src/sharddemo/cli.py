@@ -449,8 +449,6 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
 
         sharddemo audit examples/resume_exact.py:make_loader --resume-at 0:3
 
-        sharddemo audit examples/resume_exact.py:make_loader --resume-at 0:3,1:last
-
         sharddemo audit --trainer examples/trainer_example.py:make_trainer
     """
     settings = _settings(kw)
