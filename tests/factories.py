@@ -456,3 +456,39 @@ def collate_fails_everywhere(accelerator):
 
 def collate_fails_on_rank_1(accelerator):
     return DataLoader(OneWideSample(accelerator.process_index, (1,)), batch_size=2)
+
+
+# Issue 42 (tests/test_resume_chain.py): N = 80, batch 4, as the issue tried them.
+def seeded_80(accelerator):
+    """seeded_40 with 80 samples: every launch draws the same permutation."""
+    from accelerate.utils import set_seed
+
+    set_seed(0)
+    return accelerator.prepare(DataLoader(TensorDataset(torch.arange(80)), batch_size=4,
+                                          shuffle=True))
+
+
+class Logged(TensorDataset):
+    """Ids 0..79 that write every id they are asked for, in order, to one file per launch and
+    rank in $SHARDDEMO_TEST_LOG_DIR: `<start ns>-<launcher pid>-<rank>.log` (the launcher's pid
+    is the same for every rank of a launch). The test reads them back beside the report."""
+
+    def __init__(self, rank: int):
+        import os
+        import time
+
+        super().__init__(torch.arange(80))
+        self.path = os.path.join(os.environ["SHARDDEMO_TEST_LOG_DIR"],
+                                 f"{time.time_ns()}-{os.getppid()}-{rank}.log")
+
+    def __getitem__(self, index):
+        with open(self.path, "a") as handle:
+            handle.write(f"{int(index)}\n")
+        return super().__getitem__(index)
+
+
+def unseeded_logged_80(accelerator):
+    """A prepared shuffled loader of 80, no seed (each launch draws its own permutation), that
+    logs the ids it is asked for (Logged)."""
+    return accelerator.prepare(DataLoader(Logged(accelerator.process_index), batch_size=4,
+                                          shuffle=True))

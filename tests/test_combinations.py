@@ -141,7 +141,7 @@ def resume_of(trace: dict, mode: str) -> dict:
     resumed = {"world_size": trace["world_size"],
                "epochs": [{"ranks": [{"batches": r["batches"][1:]} for r in e["ranks"]]}
                           for e in epochs[:2]]}
-    plan = ResumePlan(0, 1)
+    plan = ResumePlan.at(0, 1)
     result = compare_resume(plan, {"world_size": trace["world_size"], "epochs": epochs[:2]},
                             stop, resumed)
     result["explanation"] = explain(result)

@@ -39,7 +39,7 @@ def test_the_audit_and_resume_traces_hold_to_the_schema(tmp_path):
     opts = AuditOptions(target=f"{FACTORIES}:plain_40", keep_ids=True).validate()
     audit = run_launch(audit_launch(settings, opts), timeout=60, max_time=300)
     jsonschema.validate(audit, SCHEMA)
-    plan = ResumePlan(0, 2)
+    plan = ResumePlan.at(0, 2)
     stop = run_launch(audit_launch(settings, opts, "resume-rank", plan=dataclasses.asdict(plan),
                                    phase="stop", checkpoint=str(tmp_path / "ckpt")),
                       timeout=60, max_time=300)

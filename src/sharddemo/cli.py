@@ -410,22 +410,25 @@ def _audit_options(kw: dict) -> AuditOptions:
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
 @declared(AuditOptions, "max_time", "keys")
 @plot_option
-@click.option("--resume-at", metavar="EPOCH:STEP",
-              help="Also stop after STEP steps (batches per rank) of EPOCH (0-based), save the "
-                   "state, restart in fresh processes, resume, and compare with the "
-                   "uninterrupted run (verdict resume-exact).")
+@click.option("--resume-at", metavar="EPOCH:STEP[,EPOCH:STEP...]",
+              help="Also stop after STEP steps (batches per rank, as the loop counts them) of "
+                   "EPOCH (0-based; STEP `last`: after the epoch's last step), save the state, "
+                   "restart in fresh processes, resume, and compare with the uninterrupted run "
+                   "(verdict resume-exact). A comma-separated list is a chain of stops and "
+                   "restarts, in the order the run reaches them (e.g. 0:3,0:7,1:last).")
 @click.option("--resume-strategy", type=click.Choice(STRATEGIES), default="skip",
               show_default=True,
               help="How the restarted run resumes: accelerator.skip_first_batches, the "
                    "stateful loader's own state (use_stateful_dataloader), or the epoch from "
                    "its start.")
-@click.option("--resume-num-processes", type=int,
-              help="Resume on this many ranks instead (a world size that changed).")
+@click.option("--resume-num-processes", metavar="M[,M...]",
+              help="Resume on this many ranks instead (a world size that changed): one size "
+                   "per stop of --resume-at, e.g. 3,2.")
 @click.option("--keep-checkpoint", type=click.Path(file_okay=False),
               help="Keep the resume checkpoint in this folder [default: a temporary folder, "
                    "removed afterwards].")
 def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optional[str],
-          resume_strategy: str, resume_num_processes: Optional[int],
+          resume_strategy: str, resume_num_processes: Optional[str],
           keep_checkpoint: Optional[str], **kw: Any) -> int:
     """Prove that your own DataLoader shards correctly, on real ranks.
 
@@ -521,14 +524,16 @@ def resume_demo_rank_command(options_file: str, device: str, trace_out: Optional
 @rank_command("resume-rank")
 def resume_rank_command(options_file: str, device: str, trace_out: Optional[str],
                         quiet: bool) -> None:
-    """The rank side of `sharddemo audit --resume-at` (one launch that stops and saves, or one
-    that loads and resumes), started through accelerate launch with its options file."""
+    """The rank side of `sharddemo audit --resume-at` (one launch of the chain: from the start
+    to the first stop, or from a saved stop to the next stop or the end), started through
+    accelerate launch with its options file."""
     from sharddemo.options import read_rank_options
     from sharddemo.rank.resume import resume_rank
 
     given = read_rank_options(options_file)
     resume_rank(given["audit"], given["plan"], given["phase"], given["checkpoint"],
-                device=device, trace_out=trace_out)
+                index=given.get("launch", 0), resume_from=given.get("resume_from"),
+                final_epoch=given.get("final_epoch"), device=device, trace_out=trace_out)
 
 
 @rank_command("audit-rank")

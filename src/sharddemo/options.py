@@ -317,36 +317,97 @@ class RunOptions:
 
 # --resume-at: where a run stops, how it resumes (sharddemo audit; the resume demo's scenarios)
 STRATEGIES = ("skip", "stateful", "restart")
+LAST = -1  # a stop's step for `E:last`: after the epoch's last step, inside the loop
+
+
+@dataclass(frozen=True)
+class ResumeStop:
+    """One stop of a chain: after `step` steps (batches per rank, as the loop counts them) of
+    `epoch` (LAST: after the epoch's last step), the state saved and the launch ended; the next
+    launch resumes from it on `num_processes` ranks (None: as many as the launch that saved)."""
+    epoch: int
+    step: int
+    num_processes: Optional[int] = None
+
+    def text(self) -> str:
+        return f"{self.epoch}:{'last' if self.step == LAST else self.step}"
+
+    def key(self) -> tuple:
+        """Its place in the run: E:last comes after every step of E (and is E+1:0's place)."""
+        return (self.epoch, float("inf") if self.step == LAST else self.step)
 
 
 @dataclass(frozen=True)
 class ResumePlan:
-    epoch: int
-    step: int
+    """A chain of one or more stops and restarts, each restart resuming as `strategy` says."""
+    stops: tuple[ResumeStop, ...]
     strategy: str = "skip"
-    num_processes: Optional[int] = None  # launch 2's world size (None: the same)
+
+    @staticmethod
+    def at(epoch: int, step: int, strategy: str = "skip",
+           num_processes: Optional[int] = None) -> "ResumePlan":
+        """One stop and one restart."""
+        return ResumePlan((ResumeStop(epoch, step, num_processes),), strategy)
+
+    @property
+    def first(self) -> ResumeStop:
+        return self.stops[0]
+
+    def text(self) -> str:
+        return ",".join(stop.text() for stop in self.stops)
+
+    @staticmethod
+    def from_dict(data: dict) -> "ResumePlan":
+        return ResumePlan(tuple(ResumeStop(**s) for s in data["stops"]), data["strategy"])
 
     @staticmethod
     def parse(text: str, strategy: str, epochs: int,
-              num_processes: Optional[int]) -> "ResumePlan":
-        epoch_text, sep, step_text = text.partition(":")
-        try:
-            epoch, step = int(epoch_text), int(step_text)
-        except ValueError:
-            epoch, step, sep = -1, -1, ""
-        if not sep or epoch < 0 or step < 0:
-            raise UsageError(f"--resume-at {text!r} is not EPOCH:STEP (0-based, STEP = batches "
-                             "per rank completed before the stop), e.g. --resume-at 0:3")
-        if epoch >= epochs:
-            raise UsageError(f"--resume-at {text} stops in epoch {epoch}, beyond --epochs "
-                             f"{epochs} (epochs 0..{epochs - 1}); pass --epochs {epoch + 1} or "
-                             "an earlier epoch")
+              num_processes: Optional[str]) -> "ResumePlan":
+        """`--resume-at E:S[,E:S...]` (S an integer or `last`) and `--resume-num-processes
+        M[,M...]` (one world size per restart) -> the plan; one UsageError naming the
+        argument for anything it cannot run."""
+        stops = []
+        for part in text.split(","):
+            epoch_text, sep, step_text = part.strip().partition(":")
+            try:
+                epoch = int(epoch_text)
+                step = LAST if step_text.strip() == "last" else int(step_text)
+            except ValueError:
+                epoch, step, sep = -1, -1, ""
+            if not sep or epoch < 0 or (step < 0 and step != LAST):
+                raise UsageError(f"--resume-at {text!r}: {part.strip()!r} is not EPOCH:STEP "
+                                 "(0-based, STEP = batches per rank completed before the stop, "
+                                 "or `last` for after the epoch's last step), e.g. --resume-at "
+                                 "0:3 or --resume-at 0:3,0:7,1:last")
+            if epoch >= epochs:
+                raise UsageError(f"--resume-at {text}: {part.strip()} stops in epoch {epoch}, "
+                                 f"beyond --epochs {epochs} (epochs 0..{epochs - 1}); pass "
+                                 f"--epochs {epoch + 1} or an earlier epoch")
+            stops.append(ResumeStop(epoch, step))
+        for before, after in zip(stops, stops[1:]):
+            if after.key() < before.key():
+                raise UsageError(f"--resume-at {text}: the stops are out of order ({after.text()} "
+                                 f"comes before {before.text()} in the run); list them in the "
+                                 "order the run reaches them")
         if strategy not in STRATEGIES:
             raise UsageError(f"--resume-strategy must be one of {', '.join(STRATEGIES)}, "
                              f"got {strategy!r}")
-        if num_processes is not None and num_processes < 1:
-            raise UsageError(f"--resume-num-processes must be at least 1, got {num_processes}")
-        return ResumePlan(epoch, step, strategy, num_processes)
+        if num_processes is not None:
+            try:
+                sizes = [int(s) for s in str(num_processes).split(",")]
+            except ValueError:
+                sizes = [0]
+            if any(size < 1 for size in sizes):
+                raise UsageError(f"--resume-num-processes {num_processes}: each world size must "
+                                 "be an integer of at least 1, e.g. --resume-num-processes 3")
+            if len(sizes) != len(stops):
+                raise UsageError(f"--resume-num-processes {num_processes} gives {len(sizes)} "
+                                 f"world size(s) for {len(stops)} restart(s) (--resume-at "
+                                 f"{text}); give one per restart, e.g. --resume-num-processes "
+                                 + ",".join(["3"] * len(stops)))
+            stops = [dataclasses.replace(stop, num_processes=size)
+                     for stop, size in zip(stops, sizes)]
+        return ResumePlan(tuple(stops), strategy)
 
 
 DEMO_WORKERS = (0, 2)
@@ -519,7 +580,7 @@ def check_compare(opts: RunOptions, *, world: Optional[int] = None, plot: bool =
 
 def check_audit(opts: "AuditOptions", *, plot: bool = False,
                 resume: Optional["ResumePlan"] = None, keep_checkpoint: Optional[str] = None,
-                resume_num_processes: Optional[int] = None) -> "AuditOptions":
+                resume_num_processes: Optional[str] = None) -> "AuditOptions":
     """What `audit` refuses beyond AuditOptions.validate; returns the options the launch runs
     with (--plot and --resume-at need every id: `auto` then keeps them at any size)."""
     if plot:
@@ -586,5 +647,5 @@ def read_rank_options(path: str) -> dict:
     if "audit" in payload:
         payload["audit"] = from_dict(AuditOptions, payload["audit"]).validate()
     if "plan" in payload:
-        payload["plan"] = ResumePlan(**payload["plan"])
+        payload["plan"] = ResumePlan.from_dict(payload["plan"])
     return payload

@@ -146,13 +146,28 @@ def _epoch_summary(e: dict) -> list[str]:
 
 
 def resume_lines(resume: dict) -> list[str]:
-    """The resume audit in words, then per epoch what came twice and what never came."""
+    """The resume audit in words, then each restart (where it stopped and went on, on how many
+    ranks, what came again and what was lost there, why), then per epoch over the whole chain
+    what came twice and what never came."""
     lines = [resume["explanation"]]
+    for r in resume.get("restarts", []):
+        skip = r["skipped"]
+        lost = (f"skipped {skip['count']} {_short(skip['ids'])}" if skip is not None
+                else "skipped: not attributable (each launch drew its own order)")
+        lines.append(f"restart {r['restart']}: {r['reason']} | received before per rank "
+                     f"{r['received_before']}, after {r['received_after']} | repeated "
+                     f"{r['repeated']['count']} {_short(r['repeated']['ids'])}"
+                     + (f" ({r['fill']} of them fill)" if r["fill"] else "") + f" | {lost}")
     for e in resume["epochs"]:
         rep, skip = e["repeated"], e["skipped"]
         order = {True: "same order", False: "ORDER DIFFERS", None: "order not compared"}
+        fill = e.get("fill")
         lines.append(f"epoch {e['epoch']}: repeated {rep['count']} {_short(rep['ids'])} | "
                      f"skipped {skip['count']} {_short(skip['ids'])} | "
+                     + (f"fill of {fill['world_size']} ranks: {fill['repeated']} repeated, "
+                        f"{fill['skipped']} skipped | " if fill else "")
+                     + (f"WHOLE EPOCH {e['whole'].upper()} | " if e.get("whole") else "")
+                     + f"seen {e['seen']} of {e['reference_seen']} | "
                      f"{order[e['order_equal']]}")
     return lines
 

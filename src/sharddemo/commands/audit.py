@@ -27,7 +27,7 @@ def audit_launch(settings: LaunchSettings, opts: AuditOptions, command: str = "a
 
 def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *,
               plot: bool = False, keep_checkpoint: Optional[str] = None,
-              resume_num_processes: Optional[int] = None, debug: bool = False,
+              resume_num_processes: Optional[str] = None, debug: bool = False,
               progress: bool = False) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts.
     Refuses what the CLI refuses (options.check_audit) before any rank starts."""

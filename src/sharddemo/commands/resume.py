@@ -11,7 +11,7 @@ from sharddemo.commands import report_of, run_args
 from sharddemo.commands.audit import audit_launch, refuse_ids_outside
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import AuditOptions, ResumePlan, RunOptions, check_audit
+from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, check_audit
 
 
 def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
@@ -19,15 +19,17 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                      keep_checkpoint: Optional[str] = None, debug: bool = False,
                      progress: bool = False) -> dict:
     """`sharddemo audit --resume-at`: the uninterrupted audit, a launch that stops and saves,
-    and a fresh launch that loads and resumes; the audit report with a `resume` object and
-    the `resume-exact` verdict. The checkpoint goes to a temporary folder removed afterwards
-    (`keep_checkpoint` keeps it); no launch leaves processes behind (run_launch)."""
+    and for each stop of the chain a fresh launch (on its own world size) that loads and
+    resumes; the uninterrupted run again on each other world size the chain ran on; the audit
+    report with a `resume` object and the `resume-exact` verdict. The checkpoints (one folder
+    per stop) go to a temporary folder removed afterwards (`keep_checkpoint` keeps it); no
+    launch leaves processes behind (run_launch)."""
     import dataclasses
     import shutil
     import tempfile
 
     from sharddemo.targets import precheck_target
-    from sharddemo.analysis.resume import compare_resume, explain
+    from sharddemo.analysis.resume import compare_chain, explain
 
     opts = check_audit(opts, plot=plot, resume=plan, keep_checkpoint=keep_checkpoint)
     precheck_target(opts.target, opts.framework)
@@ -35,27 +37,45 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
         _check_checkpoint_dir(keep_checkpoint)
     checkpoint = keep_checkpoint or tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
     stateful = plan.strategy == "stateful"
-    reference_opts = dataclasses.replace(opts, epochs=max(opts.epochs, plan.epoch + 2),
+    last = plan.stops[-1]
+    # the last launch finishes the epoch it resumes in and walks one more
+    final_epoch = last.epoch + (2 if last.step == LAST else 1)
+    reference_opts = dataclasses.replace(opts, epochs=max(opts.epochs, final_epoch + 1),
                                          stateful=stateful)
     phase_opts = dataclasses.replace(opts, stateful=False)
 
-    def phase(where: LaunchSettings, name: str) -> dict:
+    def phase(where: LaunchSettings, name: str, index: int, **more) -> Optional[dict]:
         launch = audit_launch(where, phase_opts, "resume-rank", plan=dataclasses.asdict(plan),
-                              phase=name, checkpoint=checkpoint)
-        launch.display_args += ["--resume-at", f"{plan.epoch}:{plan.step}",
-                                "--resume-strategy", plan.strategy]
+                              phase=name, checkpoint=checkpoint, launch=index, **more)
+        launch.display_args += ["--resume-at", plan.text(), "--resume-strategy", plan.strategy]
         return run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time)
 
+    def uninterrupted(where: LaunchSettings, show: bool = False):
+        launch = audit_launch(where, reference_opts)
+        return launch, run_launch(launch, timeout=opts.timeout, debug=debug,
+                                  max_time=opts.max_time, progress=progress and show)
+
+    launches: list[Optional[dict]] = []
+    others: dict[int, dict] = {}
     try:
-        # The stopping launch first: a STEP past the epoch's end or a loader that cannot save
-        # its state fails there, after one launch.
-        stop = phase(settings, "stop")
-        launch = audit_launch(settings, reference_opts)
-        reference = run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time,
-                               progress=progress)
-        after = dataclasses.replace(settings, num_processes=plan.num_processes
-                                    or settings.num_processes)
-        resumed = phase(after, "resume")
+        # The first stopping launch first: a STEP past the epoch's end or a loader that cannot
+        # save its state fails there, after one launch.
+        launches.append(phase(settings, "stop", 0))
+        launch, reference = uninterrupted(settings, show=True)
+        for index, stop in enumerate(plan.stops, start=1):
+            if not launches[-1]:
+                break
+            where = dataclasses.replace(settings, num_processes=stop.num_processes
+                                        or settings.num_processes)
+            launches.append(phase(where, "resume", index, resume_from=launches[-1]["stop"],
+                                  final_epoch=final_epoch))
+        # An epoch that a launch on another world size finished is compared with the
+        # uninterrupted run on that size too: its own even_batches fill is fill, not a repeat.
+        sizes = {t["world_size"] for t in launches if t}
+        if reference and all(launches):
+            for size in sorted(sizes - {reference["world_size"]}):
+                others[size] = uninterrupted(dataclasses.replace(settings,
+                                                                 num_processes=size))[1]
     finally:
         if not keep_checkpoint:
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -64,21 +84,21 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                          "resume audit compares integer ids only so far; audit the resume "
                          "with a field of integer ids, or leave --id-field out")
     report = report_of(launch, reference)
-    if not report:
-        return report
+    if not report or not all(launches) or not all(others.values()):
+        return {}  # a node whose machine rank 0 reports instead
     refuse_ids_outside(report, opts.id_field)
     audit = report["modes"]["audit"]
-    resume = compare_resume(plan, {"world_size": reference["world_size"],
-                                   "epochs": reference["modes"]["audit"]["epochs"]},
-                            stop, resumed)
+    references = {reference["world_size"]: reference["modes"]["audit"]["epochs"]}
+    references.update({size: trace["modes"]["audit"]["epochs"] for size, trace in others.items()})
+    resume = compare_chain(plan, references, reference["world_size"], launches)
     resume["explanation"] = explain(resume)
     audit["resume"] = resume
     ok = resume["resume_exact"]
     detail = "" if ok else resume["explanation"]
-    audit["verdicts"].append({"verdict": "resume-exact", "epoch": plan.epoch, "ok": ok,
+    audit["verdicts"].append({"verdict": "resume-exact", "epoch": plan.first.epoch, "ok": ok,
                               "detail": detail})
     if not ok:
-        broken = f"resume-exact (epoch {plan.epoch}): {detail}"
+        broken = f"resume-exact (epoch {plan.first.epoch}): {detail}"
         audit["broken_promises"].append(broken)
         report["broken_promises"].append(broken)
     return report

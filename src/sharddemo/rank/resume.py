@@ -1,27 +1,30 @@
-"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP` (stop training, restart
-it, and compare: commands/resume.py launches, analysis/resume.py compares) and of `compare
---modes resume`.
+"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP[,EPOCH:STEP...]` (stop
+training, restart it, and compare: commands/resume.py launches, analysis/resume.py compares)
+and of `compare --modes resume`.
 
-Three real launches of the user's factory, each in fresh processes:
+Real launches of the user's factory, each in fresh processes:
 
-- reference: the plain audit (rank/audit.py), epochs 0 .. EPOCH+1 without stopping;
-- stop: walks epochs 0 .. EPOCH-1, then STEP steps of EPOCH, then saves the state the way the
+- reference: the plain audit (rank/audit.py), without stopping;
+- launch 0 (`stop`): walks from epoch 0 to the first stop, then saves the state the way the
   user's stack would (`accelerator.save_state`, which saves the prepared loaders' and samplers'
   state, plus `state_dict()` of a loader that has one and is not prepared), and exits;
-- resume (on `--resume-num-processes` ranks): builds a new Accelerator and loader with the same
-  factory, `accelerator.load_state`, then resumes as the strategy says and finishes EPOCH and
-  walks EPOCH+1:
-    skip      `accelerator.skip_first_batches(loader, STEP)` for the rest of EPOCH
+- launch j (`resume`, on its own world size): builds a new Accelerator and loader with the same
+  factory, `accelerator.load_state` from stop j-1, then resumes as the strategy says and walks
+  to stop j (and saves) or, the last launch, finishes its epoch and walks one more:
+    skip      `accelerator.skip_first_batches(loader, STEP)` for the rest of the epoch
               (accelerate's documented way),
     stateful  `DataLoaderConfiguration(use_stateful_dataloader=True)`: the loader's own state,
               restored by load_state, continues the epoch,
     restart   the epoch from its start (a loop with neither): STEP batches come again.
+  A stop after an epoch's last step (`E:last`) resumes at the next epoch's step 0, as
+  accelerate's examples do.
 
 sharddemo seeds nothing behind the factory's back: a factory that calls `set_seed` resumes
 differently from one that does not, and that is what the report shows. Per epoch: the ids the
-resume repeated and skipped against the uninterrupted run (as multisets, over all ranks),
-whether each rank's order is the uninterrupted order (same world size, deterministic loader),
-and the verdict `resume-exact`.
+resume repeated and skipped against the uninterrupted run (as multisets, over all ranks and
+launches), per restart what it repeated and lost, whether each rank's order is the
+uninterrupted order (one world size walked the epoch, deterministic loader), and the verdict
+`resume-exact`.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ import os
 from typing import Any, Optional
 
 from sharddemo.errors import RunFailed, UsageError, describe_exception
-from sharddemo.options import DEMO_WORKERS, ResumePlan, demo_scenarios
+from sharddemo.options import DEMO_WORKERS, LAST, ResumePlan, demo_scenarios
 
 PHASES = ("stop", "resume")
 STATE_FILE = "sharddemo_loader_state_{rank}.pt"
 
 
-def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: str = "auto",
-                trace_out: Optional[str] = None) -> Optional[dict]:
-    """One phase on this rank. Returns the phase's trace on the main process."""
+def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, index: int = 0,
+                resume_from: Optional[dict] = None, final_epoch: Optional[int] = None,
+                device: str = "auto", trace_out: Optional[str] = None) -> Optional[dict]:
+    """Launch `index` of the chain on this rank: launch 0 (`stop`) walks from the start to the
+    plan's first stop; launch j (`resume`) loads the state launch j-1 saved at `resume_from`
+    (its resolved stop) and walks to stop j, or, the last launch, through `final_epoch`.
+    Returns the launch's trace on the main process (its records and its resolved stop)."""
     from sharddemo.rank.audit import build_loader, id_reader, load_factory, set_epoch
     from sharddemo.rank.describe import agree_on_fingerprint, is_prepared
     from sharddemo.rank.session import rank_session
@@ -64,26 +71,77 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, device: 
         walker = EpochWalker(accelerator, loader, read_ids, strategy=opts.gather,
                              before_epoch=(lambda epoch: set_epoch(loader, epoch))
                              if opts.set_epoch else None,
-                             failure=lambda epoch, exc: f"{phase} launch, epoch {epoch}: "
+                             failure=lambda epoch, exc: f"{phase} launch {index}, epoch {epoch}: "
                                                         f"{describe_exception(exc)}")
-        if phase == "stop":
-            length = _length(loader)
-            if length is not None and plan.step >= length:
-                raise UsageError(f"--resume-at {plan.epoch}:{plan.step}: an epoch of this loader "
-                                 f"has {length} steps per rank (0..{length - 1}); stop at an "
-                                 f"earlier step, or at {plan.epoch + 1}:0 for the next epoch")
-            stop_and_save(walker, accelerator, loader, prepared, checkpoint, plan.epoch,
-                          plan.step)
-        else:
-            load_and_resume(walker, accelerator, loader, prepared, checkpoint, plan.epoch,
-                            plan.step, skip=plan.strategy == "skip")
-        return session.finish({"phase": phase, "epochs": walker.records}, trace_out)
+        stop = plan.stops[index] if index < len(plan.stops) else None
+        resolved = chain_launch(
+            walker, accelerator, loader, prepared, strategy=plan.strategy,
+            load_from=os.path.join(checkpoint, f"stop-{index - 1}") if index else None,
+            resume_from=resume_from, stop=stop,
+            save_to=os.path.join(checkpoint, f"stop-{index}") if stop else None,
+            final_epoch=final_epoch, chain=plan.text())
+        return session.finish({"phase": phase, "launch": index, "stop": resolved,
+                               "epochs": walker.records}, trace_out)
+
+
+def chain_launch(walker, accelerator, loader, prepared: bool, *, strategy: str,
+                 load_from: Optional[str], resume_from: Optional[dict], stop,
+                 save_to: Optional[str], final_epoch: Optional[int],
+                 chain: str) -> Optional[dict]:
+    """One launch of a chain of stops and restarts, as a training loop that counts its steps
+    runs it. Without `resume_from`: from epoch 0. Else the state in `load_from` loaded and the
+    loop resumed where `resume_from` says: after an epoch's last step (`last`), at the next
+    epoch's step 0 (accelerate's examples: `skip_first_batches(loader, 0)`); mid-epoch, past its
+    first `step` batches (skip: accelerator.skip_first_batches; stateful: the loader goes on by
+    itself; restart: from the epoch's start, the loop's step count going on from `step`). Then
+    to `stop` (`step` batches of its epoch as the loop counts them, or after the last one;
+    the state saved to `save_to`), or through `final_epoch`. Returns the stop where this
+    launch saved, resolved: {epoch, step, last, steps (the epoch's steps as this launch counts
+    them, None without a length)}; None for the last launch."""
+    epoch, step, source = 0, 0, loader
+    if resume_from is not None:
+        _load(accelerator, loader, prepared, load_from)
+        epoch, step = resume_from["epoch"], resume_from["step"]
+        if resume_from["last"]:
+            epoch, step = epoch + 1, 0
+        if strategy == "skip" and step:
+            source = accelerator.skip_first_batches(loader, step)
+    while True:
+        length = _length(loader)
+        # skip and stateful go on past the first `step` batches (none left where the epoch is
+        # shorter at a new world size: len() of such a skipping loader raises); restart walks
+        # the whole epoch again, its steps counted on from `step`
+        remaining = None if length is None else (
+            length if strategy == "restart" else max(0, length - step))
+        total = None if remaining is None else step + remaining
+        # skipped past the epoch's end at a new size: nothing is left (and len() raises)
+        over = source is not loader and remaining == 0
+        if stop is not None and stop.epoch == epoch:
+            if stop.step == LAST and total is None:
+                raise UsageError(f"--resume-at {chain}: {stop.text()} needs the epoch's length, "
+                                 "and this loader has none (len() raises); give the step count")
+            at = total if stop.step == LAST else stop.step
+            if total is not None and at > total:
+                raise UsageError(f"--resume-at {chain}: {stop.text()}: an epoch of this loader "
+                                 f"has {total} steps per rank on {accelerator.num_processes} "
+                                 f"rank(s) (stop at 0..{total}, or {epoch}:last after its last "
+                                 "step); stop at an earlier step")
+            walker.walk(epoch, source=None if source is loader or over else source,
+                        max_steps=0 if over else at - step)
+            _save(accelerator, loader, prepared, save_to)
+            return {"epoch": epoch, "step": at, "last": at == total, "steps": total}
+        walker.walk(epoch, source=None if source is loader or over else source,
+                    max_steps=0 if over else None)
+        if stop is None and epoch >= final_epoch:
+            return None
+        epoch, step, source = epoch + 1, 0, loader
 
 
 def stop_and_save(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
                   step: int) -> None:
-    """The stopping launch: epochs 0..epoch-1 whole, `step` batches of `epoch`, then the
-    state saved (accelerate's save_state for a prepared loader, the loader's own else)."""
+    """The resume demo's stopping launch: epochs 0..epoch-1 whole, `step` batches of `epoch`,
+    then the state saved (accelerate's save_state for a prepared loader, the loader's own
+    else)."""
     for earlier in range(epoch):
         walker.walk(earlier)
     walker.walk(epoch, max_steps=step)
@@ -92,9 +150,9 @@ def stop_and_save(walker, accelerator, loader, prepared: bool, checkpoint: str, 
 
 def load_and_resume(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
                     step: int, *, skip: bool) -> None:
-    """The resuming launch: the state loaded, the rest of `epoch` (`skip`: past the first
-    `step` batches with accelerator.skip_first_batches; else the loader continues by itself,
-    stateful, or from the epoch's start, restart), then the next epoch whole."""
+    """The resume demo's resuming launch: the state loaded, the rest of `epoch` (`skip`: past
+    the first `step` batches with accelerator.skip_first_batches; else the loader continues by
+    itself, stateful, or from the epoch's start, restart), then the next epoch whole."""
     _load(accelerator, loader, prepared, checkpoint)
     if skip and step:
         walker.walk(epoch, source=accelerator.skip_first_batches(loader, step))
