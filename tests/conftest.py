@@ -150,3 +150,15 @@ def pytest_collection_modifyitems(config, items):
         fixtures = dict(info.name2fixturedefs) if info is not None else {}
         if _starts_processes(item.function, fixtures, set()):
             item.add_marker(pytest.mark.ranks)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray session per test module (tests/test_ray*.py, which skip without ray): 2
+    CPUs for the 2 workers, whose loop is imported from tests/ray_loop.py."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    yield
+    ray.shutdown()

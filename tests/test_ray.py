@@ -8,7 +8,6 @@ each worker's loop received, logged by the loop itself."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,15 +20,6 @@ from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
 
 WORKERS = 2
 N, BATCH, EPOCHS = 10, 4, 2
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    # the workers import the loop from tests/ray_loop.py
-    ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path, loop, **config) -> None:

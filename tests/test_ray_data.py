@@ -8,7 +8,6 @@ worked out by hand."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -19,15 +18,6 @@ import ray_loop  # noqa: E402
 
 WORKERS = 2
 N, BATCH, EPOCHS = 11, 4, 2
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    # the workers import the loop from tests/ray_loop.py
-    ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path, *, split: bool, **config) -> None:

@@ -14,24 +14,15 @@ import numpy as np
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
-from conftest import ROOT, accelerate_launch, ended_or_aborted_at_teardown
+from conftest import accelerate_launch, ended_or_aborted_at_teardown
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from sharddemo import watch
 from sharddemo.analysis.watch import resume_check, restart
 from test_frameworks import fresh_accelerate_state  # noqa: F401
+from test_watch import entries
 
 LOOP = "tests/resume_chain_loop.py"
-WATCH_SCHEMA = json.loads((ROOT / "docs" / "watch.schema.json").read_text())
-
-
-def entries(path) -> list[dict]:
-    import jsonschema
-
-    out = [json.loads(line) for line in path.read_text().splitlines()]
-    for entry in out:
-        jsonschema.validate(entry, WATCH_SCHEMA)
-    return out
 
 
 class Chain:

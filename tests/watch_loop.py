@@ -65,9 +65,11 @@ from sharddemo import watch
 
 N = 40
 CALLS: list[str] = []
-COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast",
-               "gather", "scatter", "all_gather_object", "broadcast_object_list", "barrier",
-               "reduce_scatter_tensor", "all_to_all", "send", "recv")
+COLLECTIVES = tuple(name for name in (
+    "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "broadcast", "gather", "scatter", "all_gather_object", "broadcast_object_list", "barrier",
+    "reduce_scatter_tensor", "all_to_all", "send", "recv") if hasattr(dist, name))
+DEPTH = [0]  # (torch 2.13's all_gather_into_tensor calls all_gather_single: counted once)
 
 
 def count_collectives() -> None:
@@ -75,8 +77,13 @@ def count_collectives() -> None:
         fn = getattr(dist, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
-            CALLS.append(_name)
-            return _fn(*args, **kwargs)
+            if not DEPTH[0]:
+                CALLS.append(_name)
+            DEPTH[0] += 1
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                DEPTH[0] -= 1
 
         setattr(dist, name, counted)
 
