@@ -13,6 +13,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 from sharddemo.rank.sources import ToyDataset
 from sharddemo.rank.loaders import build_loader
 from sharddemo.options import RunOptions
+from test_frameworks import fresh_accelerate_state  # noqa: F401
 
 # (N, B, W): divisible by W*B, not divisible, N < W, B > N/W, and W = 3.
 GRID = [(8, 4, 2), (10, 3, 2), (9, 4, 2), (1, 4, 2), (2, 4, 3), (6, 4, 2), (10, 2, 3), (7, 3, 3)]
@@ -404,3 +405,22 @@ def test_a_batch_sampler_of_the_users_is_no_draw_and_its_batch_size_is_read_wher
     plain = DataLoader(_dataset(31), batch_sampler=BatchSampler(RandomSampler(range(31)), 4,
                                                                   False))
     assert "shard_batch_size" not in describe_loader(prepared(plain))
+
+
+def test_a_loader_whose_len_raises_value_error_has_no_length(fresh_accelerate_state):  # noqa: F811
+    """accelerate's own skip_first_batches past the epoch's end: 8 samples in batches of 4 are
+    2 batches, and skipping 5 leaves a loader whose len() raises ValueError (a negative
+    length); the description treats it as a loader without a length, as it does an
+    IterableDataset's, instead of raising."""
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sharddemo.rank.describe import safe_len
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
+    skipped = accelerator.skip_first_batches(loader, 5)
+    with pytest.raises(ValueError):
+        len(skipped)
+    assert safe_len(skipped) is None and safe_len(loader) == 2

@@ -170,7 +170,8 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
             add("no-unexplained-duplicates", k, ok, "" if ok else
-                f"{extra} repeats, more than the loader's padding explains")
+                f"{extra} repeat{'' if extra == 1 else 's'}, more than the loader's padding "
+                "explains")
         steps = [r["steps"] for r in e["ranks"]]
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")

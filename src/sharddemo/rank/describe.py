@@ -12,9 +12,12 @@ import torch
 import xxhash
 
 def safe_len(loader) -> Optional[int]:
+    """The loader's length, or None where it has none (TypeError: an IterableDataset's), or
+    where asking raises ValueError (accelerate 1.16's skip_first_batches loader that skips past
+    the epoch's end)."""
     try:
         return len(loader)
-    except TypeError:
+    except (TypeError, ValueError):
         return None
 
 
