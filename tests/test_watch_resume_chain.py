@@ -321,6 +321,38 @@ def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
     assert train[1]["ok"] and train[1]["seen"] == 40
 
 
+def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
+    """The Trainer stopped at step 3 (checkpoint-3), resumed and stopped again at step 6
+    (checkpoint-6: the Trainer keeps the first launch's save_steps=3 from its trainer_state,
+    so 6, not 4, is where the second launch can save), then resumed to the end: 2 ranks,
+    N = 40, batch 4, 5 steps an epoch, so the second stop is at epoch 1's first step. The
+    Trainer's seeded sampler and its skip_first_batches resume exactly (its single restart:
+    tests/test_watch_frameworks.py), so by hand: epoch 0 holds 24 samples before its stop
+    (3 steps x 2 ranks x 4) and 16 after, epoch 1 8 before its stop (1 step) and 32 after;
+    each 40 seen, none repeated or skipped, each with its own restart (epoch, step, ranks)."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 18):
+        pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
+    out = tmp_path / "run"
+    for args in (["--stop-at", "3"], ["--resume", "--stop-at", "6"], ["--resume"]):
+        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
+                                 check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    assert (out / "checkpoint-6").is_dir()
+    train = [e for e in entries(out / "sharddemo-watch.jsonl")
+             if e["loader"] == "train" and not e.get("partial")]
+    assert [e["epoch"] for e in train] == [0, 1]
+    for entry, before, where in zip(train, (24, 8), ((0, 3, 2, 2), (1, 1, 2, 2))):
+        assert entry["seen"] == entry["unique"] == 40 and entry["ok"], entry["line"]
+        resume = entry["resume"]
+        assert resume["seen_before"] == before
+        assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+        assert [(r["epoch"], r["step"], r["saved_on"], r["resumed_on"])
+                for r in resume["restarts"]] == [where]
+
+
 def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(tmp_path):
     """fit() stopped after 3 steps, its checkpoint stripped of LightningWatch's state (as one
     saved before the callback was added), then fit(ckpt_path=...): Lightning runs the epoch's
