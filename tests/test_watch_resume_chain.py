@@ -353,6 +353,43 @@ def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
                 for r in resume["restarts"]] == [where]
 
 
+def test_a_trainer_checkpoint_of_2_ranks_resumed_on_3(tmp_path):
+    """The Trainer stopped at step 3 on 2 ranks, resumed on 3 (N = 40, batch 4). By hand, from
+    the Trainer's one seeded order P dealt round-robin by accelerate's BatchSamplerShard: on 2
+    ranks steps 0-2 took global batches 0-5, P[0:24]. On 3 ranks the Trainer skips 3 batches on
+    each rank (skip_first_batches at the new size: global batches 0-8, P[0:36]), and the epoch's
+    10 batches leave one step: global batch 9 (P[36:40]) and, on ranks 1 and 2, accelerate's
+    even_batches fill from the epoch's start (P[0:8]). So 24 before, 12 skipped (P[24:36]),
+    none repeated: the 8 again are the new size's fill, said as fill; the epoch fails
+    resume-exact with the skip at the new size in words. Epoch 1 on 3 ranks: 4 steps x 3 ranks
+    x 4 = 48 deliveries of the 40 (8 of them fill), ok."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 18):
+        pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
+    out = tmp_path / "run"
+    for nproc, args in ((2, ["--stop-at", "3"]), (3, ["--resume"])):
+        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
+                                 nproc=nproc, check=False)
+        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    train = [e for e in entries(out / "sharddemo-watch.jsonl")
+             if e["loader"] == "train" and not e.get("partial")]
+    assert [e["epoch"] for e in train] == [0, 1]
+    resumed, after = train
+    resume = resumed["resume"]
+    assert (resume["seen_before"], resume["repeated"]["count"], resume["skipped"]["count"]) == \
+        (24, 0, 12)
+    assert resumed["unique"] == 28 and not resumed["ok"]
+    [where] = resume["restarts"]
+    assert (where["epoch"], where["step"], where["saved_on"], where["resumed_on"]) == (0, 3, 2, 3)
+    assert where["skipped_batches"] == 3 and where["fill"]["count"] == 8
+    details = " ".join(v["detail"] for v in resumed["verdicts"] if not v["ok"])
+    assert "skip_first_batches(3) skipped 3 batches on each of 3 ranks, 36 samples at the new " \
+        "size" in details, details
+    assert after["ok"] and (after["seen"], after["unique"]) == (48, 40)
+
+
 def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(tmp_path):
     """fit() stopped after 3 steps, its checkpoint stripped of LightningWatch's state (as one
     saved before the callback was added), then fit(ckpt_path=...): Lightning runs the epoch's
