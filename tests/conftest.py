@@ -162,3 +162,12 @@ def ray_cluster():
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     yield
     ray.shutdown()
+
+
+def transformers_older_than(version: str) -> bool:
+    """The installed transformers is older than `version` (call it where transformers is
+    installed: after pytest.importorskip("transformers"))."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 from conftest import (ROOT, accelerate_launch, ended_or_aborted_at_teardown, launch_env,
-                      run_cmd)
+                      run_cmd, transformers_older_than)
 from test_frameworks import W, example, fresh_accelerate_state, trainer_for_rank  # noqa: F401
 from test_watch import entries
 
@@ -179,13 +179,6 @@ def test_a_resumed_lightning_fit_numbers_its_validations_on(tmp_path):
     fit(ckpt_path=str(tmp_path / "checkpoints" / "epoch=1-step=13.ckpt"))
     resumed = [e for e in entries(report) if e["loader"] == "val"][len(stopped):]
     assert [(e["epoch"], e["seen"], e["ok"]) for e in resumed] == [(1, 7, True)]
-
-
-def transformers_older_than(version: str) -> bool:
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) < Version(version)
 
 
 # transformers 5.0.0 to 5.17.0 load a checkpoint's optimizer state with

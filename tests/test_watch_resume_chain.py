@@ -21,6 +21,7 @@ from sharddemo import watch
 from sharddemo.analysis.watch import resume_check, restart
 from test_frameworks import fresh_accelerate_state  # noqa: F401
 from test_watch import entries
+from conftest import transformers_older_than
 
 LOOP = "tests/resume_chain_loop.py"
 
@@ -297,6 +298,11 @@ def test_a_checkpoint_saved_with_the_watch_loads_without_it(tmp_path, fresh_acce
     assert position.at == 5
 
 
+def whole_train_epochs(report) -> list[dict]:
+    """The report's entries of whole train epochs (no eval, no partial part)."""
+    return [e for e in entries(report) if e["loader"] == "train" and not e.get("partial")]
+
+
 def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
     """The Trainer's checkpoint at step 3 of epoch 0 without checkpoint-3/sharddemo_watch.pt
     (saved before TrainerWatch was added): the resumed epoch's part before the stop is
@@ -311,8 +317,7 @@ def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
         outputs.append(proc.stdout + proc.stderr)
         if args == ["--stop-at", "3"]:
             (out / "checkpoint-3" / "sharddemo_watch.pt").unlink()
-    train = [e for e in entries(out / "sharddemo-watch.jsonl")
-             if e["loader"] == "train" and not e.get("partial")]
+    train = whole_train_epochs(out / "sharddemo-watch.jsonl")
     assert [e["epoch"] for e in train] == [0, 1]
     resumed = train[0]
     assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
@@ -331,9 +336,7 @@ def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
     (3 steps x 2 ranks x 4) and 16 after, epoch 1 8 before its stop (1 step) and 32 after;
     each 40 seen, none repeated or skipped, each with its own restart (epoch, step, ranks)."""
     pytest.importorskip("transformers")
-    import transformers
-
-    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 18):
+    if transformers_older_than("5.18.0"):
         pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
     out = tmp_path / "run"
     for args in (["--stop-at", "3"], ["--resume", "--stop-at", "6"], ["--resume"]):
@@ -341,8 +344,7 @@ def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
                                  check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
     assert (out / "checkpoint-6").is_dir()
-    train = [e for e in entries(out / "sharddemo-watch.jsonl")
-             if e["loader"] == "train" and not e.get("partial")]
+    train = whole_train_epochs(out / "sharddemo-watch.jsonl")
     assert [e["epoch"] for e in train] == [0, 1]
     for entry, before, where in zip(train, (24, 8), ((0, 3, 2, 2), (1, 1, 2, 2))):
         assert entry["seen"] == entry["unique"] == 40 and entry["ok"], entry["line"]
@@ -364,17 +366,14 @@ def test_a_trainer_checkpoint_of_2_ranks_resumed_on_3(tmp_path):
     resume-exact with the skip at the new size in words. Epoch 1 on 3 ranks: 4 steps x 3 ranks
     x 4 = 48 deliveries of the 40 (8 of them fill), ok."""
     pytest.importorskip("transformers")
-    import transformers
-
-    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 18):
+    if transformers_older_than("5.18.0"):
         pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
     out = tmp_path / "run"
     for nproc, args in ((2, ["--stop-at", "3"]), (3, ["--resume"])):
         proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
                                  nproc=nproc, check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
-    train = [e for e in entries(out / "sharddemo-watch.jsonl")
-             if e["loader"] == "train" and not e.get("partial")]
+    train = whole_train_epochs(out / "sharddemo-watch.jsonl")
     assert [e["epoch"] for e in train] == [0, 1]
     resumed, after = train
     resume = resumed["resume"]
@@ -413,8 +412,7 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(t
             saved["callbacks"] = {k: v for k, v in saved["callbacks"].items()
                                   if "LightningWatch" not in k}
             torch.save(saved, ckpt)
-    train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl")
-             if e["loader"] == "train" and not e.get("partial")]
+    train = whole_train_epochs(tmp_path / "sharddemo-watch.jsonl")
     assert [e["epoch"] for e in train] == [0, 1]
     resumed = train[0]
     assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
