@@ -41,6 +41,34 @@ def test_a_rank_pauses_before_every_fork():
     assert _fork_wait("guarded") >= 0.005
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="CPython 3.12 fixed the fork race")
+def test_a_process_that_watches_a_loader_pauses_before_every_fork():
+    """sharddemo.watch in a user's training: its exchanges come at an epoch's end, right before
+    the next epoch's iter() forks the loader's workers (a CI run hung there: 3 ranks, 2 workers,
+    the second epoch's fork), so watch() installs the same pause."""
+    # (counted, not timed: a fork of a process that imported torch can take 5 ms by itself)
+    probe = textwrap.dedent("""
+        import os, sys, time
+        from torch.utils.data import DataLoader
+        if sys.argv[1] == "watched":
+            import sharddemo
+            sharddemo.watch(DataLoader(range(4), batch_size=2))
+        pauses = []
+        time.sleep = pauses.append  # what the hook sleeps, noted instead
+        for _ in range(3):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        print(pauses)
+    """)
+    def pauses(how):
+        return subprocess.run([sys.executable, "-c", probe, how], capture_output=True,
+                              text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
+    assert pauses("watched") == "[0.005, 0.005, 0.005]"  # FORK_PAUSE_S before each of 3 forks
+    assert pauses("plain") == "[]"
+
+
 def test_a_plain_process_does_not():
     # Without the hook a fork of this small process takes well under 5 ms (about 1 ms here).
     assert _fork_wait("plain") < 0.005

@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Optional
 
 from sharddemo.errors import ShardingViolation
+from sharddemo.rank.collect import guard_forks
 from sharddemo.watching.hooks import attach, checkpoint, follow
 from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
 from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
@@ -195,6 +196,10 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
         attach(loader, shared)
         return loader
     state = WatchState(accelerator, name, report, id_field, on_violation, role, check_every)
+    # the watch's collectives come right before a loader forks its workers (an epoch's end,
+    # then the next epoch's iter()): the pause that keeps CPython 3.11's fork from deadlocking
+    # a worker (rank.collect.guard_forks, docs/reliability.md)
+    guard_forks()
     state.epoch = start_epoch
     if dataset_size is not None:
         state.n = int(dataset_size)  # (before attach: the loader's own length comes second)
