@@ -614,7 +614,7 @@ def test_torchrun_without_accelerate(tmp_path, set_epoch):
     assert got[1]["ok"] == set_epoch
 
 
-@pytest.mark.parametrize("some,check_every", [(False, 50), (True, 50), (True, 2)])
+@pytest.mark.parametrize("some,check_every", [(False, 50), (True, 50), (True, 2), (True, 0)])
 def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, check_every):
     """2 ranks, a prepared loader of dict batches (40 rows, 4 a batch: 5 steps a rank),
     id_field="nope", missing from every rank's batches or (`some`) from rank 1's alone (rank
@@ -623,7 +623,8 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, 
     "x" and "y"); the script then ends cleanly on both: no rank waits in a collective of the
     watch's. The next exchange: the epoch's end with windows of 50 (each loop received its 5
     batches), the window of steps 1-2 with windows of 2 (its exchange starts as batch 3
-    arrives and is judged one batch later, as batch 4 arrives: each loop received 3)."""
+    arrives and is judged one batch later, as batch 4 arrives: each loop received 3); with
+    windows off (0) the epoch's end too (5)."""
     proc = accelerate_launch([LOOP, "bad-field", "--ids", str(tmp_path),
                               "--report", str(tmp_path / "w.jsonl"),
                               "--check-every", str(check_every),
@@ -631,7 +632,7 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, 
     assert ended_or_aborted_at_teardown(proc), proc.stderr
     said = [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(2)]
     where = "(on rank 1)" if some else "(on ranks 0, 1)"
-    received = "5" if check_every == 50 else "3"
+    received = "3" if check_every == 2 else "5"
     assert said == [["sharddemo.watch: id_field 'nope': the batches (dict) have no field "
                      f"'nope'; they have 'x', 'y' {where}", received]] * 2
     assert not (tmp_path / "w.jsonl").exists()  # no epoch ended

@@ -433,7 +433,9 @@ class WatchState:
             try:
                 ids = read_field(batch, self.id_field) if self.field_error is None else None
             except ValueError as error:
-                if not self.windows_on():
+                if self.ranks is None:
+                    self.ranks = ranks_of(self.accelerator)
+                if self.ranks.num_processes == 1:
                     raise
                 # the ranks must learn it together (a rank raising alone leaves the others
                 # waiting in the next exchange): said to every rank at the next exchange (a
@@ -687,6 +689,8 @@ class WatchState:
         if self.windows_on() and not drained:
             self.finish_window()  # a window started in the last WINDOW_LAG batches
             self.drain(1)
+        elif not self.windows_on() and self.ranks.num_processes > 1:
+            self.share_field_error()  # (with windows, their exchanges carry it)
         # this epoch's first ids, for the next epoch's windows (not where it resumed mid-way:
         # its first steps are not the epoch's)
         self.previous_prefix = (np.concatenate(self.prefix) if self.prefix and self.before is None
@@ -725,6 +729,23 @@ class WatchState:
                                     "verdict failed (the main process printed it)",
                                     entry or {})
         return entry
+
+    def share_field_error(self) -> None:
+        """Windows off: an id_field some rank could not read is said at the epoch's end, where
+        every rank raises it (a rank raising alone would leave the others waiting in this
+        exchange). One small exchange an epoch; the message only where a rank has one."""
+        from sharddemo.rank.collect import exchange_ints, exchange_objects
+
+        flags = [row[0] for row in exchange_ints(self.ranks, [int(self.field_error is not None)])]
+        if not any(flags):
+            return
+        message = next(m for m in exchange_objects(self.ranks, self.field_error) if m)
+        errors = [r for r, flag in enumerate(flags) if flag]
+        self.finished = True
+        if self in OPEN:
+            OPEN.remove(self)
+        raise ValueError(message + f" (on rank{'s' if len(errors) > 1 else ''} "
+                         + ", ".join(map(str, errors)) + ")")
 
     def publish(self, entry: dict) -> None:
         """The main process's line (none with on_violation="ignore") and report entry, each
