@@ -650,6 +650,7 @@ def test_the_readme_first_screen_watch_runs_as_shown(tmp_path):
     script, rest = after.split("```python\n", 1)[1].split("```", 1)
     shown = rest.split("```\n", 1)[1].split("```", 1)[0].splitlines()  # the output block
     assert "accelerator.end_training()" in script  # its clean end
+    assert "accelerator.free_memory()" in script  # (and DDP's hold on the group dropped)
     (tmp_path / "train.py").write_text(script)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            CPU_CONFIG, "--num_processes", "2", "--main_process_port",
