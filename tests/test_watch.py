@@ -169,6 +169,24 @@ def test_arguments_are_checked_when_watch_is_called(tmp_path):
     assert [e["seen"] for e in entries(report)] == [4]
 
 
+def test_a_report_path_is_refused_on_every_rank_and_made_by_the_main_one(tmp_path, monkeypatch):
+    """A rank other than the main one (torchrun's RANK=1, no process group yet) stops at watch()
+    with the main process's error for a report under a file (before, it trained on and died in
+    gloo when rank 0 stopped), and makes no folder: the main process does that."""
+    monkeypatch.setenv("RANK", "1")
+    data = TensorDataset(torch.arange(4))
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"its folder cannot be made \(Not a directory\)"):
+        watch(DataLoader(data), report=str(tmp_path / "a-file" / "deeper" / "w.jsonl"))
+    with pytest.raises(ValueError, match="is a folder; give a file path"):
+        watch(DataLoader(data), report=str(tmp_path))
+    watch(DataLoader(data), report=str(tmp_path / "new" / "w.jsonl"))
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setenv("RANK", "0")  # the main process: the same message from os.makedirs
+    with pytest.raises(ValueError, match=r"its folder cannot be made \(Not a directory\)"):
+        watch(DataLoader(data), report=str(tmp_path / "a-file" / "deeper" / "w.jsonl"))
+
+
 def test_a_process_alone_where_the_launcher_asked_for_more_is_warned(monkeypatch):
     """The CPU trap: the launcher started 2 processes (WORLD_SIZE=2) but the Accelerator has a
     world of 1 (Accelerator() without cpu=True on a machine without GPUs): each process trains

@@ -81,8 +81,9 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                          f"more than one rank (ids {_short(shared)})"
                          + (": every rank received the same samples: the loader is not "
                             "sharded (replication)" if same else
-                            ": the ranks' shares overlap (a double split's overlap, or ranks "
-                            "that draw different orders)"))
+                            ": the ranks' shares overlap (each rank drawing its own order of "
+                            "the whole dataset: a loader not prepared and ranks not seeded "
+                            "alike; or a double split's overlap)"))
         if earlier:
             parts.append(f"{plural(earlier, 'sample')} of the previous window received by a "
                          "rank that had received it earlier in this epoch")

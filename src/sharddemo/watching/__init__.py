@@ -151,9 +151,10 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
 
 
 def check_report(report, accelerator) -> None:
-    """The report file can be appended to (checked by the process that writes it, the main
-    one): its folder is made if it does not exist; a folder in its place, or one that cannot
-    be written, is refused."""
+    """The report file can be appended to: its folder is made (by the main process, which
+    writes it) if it does not exist; a folder in its place, or one that cannot be made or
+    written, is refused. Checked on every rank, so that every rank stops at watch() with the
+    same error (the others only look: they make nothing)."""
     if not isinstance(report, (str, os.PathLike)):
         raise TypeError("sharddemo.watch: report must be a file path (str) or None, got "
                         f"{type(report).__name__}")
@@ -164,20 +165,31 @@ def check_report(report, accelerator) -> None:
 
         main = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
                 else os.environ.get("RANK", "0") == "0")
-    if not main:
-        return
     path = os.path.abspath(os.fspath(report))
     folder = os.path.dirname(path)
     if os.path.isdir(path):
         inside = os.path.join(os.fspath(report), "sharddemo-watch.jsonl")
         raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r} is a folder; give a "
                          f"file path, e.g. {inside!r}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as error:
+    why = None
+    if main:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            why = error.strerror or str(error)
+    else:  # where the main process would make it: the nearest folder that exists
+        above = folder
+        while not os.path.exists(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            why = "Not a directory"
+        elif above != folder and not os.access(above, os.W_OK):
+            why = "Permission denied"
+    if why is not None:
         raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r}: its folder cannot be "
-                         f"made ({error.strerror or error})") from None
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+                         f"made ({why})") from None
+    if os.path.isdir(folder) and (not os.access(folder, os.W_OK)
+                                  or (os.path.exists(path) and not os.access(path, os.W_OK))):
         raise ValueError(f"sharddemo.watch: report {os.fspath(report)!r} cannot be written "
                          "(no write permission); give a path you can write, or report=None")
 
