@@ -12,7 +12,9 @@ checkpoint holds the loop's place (`place.json`: the epoch and the steps taken i
 loader's length then); a resumed launch goes on as accelerate's examples do: the steps taken
 are skipped with skip_first_batches (counted at the new world size where it changed), and a
 save after an epoch's last step resumes with the next epoch, skipping 0. `--unwatched` runs the
-same loop without the watch (a checkpoint saved before the watch was added).
+same loop without the watch (a checkpoint saved before the watch was added);
+`--resume-in-place` resumes a save after an epoch's last step at that epoch and step, as a loop
+that stores only (epoch, step) does: skip_first_batches skips the whole epoch, an empty pass.
 
 Each rank writes what it received, batch by batch, to `--ids`/launch<K>_rank<r>.json: a list of
 [epoch, ids]."""
@@ -44,6 +46,9 @@ def main() -> None:
     parser.add_argument("--resume-from")
     parser.add_argument("--unwatched", action="store_true")
     parser.add_argument("--seed", type=int, help="accelerate's set_seed before the loader")
+    parser.add_argument("--resume-in-place", action="store_true",
+                        help="a save after an epoch's last step resumes at that epoch, "
+                             "skipping all of it (an empty pass), not with the next epoch")
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True)
     if args.seed is not None:
@@ -58,7 +63,7 @@ def main() -> None:
         with open(os.path.join(args.resume_from, "place.json")) as handle:
             place = json.load(handle)
         first, skip = place["epoch"], place["step"]
-        if skip == place["length"]:  # saved after the epoch's last step: the next epoch
+        if skip == place["length"] and not args.resume_in_place:  # (the next epoch)
             first, skip = first + 1, 0
     save_epoch, save_step = map(int, args.save_at.split(":")) if args.save_at else (-1, -1)
     got: list = []

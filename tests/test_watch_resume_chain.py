@@ -165,6 +165,27 @@ def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path):
     assert (outside["epoch"], outside["step"], outside.get("at_edge")) == (2, 0, None)
 
 
+def test_a_save_at_an_epochs_last_step_resumed_in_place_is_not_an_empty_epoch(tmp_path):
+    """The new-user trial: a save after epoch 0's last step (step 10 of 10), resumed at epoch 0
+    step 10, as a loop that keeps only (epoch, step) does: skip_first_batches(loader, 10) is an
+    empty pass over epoch 0, then epochs 1 and 2. The empty pass is epoch 0's rest, with
+    nothing left in it: no entry (before: "epoch 1: 0 of 80 samples ... FAIL 80 never seen",
+    and every later epoch numbered one too high)."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(2, "--save-at", "0:10", "--checkpoint", ckpt)  # 80 / (2 x 4) = 10 steps
+    chain.launch(2, "--resume-from", ckpt, "--resume-in-place")
+    got = entries(chain.report)
+    assert [e["epoch"] for e in got] == [0, 1, 2]  # the loop's own epochs
+    assert not chain.received(2, 0)  # (the loop's pass over epoch 0 was empty)
+    for entry, launch in zip(got, (1, 2, 2)):
+        ids = chain.received(launch, entry["epoch"])
+        assert entry["seen"] == len(ids) == 80 and entry["unique"] == len(set(ids)) == 80
+        assert entry["ok"] and not entry.get("partial"), entry["line"]
+    (edge,) = got[1]["resume"]["restarts"]
+    assert (edge["epoch"], edge["step"], edge.get("at_edge")) == (0, 10, True)
+
+
 def test_a_resume_from_a_checkpoint_without_the_watchs_state_judges_the_rest(tmp_path):
     """Issue 40: a checkpoint saved before the watch was added (no sharddemo_watch-train.pt):
     it loads with the watch, and the resumed epoch says the part before the stop is

@@ -126,6 +126,9 @@ class WatchState:
         # the epoch was ended by the framework's epoch-end event (a loop that stops pulling at
         # the epoch's last batch, as the Trainer does), not by the loader's exhaustion
         self.closed = False
+        # resumed from a save after an epoch's last step: the first pass may be that epoch's
+        # empty rest (see rest_of_saved_epoch)
+        self.edge_rest = False
         self.unattributed = 0  # batches of this epoch whose indices were not noted
         # a resumed run: how many ranks received each sample of this epoch before the stop
         # (main process; from the checkpoint, see state_dict)
@@ -273,6 +276,7 @@ class WatchState:
             # next one (from its first sample: nothing before it, nothing to repeat)
             self.restarts = [restart(self.epoch, step, saved_on, now, at_edge=True)]
             self.epoch += 1
+            self.edge_rest = True
             before, again, step = None, None, 0
             self.unknown_before = False
         else:
@@ -684,6 +688,10 @@ class WatchState:
         limit_train_batches): the entry says so and judges only what a part can show."""
         from sharddemo.rank.collect import exchange_ints
 
+        if self.edge_rest:
+            self.edge_rest = False
+            if self.rest_of_saved_epoch(loader):
+                return None
         if self.recorder is None:
             self.recorder = self.new_recorder()
         if self.windows_on() and not drained:
@@ -746,6 +754,27 @@ class WatchState:
             OPEN.remove(self)
         raise ValueError(message + f" (on rank{'s' if len(errors) > 1 else ''} "
                          + ", ".join(map(str, errors)) + ")")
+
+    def rest_of_saved_epoch(self, loader) -> bool:
+        """The first pass after a resume from a save after an epoch's last step, where the
+        loop went back to that epoch and skip_first_batches skipped the whole of it (an empty
+        pass: a loop that resumes at its saved epoch and step): that pass is the saved epoch's
+        rest, with nothing left in it. No entry, and the next pass is the next epoch, as the
+        checkpoint said. The same answer on every rank (their steps exchanged)."""
+        from sharddemo.rank.collect import exchange_ints
+
+        if self.ranks is None:
+            self.ranks = ranks_of(self.accelerator)
+        if not skipped_batches(loader if loader is not None else self.described):
+            return False  # (the same on every rank: the same skip_first_batches call)
+        steps = self.open_steps()
+        if self.ranks.num_processes > 1:
+            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
+        if steps:
+            return False
+        self.recorder = None
+        self.closed = True
+        return True
 
     def publish(self, entry: dict) -> None:
         """The main process's line (none with on_violation="ignore") and report entry, each
