@@ -595,8 +595,15 @@ def check_audit(opts: "AuditOptions", *, plot: bool = False,
         raise UsageError("--keys names the samples of an --id-field of keys, which the resume "
                          "audit does not compare yet; leave --keys (or --resume-at) out")
     if opts.framework is not None:
+        # (the resume audit stops and restarts a loop of sharddemo's over the factory's loader;
+        # the Trainer and Lightning resume through their own loops and checkpoints, which the
+        # watch follows as they run)
+        who, callback = {"trainer": ("Trainer", "TrainerWatch"),
+                         "lightning": ("Lightning fit", "LightningWatch")}[opts.framework]
         raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
-                         f"--{opts.framework}")
+                         f"--{opts.framework}: to check how your {who} resumes, train with "
+                         f"callbacks=[{callback}()], stop and resume from its checkpoint "
+                         "(docs/watch.md), or pass a make_loader FACTORY")
     if resume.strategy == "stateful":
         from sharddemo.extras import require
 
