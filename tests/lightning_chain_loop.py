@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--resume")
+    parser.add_argument("--workers", type=int, default=0, help="the DataLoader's num_workers")
     args = parser.parse_args()
     callbacks = [LightningWatch()]
     if args.stop_at:
@@ -90,7 +91,8 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False, logger=False,
                          enable_checkpointing=bool(args.stop_at), num_sanity_val_steps=0)
     model = Logged()
-    trainer.fit(model, DataLoader(Numbers(args.n), batch_size=4, shuffle=True),
+    trainer.fit(model, DataLoader(Numbers(args.n), batch_size=4, shuffle=True,
+                                  num_workers=args.workers),
                 ckpt_path=args.resume)
     path = os.path.join(args.ids, f"launch{args.launch}_rank{trainer.global_rank}.json")
     with open(path, "w") as handle:

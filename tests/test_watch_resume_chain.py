@@ -673,3 +673,27 @@ def test_a_distributed_samplers_padding_after_a_restart_is_fill_not_a_repeat(tmp
     assert resumed["steps"] == [10, 10] and resume["steps_after"] == [7, 7]
     line = next(x for x in chain.outputs[1].splitlines() if x.startswith("sharddemo: epoch 0"))
     assert "10 steps each" in line and line.endswith(": ok"), line
+
+
+def test_a_lightning_save_after_an_epochs_last_step_goes_on_with_the_next_epoch(tmp_path):
+    """fit() on 2 ranks stopped at global step 5, epoch 0's last (N = 40, batch 4), resumed:
+    Lightning goes on with epoch 1 from its first step (its sampler's epoch-1 order, checked
+    against its DistributedSampler); the watch says the epoch restarted before its first step,
+    nothing repeated or skipped."""
+    pytest.importorskip("pytorch_lightning")
+    chain = LightningChain(tmp_path)
+    chain.fit(2, "--stop-at", "5")
+    chain.fit(2, "--resume", chain.checkpoint(5))
+    for launch, epoch in ((1, 0), (2, 1)):
+        order = lightning_order(2, epoch)
+        assert [chain.batches(launch, epoch, r) for r in (0, 1)] == order, (launch, epoch)
+    assert not chain.batches(2, 0, 0)  # the resumed fit took nothing of epoch 0
+    got = whole_train_epochs(chain.report)
+    assert [e["epoch"] for e in got] == [0, 1] and all(e["ok"] for e in got)
+    resumed = got[1]
+    assert resumed["seen"] == resumed["unique"] == len(chain.received(2, 1)) == 40
+    resume = resumed["resume"]
+    assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
+    (edge,) = resume["restarts"]
+    assert (edge["epoch"], edge["step"], edge.get("at_edge")) == (0, 5, True)
+    assert "from_start" not in edge
