@@ -183,6 +183,16 @@ def fails_in_the_third_launch(accelerator):
     return seeded_40(accelerator)
 
 
+def counts_its_launches_40(accelerator):
+    """seeded_40 that notes each call (one per rank per launch) as a line of
+    $SHARDDEMO_TEST_COUNTER_DIR/launches: the world size it was built on."""
+    import os
+
+    with open(os.path.join(os.environ["SHARDDEMO_TEST_COUNTER_DIR"], "launches"), "a") as handle:
+        handle.write(f"{accelerator.num_processes}\n")
+    return seeded_40(accelerator)
+
+
 # Loaders whose own objects deal part of the dataset, or repeat ids, by design.
 def split_parts(seed=0):
     """random_split of the 60 ids into 45 to train on and 15 held out (a seeded generator:

@@ -5,8 +5,9 @@ account of what it received, to check the watch against.
     accelerate launch ... tests/resume_chain_loop.py --ids DIR --launch K --report W.jsonl \\
         [--resume-from CKPT] [--save-at E:S | --save-after-epoch E] --checkpoint CKPT
 
-N = 80 samples, batches of 4, a prepared shuffled loader, no seed (each launch draws its own
-order, as an unseeded run does) unless `--seed` is given. `--save-at E:S` saves after step S of epoch E, inside the loop,
+N = 80 samples (`--n`), batches of 4, a prepared shuffled loader, no seed (each launch draws
+its own order, as an unseeded run does) unless `--seed` is given; `--sampler`: a DataLoader
+with torch's DistributedSampler (seed 0, set_epoch each epoch), not prepared. `--save-at E:S` saves after step S of epoch E, inside the loop,
 and stops; `--save-after-epoch E` saves after epoch E's loop, outside it, and stops. The
 checkpoint holds the loop's place (`place.json`: the epoch and the steps taken in it, and the
 loader's length then); a resumed launch goes on as accelerate's examples do: the steps taken
@@ -28,7 +29,7 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from sharddemo import watch
 
@@ -49,14 +50,24 @@ def main() -> None:
     parser.add_argument("--resume-in-place", action="store_true",
                         help="a save after an epoch's last step resumes at that epoch, "
                              "skipping all of it (an empty pass), not with the next epoch")
+    parser.add_argument("--sampler", action="store_true",
+                        help="a DistributedSampler (seed 0, set_epoch each epoch), not prepared")
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True)
     if args.seed is not None:
         set_seed(args.seed)  # every launch draws the same order (FACTS: "Resuming")
-    loader = DataLoader(TensorDataset(torch.arange(args.n)), batch_size=4, shuffle=True)
+    dataset = TensorDataset(torch.arange(args.n))
+    sampler = None
+    if args.sampler:
+        sampler = DistributedSampler(dataset, num_replicas=accelerator.num_processes,
+                                     rank=accelerator.process_index, shuffle=True, seed=0)
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    else:
+        loader = DataLoader(dataset, batch_size=4, shuffle=True)
     if not args.unwatched:
         loader = watch(loader, accelerator, report=args.report)
-    loader = accelerator.prepare(loader)
+    if sampler is None:
+        loader = accelerator.prepare(loader)
     first, skip = 0, 0
     if args.resume_from:
         accelerator.load_state(args.resume_from)
@@ -77,6 +88,8 @@ def main() -> None:
 
     def train() -> None:
         for epoch in range(first, args.epochs):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
             batches = loader
             if epoch == first and args.resume_from:
                 batches = accelerator.skip_first_batches(loader, skip)

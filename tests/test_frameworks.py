@@ -288,7 +288,12 @@ def test_lightning_stream_and_padded_val_are_caught():
     (["--trainer", f"{TRAINER}:make_trainer", "--set-epoch"], "the Trainer sets the epoch itself"),
     (["--lightning", f"{LIGHTNING}:make_datamodule", "--expect", "replicated"],
      "meant to be sharded"),
-    (["--trainer", f"{TRAINER}:make_trainer", "--resume-at", "0:1"], "does not go with --trainer"),
+    (["--trainer", f"{TRAINER}:make_trainer", "--resume-at", "0:1"],
+     "does not go with --trainer: to check how your Trainer resumes, train with "
+     "callbacks=[TrainerWatch()]"),
+    (["--lightning", f"{LIGHTNING}:make_datamodule", "--resume-at", "0:1"],
+     "does not go with --lightning: to check how your Lightning fit resumes, train with "
+     "callbacks=[LightningWatch()]"),
     (["examples/good.py:make_loader", "--grad-accum", "0"], "--grad-accum must be at least 1"),
     (["--trainer", "no/such/file.py:make_trainer"],
      "factory file no/such/file.py does not exist; pass path/to/file.py:make_trainer"),

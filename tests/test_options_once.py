@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from sharddemo.cli import cli
 from sharddemo.errors import UsageError
-from sharddemo.options import (COUNTED_NO_PLOT, AuditOptions, RunOptions, command_line,
-                               read_rank_options, write_rank_options)
+from sharddemo.options import (COUNTED_NO_PLOT, AuditOptions, ResumeOptions, RunOptions,
+                               command_line, read_rank_options, write_rank_options)
 
 
 def _params(name: str) -> dict:
@@ -24,7 +24,7 @@ def _params(name: str) -> dict:
 
 
 @pytest.mark.parametrize("command,cls", [("run", RunOptions), ("compare", RunOptions),
-                                         ("audit", AuditOptions)])
+                                         ("audit", AuditOptions), ("audit", ResumeOptions)])
 def test_every_declared_field_is_the_commands_option_with_its_flag_and_default(command, cls):
     params = _params(command)
     declared = [f for f in dataclasses.fields(cls) if "flag" in f.metadata]

@@ -375,3 +375,60 @@ def test_a_save_after_the_epochs_last_step_resumes_at_the_next_epoch():
     assert e1["repeated"]["count"] == e1["skipped"]["count"] == 0
     assert e1["order_equal"] is False
     assert "counts its epochs from 0" in resume["explanation"]
+
+
+@pytest.mark.parametrize("sizes,message", [
+    # seeded_40 on 2 ranks: 10 batches of 4, 5 steps per rank (by hand)
+    ("2,2", "0:99: an epoch of this loader has 5 steps per rank on 2 rank(s)"),
+    # resumed on 3 ranks: accelerate's even_batches deals ceil(10 / 3) = 4 steps per rank
+    ("3,3", "0:99: an epoch of this loader has 4 steps per rank on 3 rank(s)"),
+])
+def test_a_later_stop_past_its_epochs_end_is_one_error_line_before_any_restart(
+        tmp_path, sizes, message):
+    """A stop after the first, past the end of its epoch on the world size of the launch that
+    reaches it: known once the first launch and the uninterrupted runs have walked (the epoch's
+    steps on each size), said then, before any restart's ranks start: the factory is called by
+    the first launch and the uninterrupted runs alone (one line per rank per launch, its
+    world size), and no report is written."""
+    from conftest import launch_env
+
+    env = launch_env()
+    env["SHARDDEMO_TEST_COUNTER_DIR"] = str(tmp_path)
+    out = tmp_path / "report.json"
+    proc = sharddemo(["audit", f"{FACTORIES}:counts_its_launches_40", "--resume-at", "0:2,0:99",
+                      "--resume-num-processes", sizes, "--format", "json", "--output", str(out)],
+                     check=False, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
+    calls = sorted((tmp_path / "launches").read_text().split())
+    # the stopping launch and the uninterrupted run on 2 ranks, and on 3 where a restart is
+    expected = ["2"] * 4 + (["3"] * 3 if sizes == "3,3" else [])
+    assert calls == expected and not out.exists()
+
+
+@pytest.mark.parametrize("strategy,stops,steps,ok", [
+    # 5 steps per rank on 2 ranks; resumed at step 2 in the same epoch: skip and stateful go
+    # on to 5, restart walks the whole epoch again from step 2 on, to 2 + 5 = 7 (by hand)
+    ("skip", "0:2,0:5", {2: 5}, True),
+    ("skip", "0:2,0:6", {2: 5}, False),
+    ("restart", "0:2,0:7", {2: 5}, True),
+    ("restart", "0:2,0:8", {2: 5}, False),
+    # the second stop in the next epoch, reached by a launch on 3 ranks: 4 steps there
+    ("skip", "0:2,1:4", {2: 5, 3: 4}, True),
+    ("skip", "0:2,1:5", {2: 5, 3: 4}, False),
+])
+def test_later_stops_are_checked_on_the_size_that_reaches_them(strategy, stops, steps, ok):
+    from sharddemo.commands.resume import check_later_stops
+    from sharddemo.errors import UsageError
+    from sharddemo.options import ResumePlan
+
+    sizes = "3,2" if 3 in steps else None  # (the restart after the first stop on 3 ranks)
+    plan = ResumePlan.parse(stops, strategy, 2, sizes)
+    epochs = {size: [{"epoch": e, "ranks": [{"steps": n}] * size} for e in (0, 1)]
+              for size, n in steps.items()}
+    if ok:
+        check_later_stops(plan, epochs, 2)
+    else:
+        with pytest.raises(UsageError, match="an epoch of this loader has"):
+            check_later_stops(plan, epochs, 2)

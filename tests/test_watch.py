@@ -441,7 +441,8 @@ def test_a_seeded_resume_mid_epoch_is_exact(tmp_path):
     # 3 steps x 2 ranks x batch 4 = 24 delivered before the stop (by hand); accelerate's
     # skip_first_batches over the same seeded order delivers the other 16 (test_resume.py's
     # library_resume shows the same with accelerate's objects)
-    assert resumed["resume"]["seen_before"] == 24 and resumed["steps"] == [2, 2]
+    assert resumed["resume"]["seen_before"] == 24 and resumed["steps"] == [5, 5]  # 3 + 2
+    assert resumed["resume"]["steps_after"] == [2, 2]
     assert resumed["resume"]["repeated"]["count"] == resumed["resume"]["skipped"]["count"] == 0
     assert resumed["ok"] and resumed["seen"] == 40
     assert [e["epoch"] for e in got] == [0, 1]  # the stopped launch ended no epoch
@@ -593,7 +594,8 @@ def test_a_prepared_stateful_loader_with_workers_resumed_by_load_state_is_caught
     got = [e for e in got if not e.get("partial")]
     assert [e["epoch"] for e in got] == [0, 1]
     resume = got[0]["resume"]
-    assert resume["seen_before"] == len(before) and got[0]["steps"] == [2, 2]
+    assert resume["seen_before"] == len(before) and got[0]["steps"] == [5, 5]  # 3 + 2
+    assert resume["steps_after"] == [2, 2]
     assert resume["repeated"]["count"] == len(before & after)
     assert resume["repeated"]["ids"] == sorted(before & after)
     assert resume["skipped"]["ids"] == sorted(set(range(40)) - before - after)

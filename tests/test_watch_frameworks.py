@@ -208,7 +208,8 @@ def test_trainer_watch_resumes_through_the_trainers_own_checkpoint(tmp_path):
     train = [e for e in train if not e.get("partial")]
     assert [e["epoch"] for e in train] == [0, 1]
     resume = train[0]["resume"]
-    assert resume["seen_before"] == 24 and train[0]["steps"] == [2, 2]
+    assert resume["seen_before"] == 24 and train[0]["steps"] == [5, 5]  # 3 + 2 (by hand)
+    assert resume["steps_after"] == [2, 2]
     assert resume["repeated"]["count"] == resume["skipped"]["count"] == 0
     assert train[0]["ok"] and train[1]["ok"] and train[1]["order_changed"] is True
 
@@ -242,7 +243,8 @@ def test_lightning_watch_catches_what_a_mid_epoch_resume_repeats_and_skips(tmp_p
     before = {i for order in orders for i in order[:3 * 4]}  # 3 steps of 4 per rank
     after = {i for order in orders for i in order[:2 * 4]}  # the order again, 2 steps
     resume = train[0]["resume"]
-    assert resume["seen_before"] == len(before) == 24 and train[0]["steps"] == [2, 2]
+    assert resume["seen_before"] == len(before) == 24 and train[0]["steps"] == [5, 5]  # 3 + 2
+    assert resume["steps_after"] == [2, 2]
     assert resume["repeated"]["count"] == len(before & after)
     assert resume["skipped"]["count"] == 40 - len(before | after)
     assert not train[0]["ok"] and train[1]["ok"]

@@ -17,8 +17,8 @@ import click
 
 from sharddemo import __version__
 from sharddemo.errors import ShardDemoError, UsageError
-from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, STRATEGIES,
-                               AuditOptions, ResumePlan, RunOptions, audit_target, parse_modes)
+from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, AuditOptions,
+                               ResumeOptions, RunOptions, audit_target, parse_modes)
 
 FORMATS = ("table", "json", "markdown")
 
@@ -410,20 +410,7 @@ def _audit_options(kw: dict) -> AuditOptions:
               help="Also write the JSON report (with the verdicts) here, whole or not at all.")
 @declared(AuditOptions, "max_time", "keys")
 @plot_option
-@click.option("--resume-at", metavar="EPOCH:STEP[,EPOCH:STEP...]",
-              help="Also stop after STEP steps (batches per rank, as the loop counts them) of "
-                   "EPOCH (0-based; STEP `last`: after the epoch's last step), save the state, "
-                   "restart in fresh processes, resume, and compare with the uninterrupted run "
-                   "(verdict resume-exact). A comma-separated list is a chain of stops and "
-                   "restarts, in the order the run reaches them (e.g. 0:3,0:7,1:last).")
-@click.option("--resume-strategy", type=click.Choice(STRATEGIES), default="skip",
-              show_default=True,
-              help="How the restarted run resumes: accelerator.skip_first_batches, the "
-                   "stateful loader's own state (use_stateful_dataloader), or the epoch from "
-                   "its start.")
-@click.option("--resume-num-processes", metavar="M[,M...]",
-              help="Resume on this many ranks instead (a world size that changed): one size "
-                   "per stop of --resume-at, e.g. 3,2.")
+@declared(ResumeOptions, "resume_at", "resume_strategy", "resume_num_processes")
 @click.option("--keep-checkpoint", type=click.Path(file_okay=False),
               help="Keep the resume checkpoint in this folder [default: a temporary folder, "
                    "removed afterwards].")
@@ -454,9 +441,7 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     settings = _settings(kw)
     opts = _audit_options(kw)
     _check_files(output, plot)
-    plan = None
-    if resume_at is not None:
-        plan = ResumePlan.parse(resume_at, resume_strategy, opts.epochs, resume_num_processes)
+    plan = ResumeOptions(resume_at, resume_strategy, resume_num_processes).plan(opts.epochs)
     if plan is None:
         from sharddemo.commands.audit import audit_run
 

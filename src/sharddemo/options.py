@@ -410,6 +410,34 @@ class ResumePlan:
         return ResumePlan(tuple(stops), strategy)
 
 
+@dataclass(frozen=True)
+class ResumeOptions:
+    """`audit`'s resume options, as the command line gives them (ResumePlan.parse reads them)."""
+    resume_at: Optional[str] = option(
+        None, "--resume-at",
+        "Also stop after STEP steps (batches per rank, as the loop counts them) of EPOCH "
+        "(0-based; STEP `last`: after the epoch's last step), save the state, restart in fresh "
+        "processes, resume, and compare with the uninterrupted run (verdict resume-exact). A "
+        "comma-separated list is a chain of stops and restarts, in the order the run reaches "
+        "them (e.g. 0:3,0:7,1:last).", type=str, metavar="EPOCH:STEP[,EPOCH:STEP...]")
+    resume_strategy: str = option(
+        "skip", "--resume-strategy",
+        "How the restarted run resumes: accelerator.skip_first_batches, the stateful loader's "
+        "own state (use_stateful_dataloader), or the epoch from its start.", choices=STRATEGIES)
+    resume_num_processes: Optional[str] = option(
+        None, "--resume-num-processes",
+        "Resume on this many ranks instead (a world size that changed): one size per stop of "
+        "--resume-at, e.g. 3,2.", type=str, metavar="M[,M...]")
+
+    def plan(self, epochs: int) -> Optional[ResumePlan]:
+        """The chain to run (None without --resume-at); one UsageError naming the argument
+        for anything it cannot run."""
+        if self.resume_at is None:
+            return None
+        return ResumePlan.parse(self.resume_at, self.resume_strategy, epochs,
+                                self.resume_num_processes)
+
+
 DEMO_WORKERS = (0, 2)
 
 
@@ -595,8 +623,15 @@ def check_audit(opts: "AuditOptions", *, plot: bool = False,
         raise UsageError("--keys names the samples of an --id-field of keys, which the resume "
                          "audit does not compare yet; leave --keys (or --resume-at) out")
     if opts.framework is not None:
+        # (the resume audit stops and restarts a loop of sharddemo's over the factory's loader;
+        # the Trainer and Lightning resume through their own loops and checkpoints, which the
+        # watch follows as they run)
+        who, callback = {"trainer": ("Trainer", "TrainerWatch"),
+                         "lightning": ("Lightning fit", "LightningWatch")}[opts.framework]
         raise UsageError(f"--resume-at audits a make_loader factory; it does not go with "
-                         f"--{opts.framework}")
+                         f"--{opts.framework}: to check how your {who} resumes, train with "
+                         f"callbacks=[{callback}()], stop and resume from its checkpoint "
+                         "(docs/watch.md), or pass a make_loader FACTORY")
     if resume.strategy == "stateful":
         from sharddemo.extras import require
 

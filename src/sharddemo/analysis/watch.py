@@ -77,7 +77,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         skipped = ((restarts or [{}])[-1].get("skipped_batches") or 0)
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
-        resume = resume_check(before, present, epoch, restarts, again, fill)
+        resume = resume_check(before, present, epoch, restarts, again, fill,
+                              fill_by=fill_source(description))
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -115,6 +116,12 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         entry["resume"] = resume
         entry["missing"] = None
     elif resume is not None:
+        # the epoch's steps as the loop counts them over the chain: the main process's steps
+        # before the last restart (its checkpoint's) and each rank's since; the part's own in
+        # resume.steps_after
+        resume["steps_after"] = entry["steps"]
+        taken = (resume["restarts"][-1].get("step") or 0) if resume["restarts"] else 0
+        entry["steps"] = [taken + s for s in entry["steps"]]
         entry["resume"] = resume
         entry["seen"] += resume["seen_before"]
         entry["unique"] = n - resume["skipped"]["count"]
@@ -189,7 +196,8 @@ def partial_line(entry: dict) -> str:
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
                  again: Optional[np.ndarray] = None,
-                 fill: Optional[np.ndarray] = None) -> dict:
+                 fill: Optional[np.ndarray] = None,
+                 fill_by: str = "accelerate's even_batches") -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -198,9 +206,10 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     the epoch's restarts, oldest first, as the checkpoints carried them (each restart but the
     last with its own repeated samples, found when the next checkpoint was saved); `again`:
     the samples an earlier restart of the chain repeated (1), so that the epoch's total
-    counts each repeated sample once; `fill`: the samples accelerate's even_batches fill dealt
-    after the last restart (fill_ids): delivered before the stop too, they are the loader's
-    own fill, as in an uninterrupted run, not a repeat of the resume's.
+    counts each repeated sample once; `fill`: the samples accelerate's even_batches fill or a
+    DistributedSampler's padding dealt after the last restart (fill_ids; `fill_by` names which):
+    delivered before the stop too, they are the loader's own fill, as in an uninterrupted run,
+    not a repeat of the resume's.
 
     Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
     repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
@@ -219,17 +228,17 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     restarts[-1]["seen_before"] = int(before.sum())
     restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
     if (both & filled).any():
-        restarts[-1]["fill"] = id_list(np.flatnonzero(both & filled))
+        restarts[-1]["fill"] = {**id_list(np.flatnonzero(both & filled)), "by": fill_by}
     ok = not len(repeated) and not len(skipped)
     detail = "" if ok else (
         f"{len(repeated)} sample(s) delivered again after "
         f"{'a restart' if len(restarts) > 1 else 'the restart'} and {len(skipped)} never: "
         "the resumed run did not continue where it stopped (no common seed, or the loader's "
         "position not restored; docs/resume.md)")
-    size_changed = [r for r in restarts if r.get("saved_on") and r.get("resumed_on")
-                    and r["saved_on"] != r["resumed_on"]]
-    if not ok and size_changed:
-        detail += "; " + "; ".join(restart_words(r) for r in size_changed)
+    said = [r for r in restarts if r.get("from_start") or (
+        r.get("saved_on") and r.get("resumed_on") and r["saved_on"] != r["resumed_on"])]
+    if not ok and said:
+        detail += "; " + "; ".join(restart_words(r) for r in said)
     return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
             "skipped": id_list(skipped), "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
@@ -261,6 +270,9 @@ def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
     steps ended at batch skipped + s - 1. N = 80, B = 4, W = 3: K = 20, rank 2 ends at batch
     6, global 20: its last batch is fill (the first 4 samples of the epoch's order)."""
     shard = description.get("batch_sampler_shard") or description.get("dispatcher")
+    if (not shard and description.get("distributed_sampler")
+            and not description.get("iterable_shard")):
+        return padding_ids(record, description, n, batch_size, skipped)
     if (not shard or description.get("even_batches") is False or description.get("drop_last")
             or description.get("split_batches") or not batch_size):
         return np.zeros(0, dtype=np.int64)
@@ -280,8 +292,41 @@ def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
     return np.unique(np.asarray(out, dtype=np.int64))
 
 
+def padding_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
+                skipped: int) -> np.ndarray:
+    """The samples a DistributedSampler's padding dealt in the part of an epoch after a
+    restart, from the ranks' last batches in the record: the sampler pads its order to
+    ceil(N/W) x W ids by repeating its first ones, and rank r takes positions r, r + W, ...,
+    so rank r's p-th sample is position p*W + r, padding from position N on. A rank that
+    skipped `skipped` batches of B and then took s steps began its last batch at its sample
+    (skipped + s - 1) * B. N = 79, B = 4, W = 2: 40 samples a rank, rank 1's 40th (its last
+    batch's 4th) is position 79, the padding (the order's first sample again)."""
+    if description.get("drop_last") or not batch_size:
+        return np.zeros(0, dtype=np.int64)
+    ranks = record.get("ranks") or []
+    world, out = len(ranks), []
+    for r, rank in enumerate(ranks):
+        batches = rank.get("tail") or rank.get("head") or []
+        if not rank.get("steps") or not batches:
+            continue
+        start = (skipped + rank["steps"] - 1) * batch_size
+        out += [i for k, i in enumerate(batches[-1]) if (start + k) * world + r >= n]
+    return np.unique(np.asarray(out, dtype=np.int64))
+
+
+def fill_source(description: dict) -> str:
+    """Whose fill fill_ids reads, in words."""
+    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
+    if not shard and description.get("distributed_sampler"):
+        return "the DistributedSampler's padding"
+    return "accelerate's even_batches"
+
+
 def id_list(ids: np.ndarray) -> dict:
     return {"count": int(len(ids)), "ids": ids[:100].tolist()}
+
+
+FILL_BY = "accelerate's even_batches"  # (a restart's fill saved before `by` was kept)
 
 
 def restart(epoch: int, step: Optional[int], saved_on: Optional[int],
@@ -314,11 +359,19 @@ def restart_words(r: dict) -> str:
         text += (f": skip_first_batches({skipped}) skipped {skipped} batches on each of "
                  f"{plural(r['resumed_on'], 'rank')}, {skipped_samples:,} samples at the new "
                  "size")
+    start = r.get("from_start")
+    if start:
+        left, total = start["epoch_steps"] - start["steps_before"], start["epoch_steps"]
+        text += (f": {start['by']} began the epoch's order again from its start (the "
+                 "DataLoader has no state_dict: its position was not restored) while counting "
+                 f"on from step {start['steps_before']} of the epoch's {total} per rank: the "
+                 f"batches after the restart (at most {left} per rank) are the order's first "
+                 "ones again, and those past them never come")
     if r.get("fill"):
         count = r["fill"]["count"]
         text += (f"; {plural(count, 'sample')} delivered again {'is' if count == 1 else 'are'}"
-                 " the resumed size's own fill (accelerate's even_batches), not counted as "
-                 "repeated")
+                 f" the resumed size's own fill ({r['fill'].get('by', FILL_BY)}), not counted "
+                 "as repeated")
     return text
 
 
@@ -350,7 +403,7 @@ def restarts_said(restarts: list) -> str:
         again = r.get("repeated")
         count = f", {again['count']:,} repeated" if again is not None else ""
         if r.get("fill"):
-            count += f", {r['fill']['count']:,} of the fill (accelerate's even_batches)"
+            count += f", {r['fill']['count']:,} of the fill ({r['fill'].get('by', FILL_BY)})"
         said.append(f"epoch {r['epoch']} step {r['step']} ({ranks}{edge}{count})")
     return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
 

@@ -62,6 +62,21 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
         # save its state fails there, after one launch.
         launches.append(phase(settings, "stop", 0))
         launch, reference = uninterrupted(settings, show=True)
+        # An epoch that a launch on another world size finished is compared with the
+        # uninterrupted run on that size too: its own even_batches fill is fill, not a repeat.
+        # Run before the restarts: each later stop is checked against its epoch's steps on
+        # the world size of the launch that reaches it before any restart's ranks start.
+        if reference and launches[0]:
+            world = reference["world_size"]
+            sizes = {stop.num_processes or world for stop in plan.stops}
+            for size in sorted(sizes - {world}):
+                others[size] = uninterrupted(dataclasses.replace(settings,
+                                                                 num_processes=size))[1]
+            if launches[0]["stop"].get("steps") is not None and all(others.values()):
+                epochs = {world: reference["modes"]["audit"]["epochs"]}
+                epochs.update({size: trace["modes"]["audit"]["epochs"]
+                               for size, trace in others.items()})
+                check_later_stops(plan, epochs, world)
         for index, stop in enumerate(plan.stops, start=1):
             if not launches[-1]:
                 break
@@ -69,13 +84,6 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                                         or settings.num_processes)
             launches.append(phase(where, "resume", index, resume_from=launches[-1]["stop"],
                                   final_epoch=final_epoch))
-        # An epoch that a launch on another world size finished is compared with the
-        # uninterrupted run on that size too: its own even_batches fill is fill, not a repeat.
-        sizes = {t["world_size"] for t in launches if t}
-        if reference and all(launches):
-            for size in sorted(sizes - {reference["world_size"]}):
-                others[size] = uninterrupted(dataclasses.replace(settings,
-                                                                 num_processes=size))[1]
     finally:
         if not keep_checkpoint:
             shutil.rmtree(checkpoint, ignore_errors=True)
@@ -102,6 +110,34 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
         audit["broken_promises"].append(broken)
         report["broken_promises"].append(broken)
     return report
+
+
+def check_later_stops(plan: ResumePlan, epochs: dict[int, list[dict]], world: int) -> None:
+    """Every stop after the first against its epoch's steps per rank on the world size of the
+    launch that reaches it (`epochs`: {world size: the uninterrupted run's epoch records}),
+    counted as that launch counts them (resumed in the same epoch: skip and stateful go on from
+    the previous stop's step, restart walks the whole epoch on from it). The same one line as
+    the launch itself would raise, before any restart's ranks start. (The first stop is
+    checked by the first launch, which runs first.)"""
+    chain = plan.text()
+    for previous, stop in zip(plan.stops, plan.stops[1:]):
+        if stop.step == LAST:
+            continue
+        size = previous.num_processes or world
+        records = [r for r in epochs.get(size, []) if r.get("epoch") == stop.epoch]
+        if not records or not records[0].get("ranks"):
+            continue
+        # (an id record lists each rank's batches; a counted one, its steps)
+        length = min(r["steps"] if "steps" in r else len(r.get("batches") or [])
+                     for r in records[0]["ranks"])
+        total = length
+        if previous.epoch == stop.epoch and previous.step != LAST:
+            total = (previous.step + length if plan.strategy == "restart"
+                     else max(previous.step, length))
+        if stop.step > total:
+            raise UsageError(f"--resume-at {chain}: {stop.text()}: an epoch of this loader has "
+                             f"{total} steps per rank on {size} rank(s) (stop at 0..{total}, or "
+                             f"{stop.epoch}:last after its last step); stop at an earlier step")
 
 
 def _check_checkpoint_dir(path: str) -> None:

@@ -39,6 +39,13 @@ def _loaders(combined) -> list:
     return [] if combined is None else [combined]
 
 
+def _resumable(loader) -> bool:
+    """Whether Lightning restores the loader's position from a checkpoint: a loader with
+    state_dict and load_state_dict (Lightning's own test, its _Stateful protocol)."""
+    return callable(getattr(loader, "state_dict", None)) and \
+        callable(getattr(loader, "load_state_dict", None))
+
+
 def _capped(trainer, loader) -> bool:
     """Whether Lightning takes fewer batches an epoch than the loader has
     (limit_train_batches): each epoch is then a part, as the user asked."""
@@ -130,6 +137,14 @@ class LightningWatch(*_BASES):
                 and 0 < done < trainer.num_training_batches):
             for state in self.train_states:
                 state.resumed_without_state(f"{trainer.ckpt_path} holds no LightningWatch state")
+        elif self.restored and 0 < done < trainer.num_training_batches and not all(
+                _resumable(loader) for loader in _loaders(trainer.train_dataloader)):
+            # Lightning restores its batch count, not a DataLoader's position: it iterates the
+            # loader from the start of the epoch's order and stops at the epoch's step count
+            # (its training epoch loop; it warns "can cause unreliable results")
+            for state in self.train_states:
+                state.note_restart(from_start={"by": "Lightning", "steps_before": int(done),
+                                               "epoch_steps": int(trainer.num_training_batches)})
         # The fit loop made its first epoch's iterator before any hook ran (its setup_data),
         # a resumed fit's too: made again, it comes from the watched loaders. Nothing has been
         # taken from it yet (a loader with a length is not prefetched), so the epoch is the

@@ -224,6 +224,12 @@ class WatchState:
         self.unknown_before = True
         self.restarts = [restart(self.epoch, None, None, self.ranks.num_processes)]
 
+    def note_restart(self, **facts) -> None:
+        """What the framework did at the open epoch's last restart, for its words
+        (analysis.watch.restart_words): Lightning's `from_start`."""
+        if self.restarts:
+            self.restarts[-1].update(facts)
+
     def start_pass(self, loader) -> None:
         """A pass of `loader` begins: its description (skip_first_batches and prepare make
         new loaders; the next epoch iterates the first one again), its length, and, for the
