@@ -686,3 +686,32 @@ def test_the_readme_first_screen_watch_runs_as_shown(tmp_path):
                           timeout=OUTER_TIMEOUT)
     assert gate.returncode == 0 and gate.stdout.splitlines() == [
         line for line in shown if line.startswith("sharddemo check:")], gate.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_watched_loader_draws_its_order_when_iter_is_called_as_torchs_does(workers):
+    """A torch DataLoader with workers draws its sampler's order at iter(): a set_epoch
+    between iter() and the first batch does not reach that pass (the late set_epoch
+    of Lightning's issue #21938, after a resume with workers). The watched loader yields what
+    the same loader unwatched yields, so the watch neither changes the training nor hides that
+    bug (before, its lazy __iter__ drew the order at the first batch: epoch 1's)."""
+    def make():
+        sampler = DistributedSampler(TensorDataset(torch.arange(16)), num_replicas=2, rank=0,
+                                     shuffle=True, seed=0)
+        return sampler, DataLoader(sampler.dataset, batch_size=2, sampler=sampler,
+                                   num_workers=workers)
+
+    def late_set_epoch(sampler, loader):
+        sampler.set_epoch(0)
+        batches = iter(loader)
+        sampler.set_epoch(1)  # after iter(): torch's pass keeps epoch 0's order
+        return [b[0].tolist() for b in batches]
+
+    plain = late_set_epoch(*make())
+    sampler, loader = make()
+    assert late_set_epoch(sampler, watch(loader, report=None)) == plain
+    # torch itself: with workers the order is drawn at iter() (the workers are handed their
+    # first indices then): epoch 0's; without, at the first batch (BatchSampler is a generator)
+    drawn = DistributedSampler(range(16), num_replicas=2, rank=0, seed=0)
+    drawn.set_epoch(0 if workers else 1)
+    assert [i for b in plain for i in b] == list(drawn)

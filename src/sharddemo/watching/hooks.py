@@ -130,6 +130,10 @@ def attach(loader, state):
     cls = type(loader)
 
     def __iter__(self):
+        """As eager as the loader's own __iter__: a torch DataLoader draws its sampler's order
+        (and starts its workers) when iter() is called, so a set_epoch after iter() and before
+        the first batch must not reach this pass here either (a watch that deferred it would
+        change what the training receives, and hide a framework's late set_epoch)."""
         watch_state = self.__dict__["_sharddemo_watch"]
         my_tap = self.__dict__.get("_sharddemo_loader_tap")
         this_pass = object()
@@ -139,15 +143,7 @@ def attach(loader, state):
             my_tap.active = this_pass
         watch_state.start_pass(self)
         watch_state.closed = False
-        try:
-            for batch in own_pass(cls, self):
-                watch_state.add(batch, my_tap)
-                yield batch
-        finally:
-            # (a pass left unfinished and collected late must not switch off a newer one)
-            if my_tap is not None and my_tap.active is this_pass:
-                my_tap.active = None
-        watch_state.close_epoch(self)
+        return watched_pass(self, own_pass(cls, self), watch_state, my_tap, this_pass)
 
     def close(self):
         """The end of the watched run, on every rank at the same point: the epoch the loop
@@ -185,6 +181,19 @@ def attach(loader, state):
     if tap is not None:
         drop_untapped_iterator(loader)
     return loader
+
+
+def watched_pass(loader, batches, watch_state, my_tap, this_pass):
+    """The batches of one pass, each noted by the watch; the epoch closes at their end."""
+    try:
+        for batch in batches:
+            watch_state.add(batch, my_tap)
+            yield batch
+    finally:
+        # (a pass left unfinished and collected late must not switch off a newer one)
+        if my_tap is not None and my_tap.active is this_pass:
+            my_tap.active = None
+    watch_state.close_epoch(loader)
 
 
 def own_pass(cls, loader):
