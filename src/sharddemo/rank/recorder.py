@@ -117,6 +117,10 @@ class IdLog:
             values = values.reshape(-1)
         if values.dtype is not torch.int64 or not values.is_cpu:
             values = values.to("cpu", torch.int64)
+        if values.untyped_storage().nbytes() != 8 * values.numel():
+            # a view into a larger batch (accelerate's dispatcher hands each rank a slice of
+            # the global batch): kept as it is, it would keep the whole batch alive
+            values = values.clone()
         self.batches.append(values)
         self.shifts.append(shift)
         self.workers.append(worker)
