@@ -168,14 +168,15 @@ def _stream_reading(sw: dict) -> str:
                       f"{m['cpu_ratio']:.2f}x ({(m['traced_cpu_s'] - m['bare_cpu_s']) * 1e3:.0f}"
                       f" ms of CPU on {m['bare_cpu_s'] * 1e3:.0f} ms)" for row, mode, m in over)
     return (f"Above 1.15x in CPU time: {where}. There the epoch's ids are listed, as the "
-            "per-id record does below 10^6 samples: the main rank turns every id of every rank "
-            "into a Python int (`tolist`) after the epoch's gather, a fixed cost of tens of "
-            "nanoseconds an id that a toy stream of well under a microsecond a sample shows "
-            "and a real stream (`hf-stream`: about 50 us of CPU a sample a rank, 150-300 us of wall "
-            "time here) does not. From "
-            "10^6 samples the count path lists no id and every point is within 1.15x. Not "
-            "changed: closing it below 10^6 means counting instead of listing there, a change "
-            "to what the report lists.")
+            "per-id record does below 10^6 samples, and the epoch's end costs the same whatever "
+            "the stream does per sample: one exchange of a few ints a rank (it settles whether "
+            "a loader raised and carries each rank's lengths), one ragged gather of the ids "
+            "onto the main rank, and there every id listed as a Python int (a slice of one "
+            "shared list of ints for a run of consecutive ids, the previous rank's list for a "
+            "batch equal to it). A toy stream of well under a microsecond a sample shows it; a "
+            "real stream (`hf-stream`: about 50 us of CPU a sample a rank) does not. "
+            "`python benchmarks/stream_walk_phases.py W MODE N PAIRS` gives it rank by rank. "
+            "From 10^6 samples the count path lists no id.")
 
 
 def render_doc(results: dict) -> str:

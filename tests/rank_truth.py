@@ -78,7 +78,7 @@ def reduced_codes(accelerator) -> dict:
 MIXED = [[1, 2], {"id": [2, 3]}, [5, 1], {"id": [1]}, [3], [4]]
 
 
-def mixed_shift_walk(accelerator) -> Optional[dict]:
+def mixed_shift_walk(accelerator, strategy: str = "count") -> Optional[dict]:
     import torch
 
     from sharddemo.rank.sources import batch_values
@@ -87,7 +87,7 @@ def mixed_shift_walk(accelerator) -> Optional[dict]:
     batches = [{"id": torch.tensor(b["id"])} if isinstance(b, dict) else torch.tensor(b)
                for b in MIXED]
     return walk_epoch(accelerator, batches, lambda batch, tag: batch_values(batch), epoch=0,
-                      strategy="count", n=6)
+                      strategy=strategy, n=6)
 
 
 def main(out_path: str) -> None:
@@ -107,10 +107,12 @@ def main(out_path: str) -> None:
                                 "trace": trace})
     codes = reduced_codes(accelerator)
     mixed = mixed_shift_walk(accelerator)
+    mixed_ids = mixed_shift_walk(accelerator, "epoch")
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"world": world, "backend": accelerator.state.backend,
-                       "results": results, "codes": codes, "mixed": mixed}, handle)
+                       "results": results, "codes": codes, "mixed": mixed,
+                       "mixed_ids": mixed_ids}, handle)
     accelerator.end_training()
 
 

@@ -238,6 +238,33 @@ def test_the_id_path_lists_every_id_as_a_plain_int_in_or_out_of_range():
     assert walk(inside, None) == inside  # no length known: the plain way
 
 
+def test_the_id_path_lists_runs_other_batches_and_another_ranks_equal_batches_alike():
+    """rank.recorder.list_ids, which lists each rank's ids on the main process at the epoch's
+    end, over batches worked by hand (n = 10): a run of consecutive ids (cut from the shared
+    list), a batch in any other order (picked one by one), a batch equal to the previous
+    rank's at the same step (that rank's list), one that only starts like it, an empty batch,
+    and a rank holding an id outside 0..9 (listed the plain way). Every batch as it was, in
+    plain ints."""
+    import numpy as np
+
+    from sharddemo.rank.recorder import list_ids
+
+    def listed(batches, n=10, like=None):
+        flat = np.array([i for b in batches for i in b], dtype=np.int32)
+        got = list_ids(flat, [len(b) for b in batches], n, like)
+        assert got == batches and all(type(i) is int for b in got for i in b)
+        return flat, got
+
+    first = [[3, 4, 5], [9, 1], [], [7], [0, 1, 2, 3]]
+    flat, got = listed(first)
+    second = [[3, 4, 5], [9, 2], [], [7], [0, 1, 2], [8]]  # steps 0, 2, 3 equal rank 0's
+    _, again = listed(second, like=(flat, got))
+    assert again[0] is got[0] and again[3] is got[3]  # one list, held once in the record
+    listed([[3, 4, 5], [10, 2]], like=(flat, got))  # 10 is outside 0..9
+    listed([[5, 4, 3], [2, 2]])
+    listed([[1, 2, 3]], n=None)  # no length known: the plain way
+
+
 def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
     """Ids that live on a device are counted there (rank.counting._DeviceRunning: no copy to
     the host and no sync per step). Run here on the CPU over the batches worked by hand in the

@@ -92,6 +92,18 @@ def test_the_count_path_takes_each_readers_shift_off(truth):
                                  [3, 2 * world], [4, world]]
 
 
+def test_the_id_path_takes_each_readers_shift_off(truth):
+    """The same MIXED batches on every rank, walked on the id path (every id listed, gathered
+    onto the main process at the epoch's end; the shift changes from batch to batch, so it
+    cannot come off the whole epoch at once). Worked by hand as above, on every rank:
+    [0,1] [2,3] [4,0] [1] [2] [3], plain ints."""
+    world, rec = truth["world"], truth["mixed_ids"]
+    assert rec["gather"] == "epoch" and len(rec["ranks"]) == world
+    for r, rank in enumerate(rec["ranks"]):
+        assert rank["rank"] == r and rank["workers"] == [-2] * 6  # a list: no worker known
+        assert rank["batches"] == [[0, 1], [2, 3], [4, 0], [1], [2], [3]]
+
+
 def test_counts_follow_from_the_batches(truth):
     world, results = truth["world"], truth["results"]
     for result in results:

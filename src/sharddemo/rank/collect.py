@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -81,10 +81,12 @@ def exchange_objects(accelerator, mine: Any) -> list[Any]:
     return collective(gather_object, [mine])
 
 
-def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int],
+                  main_only: bool = False) -> list[torch.Tensor]:
     """Every rank's 1-D tensor, whose lengths (`lengths[r]`, already exchanged) may differ,
     as a list indexed by rank, on the CPU. A collective; nothing is sent when every rank is
-    empty (all ranks know it from `lengths`)."""
+    empty (all ranks know it from `lengths`). `main_only`: only the main process receives
+    them (a gather onto it, gather_to_main, instead of an all-gather); the others get []."""
     width = max(lengths, default=0)
     tensor = tensor.reshape(-1).to(accelerator.device)
     if width == 0:
@@ -95,10 +97,28 @@ def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int]) -> 
                          device=tensor.device)
         tensor = torch.cat([tensor, pad])
     if accelerator.num_processes == 1:
-        rows = tensor.to("cpu").view(1, width)
+        rows: Any = tensor.to("cpu").view(1, width)
+    elif main_only:
+        rows = gather_to_main(accelerator, tensor)
+        if rows is None:
+            return []
     else:
         rows = collective(accelerator.gather, tensor).to("cpu").view(len(lengths), width)
-    return [rows[r, :n] for r, n in enumerate(lengths)]
+    return [rows[r][:n].to("cpu") for r, n in enumerate(lengths)]
+
+
+def gather_to_main(accelerator, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """Every rank's `tensor` (the same shape on every rank) on the main process, as a list
+    indexed by rank; None elsewhere. A collective: torch.distributed's gather onto rank 0 (the
+    main process), which sends each rank's tensor to the main process only: where only the
+    main process reads them, the others neither receive nor copy what an all-gather would
+    give them."""
+    import torch.distributed as dist
+
+    parts = ([torch.empty_like(tensor) for _ in range(accelerator.num_processes)]
+             if accelerator.is_main_process else None)
+    collective(dist.gather, tensor, parts, dst=0)
+    return parts
 
 
 def narrowest_dtype(top: int) -> torch.dtype:

@@ -54,74 +54,133 @@ def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
 
 
 @functools.lru_cache(maxsize=1)
-def id_objects(n: int) -> np.ndarray:
-    """The ints 0..n-1 as Python int objects in one numpy array, made once per process and
-    dataset length. The id path's record lists every id as a Python int; taken from here an
+def id_objects(n: int) -> tuple[np.ndarray, list[int]]:
+    """The ints 0..n-1 as Python int objects, made once per process and dataset length: in
+    one numpy array (to pick any ids) and in one list of the same objects (to slice a run of
+    consecutive ids). The id path's record lists every id as a Python int; taken from here an
     id costs a pointer copy, not a new int object on fresh memory (about 10 times more on
     these machines, where first-touched memory is slow: docs/benchmarks.md, "streams"), and
     every epoch's record shares the same objects."""
-    return np.arange(n).astype(object)
+    pool = np.arange(n).astype(object)
+    return pool, pool.tolist()
+
+
+def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
+             like: Optional[tuple[np.ndarray, list[list[int]]]] = None) -> list[list[int]]:
+    """One rank's batches as lists of Python ints: `flat` its ids, `cuts` its batch sizes.
+    Where every id is in 0..n-1 (`n` given), the ints come from id_objects: a batch of
+    consecutive ascending ids (a stream, an unshuffled loader) is a slice of its list, any
+    other batch is picked from its array. `like`: another rank's (flat, batches); a batch equal
+    to that rank's batch at the same step (replicated ranks) is that rank's list itself, so
+    the record holds it once (the record is read, never changed in place). The same ints in
+    the same order either way."""
+    pools = (id_objects(n) if n is not None and flat.size and int(flat.min()) >= 0
+             and int(flat.max()) < n else None)
+    other, listed = like if like is not None else (None, [])
+    batches, start = [], 0
+    for step, size in enumerate(cuts):
+        chunk = flat[start:start + size]
+        if (other is not None and step < len(listed) and len(listed[step]) == size
+                and np.array_equal(chunk, other[start:start + size])):
+            batches.append(listed[step])
+        elif pools is None:
+            batches.append(chunk.tolist())
+        elif size and int(chunk[-1]) - int(chunk[0]) == size - 1 and (
+                size < 2 or bool((chunk[1:] > chunk[:-1]).all())):
+            batches.append(pools[1][int(chunk[0]):int(chunk[0]) + size])
+        else:
+            batches.append(pools[0][chunk].tolist())
+        start += size
+    return batches
 
 
 class IdLog:
     """Every id of one epoch on this rank, batch by batch, and the worker of each batch.
     `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then
-    listed from one shared set of int objects (id_objects)."""
+    listed from one shared set of int objects (id_objects). A batch is kept as the reader gave
+    it (values and shift): the shift is taken off once, at the epoch's end."""
 
     def __init__(self, n: Optional[int] = None) -> None:
         self.batches: list[torch.Tensor] = []
+        self.shifts: list[int] = []
         self.workers: list[int] = []
         self.samples = 0
         self.n = n if n is not None and 0 < n < COUNT_FROM else None
+        self.ids: Optional[torch.Tensor] = None
 
     @property
     def steps(self) -> int:
         return len(self.batches)
 
     def add(self, values: torch.Tensor, worker: int, shift: int) -> None:
-        ids = unshift(values, shift)
-        if ids.dim() != 1:
-            ids = ids.reshape(-1)
-        self.batches.append(ids.to("cpu", torch.int64))
+        if values.dim() != 1:
+            values = values.reshape(-1)
+        if values.dtype is not torch.int64 or not values.is_cpu:
+            values = values.to("cpu", torch.int64)
+        if values.untyped_storage().nbytes() != 8 * values.numel():
+            # a view into a larger batch (accelerate's dispatcher hands each rank a slice of
+            # the global batch): kept as it is, it would keep the whole batch alive
+            values = values.clone()
+        self.batches.append(values)
+        self.shifts.append(shift)
         self.workers.append(worker)
-        self.samples += ids.numel()
+        self.samples += values.numel()
 
     def delivers_everywhere(self, world: int) -> bool:
-        return True  # the gather is an all-gather: every rank holds every rank's ids
+        return True  # with everyone, the gather is an all-gather: every rank holds every rank's ids
 
     def holds(self, ids) -> None:
         """(Counts.holds: the id path keeps no counter to look ids up in.)"""
         return None
 
-    def finish(self, accelerator, loader, epoch: int, everyone: bool = False) -> Optional[dict]:
-        """A collective: the lengths exchanged, then one ragged gather of one tensor per rank
-        (the batch sizes, the batches' workers, then the ids; int32 when every id fits). The
-        record on the main process, and on every rank with `everyone`."""
-        local = self.batches
-        ids = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
-        top = int(ids.abs().max()) if ids.numel() else 0
-        heads = exchange_ints(accelerator, [len(local), ids.numel(), top, remainder(loader)])
+    def heads(self, loader) -> list[int]:
+        """What this rank tells the others first at the epoch's end (finish exchanges it, or
+        the caller does, with finish's `heads`): its batches, its ids, the largest |id|, and
+        accelerate's remainder for `loader`."""
+        local, shifts = self.batches, self.shifts
+        if not local:
+            ids = torch.empty(0, dtype=torch.int64)
+        elif len(set(shifts)) == 1:
+            ids = torch.cat(local)  # a new tensor: the shift comes off in place
+            if shifts[0]:
+                ids.sub_(shifts[0])
+        else:
+            ids = torch.cat([unshift(b, s) for b, s in zip(local, shifts)])
+        self.ids = ids
+        low, high = torch.aminmax(ids) if ids.numel() else (ids.new_zeros(()),) * 2
+        return [len(local), ids.numel(), max(-int(low), int(high)), remainder(loader)]
+
+    def finish(self, accelerator, loader, epoch: int, everyone: bool = False,
+               heads: Optional[list[list[int]]] = None) -> Optional[dict]:
+        """A collective: the heads exchanged (every rank's `heads(loader)`; `heads`: already
+        exchanged by the caller, [rank][k]), then one ragged gather of one tensor per rank
+        (the batch sizes, the batches' workers, then the ids; int32 when every id fits) onto
+        the main process (an all-gather with `everyone`). The record on the main process, and
+        on every rank with `everyone`."""
+        if heads is None:
+            heads = exchange_ints(accelerator, self.heads(loader))
+        elif self.ids is None:
+            raise ValueError("finish(heads=...) needs this rank's heads() taken first")
+        ids, local = self.ids, self.batches
         dtype = narrowest_dtype(max(h[2] for h in heads))
-        sizes = torch.tensor([b.numel() for b in local], dtype=torch.int64)
-        packed = torch.cat([sizes, torch.tensor(self.workers, dtype=torch.int64), ids]).to(dtype)
-        parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads])
+        packed = torch.empty(2 * len(local) + ids.numel(), dtype=dtype)
+        packed[:len(local)] = torch.tensor([b.numel() for b in local], dtype=dtype)
+        packed[len(local):2 * len(local)] = torch.tensor(self.workers, dtype=dtype)
+        packed[2 * len(local):] = ids
+        parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads],
+                              main_only=not everyone)
         if not accelerator.is_main_process and not everyone:
             return None
         ranks, workers = [], []
+        like = None
         for (n_batches, _, _, _), part in zip(heads, parts):
-            array = part.to("cpu").numpy()
+            array = part.numpy()
             cuts = array[:n_batches].tolist()
             workers.append(array[n_batches:2 * n_batches].tolist())
             flat = array[2 * n_batches:]
-            # the same ints either way; from the shared objects where every id is in 0..n-1
-            pool = (id_objects(self.n) if self.n is not None and flat.size
-                    and int(flat.min()) >= 0 and int(flat.max()) < self.n else None)
-            batches, start = [], 0
-            for size in cuts:
-                chunk = flat[start:start + size]
-                batches.append(pool[chunk].tolist() if pool is not None else chunk.tolist())
-                start += size
+            batches = list_ids(flat, cuts, self.n, like)
             ranks.append(batches)
+            like = (flat, batches)
         remainders = [None if h[3] == -2 else h[3] for h in heads]
         return epoch_record(epoch, "epoch", ranks, workers, remainders)
 
@@ -237,10 +296,22 @@ class Recorder:
         beyond the epoch's own)."""
         return self.log.delivers_everywhere(self.accelerator.num_processes)
 
-    def finish(self, epoch: int, loader: Any = None, everyone: bool = False) -> Optional[dict]:
+    def heads(self, loader: Any = None) -> Optional[list[int]]:
+        """The id path's first exchange at the epoch's end, this rank's part (IdLog.heads),
+        for a caller that sends it in an exchange of its own (rank.walk.settle) and passes
+        every rank's to finish(heads=...): one collective fewer. None on the count path."""
+        if not isinstance(self.log, IdLog):
+            return None
+        return self.log.heads(loader if loader is not None else self.loader)
+
+    def finish(self, epoch: int, loader: Any = None, everyone: bool = False,
+               heads: Optional[list[list[int]]] = None) -> Optional[dict]:
         """The epoch's end, a collective: the record on the main process, None elsewhere (on
         every rank with `everyone`, where delivers_everywhere). `loader`: the loader the
-        epoch was walked from, where it is not the one given (a skip_first_batches loader)."""
+        epoch was walked from, where it is not the one given (a skip_first_batches loader).
+        `heads`: every rank's heads(), already exchanged (the id path)."""
         log, self.log = self.log, self._new_log()
-        return log.finish(self.accelerator, loader if loader is not None else self.loader, epoch,
-                          everyone)
+        loader = loader if loader is not None else self.loader
+        if heads is not None:
+            return log.finish(self.accelerator, loader, epoch, everyone, heads=heads)
+        return log.finish(self.accelerator, loader, epoch, everyone)

@@ -30,7 +30,7 @@ import itertools
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -110,8 +110,10 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
             beat(recorder.steps)
             if progress is not None:
                 progress(recorder.steps, total, recorder.samples)
-        settle(accelerator, guarded, epoch)  # before the epoch's exchange: all finish or none
-        record = recorder.finish(epoch)
+        # before the epoch's exchange: all finish or none; the id path's heads go with it
+        mine = recorder.heads()
+        heads = settle(accelerator, guarded, epoch, also=mine or ())
+        record = recorder.finish(epoch, heads=heads if mine is not None else None)
     if keys is not None and how != "count":
         from sharddemo.rank.keys import exchange_tables, name_record
 
@@ -221,17 +223,20 @@ class Guarded:
         return batch
 
 
-def settle(accelerator, guarded: Guarded, epoch: int) -> None:
+def settle(accelerator, guarded: Guarded, epoch: int,
+           also: Sequence[int] = ()) -> list[list[int]]:
     """Once every rank has ended its pass: did a library raise in any rank's loader? A
     collective (one exchange of ints; a second, of each rank's error line, only where one
     raised), so every rank learns it together and none is left waiting. Every rank raised:
     LoaderRaised on every rank, the entries in rank order. Some: the exception again on the
     ranks that raised (the walker words it as any loader error) and PeerRaised on the others:
-    the launch ends with every rank stopped, naming the ranks that raised."""
+    the launch ends with every rank stopped, naming the ranks that raised. `also`: ints of the
+    caller's own (the same count on every rank) sent in the same exchange; returns every
+    rank's, as [rank][k], where no loader raised."""
     raised = guarded.error is not None
-    flags = exchange_ints(accelerator, [int(raised)])
+    flags = exchange_ints(accelerator, [int(raised), *also])
     if not any(row[0] for row in flags):
-        return
+        return [row[1:] for row in flags]
     mine = None
     if raised:
         said = library_error(guarded.error, loader_facts(accelerator, guarded.loader))
