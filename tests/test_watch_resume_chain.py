@@ -840,3 +840,21 @@ def test_a_part_after_a_restart_in_one_process_says_its_repeats(tmp_path):
     assert (entry["seen"], entry["unique"], entry["steps"]) == (8, 4, [2])
     assert not entry["ok"] and "FAIL resume-exact: 4 sample(s) delivered again" in entry["line"]
     assert "4 before the stop, 4 repeated so far after the restart" in entry["line"]
+
+
+def test_a_part_resumed_without_the_watchs_state_says_the_part_before_is_unknown():
+    """One process, N = 8: a checkpoint saved for another loader (no usable watch state), then
+    one batch of 4 and a stop: the partial entry says the part before the stop is unknown."""
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), report=None)
+    state = loader.__dict__["_sharddemo_watch"]
+    with pytest.warns(RuntimeWarning, match="saved for the loader named 'other'"):
+        state.load_state_dict({"schema": "sharddemo.watch-state/1", "loader": "other",
+                               "epoch": 0, "dataset_size": 8, "previous": None})
+    for _ in loader:
+        break
+    loader.close()
+    entry = state.entries[-1]
+    assert entry["partial"] and entry["resume"]["unknown_before"]
+    assert entry["resume"]["repeated"] is None and entry["resume"]["skipped"] is None
+    assert entry["missing"] is None and entry["ok"] and entry["seen"] == 4
+    assert "what came before the stop unknown" in entry["line"], entry["line"]
