@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 from sharddemo import watch
 from sharddemo.analysis.watch import resume_check, restart
+from sharddemo.check import check_report, entry_line
 from test_frameworks import fresh_accelerate_state  # noqa: F401
 from test_watch import entries
 from conftest import transformers_older_than
@@ -742,8 +743,13 @@ def test_an_unseeded_resume_ended_by_max_steps_mid_epoch_says_its_repeats(tmp_pa
     line = line_of(chain.outputs[1], 0)
     assert "(partial)" in line and "FAIL resume-exact" in line, line
     assert (f"16 before the stop, {len(repeats)} repeated so far after the restart (the rest "
-            "of the epoch has not come: none called skipped)") in line, line
-    assert "missing" not in line
+            "of the epoch may still come: the samples not delivered yet are not judged)") in line, line
+    assert "missing" not in line and "skipped" not in line
+    # sharddemo check fails the report on that part (the first launch's part held)
+    result = check_report(str(chain.report))
+    assert [e["run_id"] for e in result.failed] == [resumed["run_id"]]
+    assert entry_line(result.failed[0]).startswith("FAIL train epoch 0 (partial), run ")
+    assert "resume-exact: " in entry_line(result.failed[0])
 
 
 def test_a_seeded_resume_ended_mid_epoch_is_exact_so_far(tmp_path):
@@ -763,7 +769,8 @@ def test_a_seeded_resume_ended_mid_epoch_is_exact_so_far(tmp_path):
     assert resumed["ok"] and "resume-exact" in {v["verdict"] for v in resumed["verdicts"]}
     line = line_of(chain.outputs[1], 0)
     assert line.endswith("16 before the stop, 0 repeated so far after the restart (the rest "
-                         "of the epoch has not come: none called skipped): ok"), line
+                         "of the epoch may still come: the samples not delivered yet are not "
+                         "judged): ok"), line
 
 
 def test_the_middle_launch_of_a_chain_of_two_stops_says_its_repeats(tmp_path):

@@ -45,8 +45,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     `unknown_before`: resumed from a checkpoint without the watch's state, so the part before
     the stop is unknown: no missing verdict, the rest judged. `partial`: the loop stopped
     before the epoch's end (see partial_entry); a resumed part carries `resume` too, with the
-    samples repeated so far and no `skipped` (the rest of the epoch may still come). `id_field`: where the ids are a batch's field
-    (named where some fall outside 0..N-1: the verdict ids-in-range, listed only then)."""
+    samples repeated so far and no `skipped` (the rest of the epoch may still come).
+    `id_field`: where the ids are a batch's field (named where some fall outside 0..N-1: the
+    verdict ids-in-range, listed only then)."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -217,8 +218,8 @@ def partial_resume_words(resumed: Optional[dict]) -> str:
                 f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
     return (f": {resumed['seen_before']:,} before the stop, "
             f"{resumed['repeated']['count']:,} repeated so far after "
-            f"{restarts_said(restarts)} (the rest of the epoch has not come: none called "
-            "skipped)")
+            f"{restarts_said(restarts)} (the rest of the epoch may still come: the samples "
+            "not delivered yet are not judged)")
 
 
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
@@ -265,8 +266,8 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
         detail = "" if ok else (
             f"{len(repeated)} sample(s) delivered again after {after_which} so far: the "
             "resumed run did not continue where it stopped (no common seed, or the loader's "
-            "position not restored; docs/resume.md); the rest of the epoch has not come, so "
-            "no sample is called skipped")
+            "position not restored; docs/resume.md); the rest of the epoch may still come "
+            "(the samples not delivered yet are not judged)")
     else:
         ok = not len(repeated) and not len(skipped)
         detail = "" if ok else (
