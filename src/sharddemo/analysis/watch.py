@@ -266,8 +266,7 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
         detail = "" if ok else (
             f"{len(repeated)} sample(s) delivered again after {after_which} so far: the "
             "resumed run did not continue where it stopped (no common seed, or the loader's "
-            "position not restored; docs/resume.md); the rest of the epoch may still come "
-            "(the samples not delivered yet are not judged)")
+            "position not restored; docs/resume.md)")
     else:
         ok = not len(repeated) and not len(skipped)
         detail = "" if ok else (
