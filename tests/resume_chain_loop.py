@@ -8,7 +8,8 @@ account of what it received, to check the watch against.
 N = 80 samples (`--n`), batches of 4, a prepared shuffled loader, no seed (each launch draws
 its own order, as an unseeded run does) unless `--seed` is given; `--sampler`: a DataLoader
 with torch's DistributedSampler (seed 0, set_epoch each epoch), not prepared. `--save-at E:S` saves after step S of epoch E, inside the loop,
-and stops; `--save-after-epoch E` saves after epoch E's loop, outside it, and stops. The
+and stops (unless `--max-steps K` is given: then it goes on, and the launch stops after its
+K-th step, mid-epoch, as a run ended by max_steps does); `--save-after-epoch E` saves after epoch E's loop, outside it, and stops. The
 checkpoint holds the loop's place (`place.json`: the epoch and the steps taken in it, and the
 loader's length then); a resumed launch goes on as accelerate's examples do: the steps taken
 are skipped with skip_first_batches (counted at the new world size where it changed), and a
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--save-after-epoch", type=int)
     parser.add_argument("--checkpoint")
     parser.add_argument("--resume-from")
+    parser.add_argument("--max-steps", type=int,
+                        help="stop after this many steps of this launch (a break mid-epoch)")
     parser.add_argument("--unwatched", action="store_true")
     parser.add_argument("--seed", type=int, help="accelerate's set_seed before the loader")
     parser.add_argument("--resume-in-place", action="store_true",
@@ -78,6 +81,7 @@ def main() -> None:
             first, skip = first + 1, 0
     save_epoch, save_step = map(int, args.save_at.split(":")) if args.save_at else (-1, -1)
     got: list = []
+    steps = [0]  # this launch's steps (--max-steps)
 
     def save(epoch: int, step: int) -> None:
         accelerator.save_state(args.checkpoint)
@@ -97,9 +101,13 @@ def main() -> None:
             for (ids,) in batches:
                 got.append([epoch, ids.tolist()])
                 taken += 1
+                steps[0] += 1
                 if (epoch, taken) == (save_epoch, save_step):
                     save(epoch, taken)
-                    return
+                    if not args.max_steps:
+                        return
+                if args.max_steps and steps[0] >= args.max_steps:
+                    return  # (loader.close() below reports the epoch left open: partial)
             if epoch == args.save_after_epoch:
                 save(epoch + 1, 0)
                 return

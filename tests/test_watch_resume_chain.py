@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 from sharddemo import watch
 from sharddemo.analysis.watch import resume_check, restart
+from sharddemo.check import check_report, entry_line
 from test_frameworks import fresh_accelerate_state  # noqa: F401
 from test_watch import entries
 from conftest import transformers_older_than
@@ -718,3 +719,170 @@ def test_a_lightning_save_after_an_epochs_last_step_goes_on_with_the_next_epoch(
     (edge,) = resume["restarts"]
     assert (edge["epoch"], edge["step"], edge.get("at_edge")) == (0, 5, True)
     assert "from_start" not in edge
+
+
+# -- a resumed launch that ends mid-epoch: its partial entry says what it knows of the resume ----
+
+def partial_entries(report) -> list[dict]:
+    return [e for e in entries(report) if e.get("partial")]
+
+
+def line_of(output: str, epoch: int) -> str:
+    return next(x for x in output.splitlines() if x.startswith(f"sharddemo: epoch {epoch} "))
+
+
+def test_an_unseeded_resume_ended_by_max_steps_mid_epoch_says_its_repeats(tmp_path):
+    """N = 40, batches of 4, 2 ranks: 5 steps an epoch (by hand). Launch 1 saves at epoch 0
+    step 2 and stops; launch 2 resumes (skip_first_batches(2)), no seed, and stops after 2
+    steps (max_steps), at step 4 of 5: its partial entry carries `resume` with the samples
+    both launches delivered, and resume-exact fails on them; nothing is called skipped."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(2, "--n", "40", "--save-at", "0:2", "--checkpoint", ckpt)
+    chain.launch(2, "--n", "40", "--resume-from", ckpt, "--max-steps", "2")
+    first, resumed = partial_entries(chain.report)
+    before, after = chain.received(1, 0), chain.received(2, 0)
+    assert len(before) == len(after) == 16  # 2 steps x 2 ranks x 4 (by hand)
+    assert "resume" not in first
+    repeats = sorted(set(before) & set(after))
+    # a new permutation's positions 16-31 miss the 16 samples of the first part with a chance
+    # of C(24,16)/C(40,16), about 1e-5 (by hand): the repeats are there
+    assert repeats
+    resume = resumed["resume"]
+    assert resume["seen_before"] == 16
+    assert resume["repeated"] == {"count": len(repeats), "ids": repeats}
+    assert resume["skipped"] is None and resumed["missing"] is None
+    (only,) = resume["restarts"]
+    assert (only["epoch"], only["step"], only["saved_on"], only["resumed_on"],
+            only["skipped_batches"]) == (0, 2, 2, 2, 2)
+    assert resume["steps_after"] == [2, 2] and resumed["steps"] == [4, 4]
+    assert resumed["seen"] == 32 and resumed["unique"] == len(set(before) | set(after))
+    (failed,) = [v for v in resumed["verdicts"] if not v["ok"]]
+    assert failed["verdict"] == "resume-exact" and not resumed["ok"]
+    assert f"{len(repeats)} sample(s) delivered again after the restart so far" in \
+        failed["detail"]
+    line = line_of(chain.outputs[1], 0)
+    assert "(partial)" in line and "FAIL resume-exact" in line, line
+    assert (f"16 before the stop, {len(repeats)} repeated so far after the restart (the rest "
+            "of the epoch may still come: the samples not delivered yet are not judged)") in line, line
+    assert "missing" not in line and "skipped" not in line
+    # sharddemo check fails the report on that part (the first launch's part held)
+    result = check_report(str(chain.report))
+    assert [e["run_id"] for e in result.failed] == [resumed["run_id"]]
+    assert entry_line(result.failed[0]).startswith("FAIL train epoch 0 (partial), run ")
+    assert "resume-exact: " in entry_line(result.failed[0])
+
+
+def test_a_seeded_resume_ended_mid_epoch_is_exact_so_far(tmp_path):
+    """The same with set_seed in both launches: the resumed part goes on with the same order
+    (FACTS: "Resuming"), nothing delivered twice: the partial entry says so, ok."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(2, "--n", "40", "--seed", "3", "--save-at", "0:2", "--checkpoint", ckpt)
+    chain.launch(2, "--n", "40", "--seed", "3", "--resume-from", ckpt, "--max-steps", "2")
+    _, resumed = partial_entries(chain.report)
+    before, after = chain.received(1, 0), chain.received(2, 0)
+    assert len(before) == len(after) == 16 and not set(before) & set(after)
+    resume = resumed["resume"]
+    assert resume["seen_before"] == 16 and resume["repeated"] == {"count": 0, "ids": []}
+    assert resume["skipped"] is None
+    assert resumed["seen"] == 32 and resumed["unique"] == len(set(before) | set(after)) == 32
+    assert resumed["ok"] and "resume-exact" in {v["verdict"] for v in resumed["verdicts"]}
+    line = line_of(chain.outputs[1], 0)
+    assert line.endswith("16 before the stop, 0 repeated so far after the restart (the rest "
+                         "of the epoch may still come: the samples not delivered yet are not "
+                         "judged): ok"), line
+
+
+def test_the_middle_launch_of_a_chain_of_two_stops_says_its_repeats(tmp_path):
+    """N = 80, 10 steps an epoch: launch 1 saves at step 3 and stops; launch 2 resumes and
+    saves at step 6 and stops (its epoch is a part: partial); launch 3 resumes and stops
+    after 2 steps (max_steps). Each partial entry: the repeats so far, from the logged ids."""
+    chain = Chain(tmp_path)
+    ckpt = [str(tmp_path / f"ckpt{k}") for k in range(3)]
+    chain.launch(2, "--save-at", "0:3", "--checkpoint", ckpt[1])
+    chain.launch(2, "--resume-from", ckpt[1], "--save-at", "0:6", "--checkpoint", ckpt[2])
+    chain.launch(2, "--resume-from", ckpt[2], "--max-steps", "2")
+    _, middle, last = partial_entries(chain.report)
+    one, two, three = (chain.received(k, 0) for k in (1, 2, 3))
+    assert [len(p) for p in (one, two, three)] == [24, 24, 16]  # 3, 3, 2 steps x 8 (by hand)
+    first_repeats = set(one) & set(two)
+    resume = middle["resume"]
+    assert resume["seen_before"] == 24 and resume["skipped"] is None
+    assert resume["repeated"]["ids"] == sorted(first_repeats)
+    assert middle["ok"] is (not first_repeats)
+    assert middle["seen"] == 48 and middle["unique"] == len(set(one) | set(two))
+    assert middle["steps"] == [6, 6]
+    # the last launch: two restarts; each repeated sample counted once over the chain
+    resume = last["resume"]
+    assert resume["seen_before"] == 48 and resume["skipped"] is None
+    second_repeats = (set(one) | set(two)) & set(three)
+    assert resume["repeated"]["ids"] == sorted(first_repeats | second_repeats)
+    assert [r["repeated"]["ids"] for r in resume["restarts"]] == [sorted(first_repeats),
+                                                                  sorted(second_repeats)]
+    assert last["ok"] is (not (first_repeats or second_repeats))
+    line = line_of(chain.outputs[1], 0)
+    assert f"24 before the stop, {len(first_repeats)} repeated so far" in line, line
+
+
+def test_a_resumed_part_is_judged_on_its_repeats_only():
+    """N = 8, by hand: 0-3 delivered before the stop, 2-5 after the restart so far (2 and 3
+    repeated); 6 and 7 have not come (no skipped: the rest of the epoch may still come)."""
+    before = np.array([1, 1, 1, 1, 0, 0, 0, 0], dtype=np.uint8)
+    after = np.array([0, 0, 1, 1, 1, 1, 0, 0], dtype=np.uint8)
+    got = resume_check(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
+    assert got["seen_before"] == 4 and got["repeated"] == {"count": 2, "ids": [2, 3]}
+    assert got["skipped"] is None and not got["verdict"]["ok"]
+    assert got["verdict"]["detail"].startswith("2 sample(s) delivered again after the restart "
+                                               "so far")
+    # 4-5 after the stop: nothing repeated yet, 6 and 7 still to come: ok
+    after = np.array([0, 0, 0, 0, 1, 1, 0, 0], dtype=np.uint8)
+    got = resume_check(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
+    assert got["repeated"]["count"] == 0 and got["skipped"] is None and got["verdict"]["ok"]
+    # the same part judged as a whole epoch: 6 and 7 skipped (unchanged)
+    whole = resume_check(before, after, 0, [restart(0, 1, 2, 2)])
+    assert whole["skipped"] == {"count": 2, "ids": [6, 7]} and not whole["verdict"]["ok"]
+
+
+def test_a_part_after_a_restart_in_one_process_says_its_repeats(tmp_path):
+    """One process, N = 8, batches of 4, in order (no shuffle): a checkpoint's state says 0-3
+    were delivered before the stop at step 1; the resumed loop walks the order from its start
+    again and stops after its first batch (0-3): all 4 repeated so far, 4-7 not yet come."""
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), report=None)
+    state = loader.__dict__["_sharddemo_watch"]
+    before = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.uint8)
+    state.load_state_dict({"schema": "sharddemo.watch-state/1", "loader": "train", "epoch": 0,
+                           "dataset_size": 8, "previous": None, "before": before,
+                           "again": None, "restarts": [], "step": 1, "world_size": 1,
+                           "at_edge": False, "unknown_before": False})
+    for (ids,) in loader:
+        assert ids.tolist() == [0, 1, 2, 3]
+        break
+    loader.close()
+    entry = state.entries[-1]
+    assert entry["partial"] and entry["missing"] is None
+    resume = entry["resume"]
+    assert resume["seen_before"] == 4 and resume["skipped"] is None
+    assert resume["repeated"] == {"count": 4, "ids": [0, 1, 2, 3]}
+    # 4 before + 4 after = 8 deliveries of 4 distinct samples; 1 step before, 1 after (by hand)
+    assert (entry["seen"], entry["unique"], entry["steps"]) == (8, 4, [2])
+    assert not entry["ok"] and "FAIL resume-exact: 4 sample(s) delivered again" in entry["line"]
+    assert "4 before the stop, 4 repeated so far after the restart" in entry["line"]
+
+
+def test_a_part_resumed_without_the_watchs_state_says_the_part_before_is_unknown():
+    """One process, N = 8: a checkpoint saved for another loader (no usable watch state), then
+    one batch of 4 and a stop: the partial entry says the part before the stop is unknown."""
+    loader = watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=4), report=None)
+    state = loader.__dict__["_sharddemo_watch"]
+    with pytest.warns(RuntimeWarning, match="saved for the loader named 'other'"):
+        state.load_state_dict({"schema": "sharddemo.watch-state/1", "loader": "other",
+                               "epoch": 0, "dataset_size": 8, "previous": None})
+    for _ in loader:
+        break
+    loader.close()
+    entry = state.entries[-1]
+    assert entry["partial"] and entry["resume"]["unknown_before"]
+    assert entry["resume"]["repeated"] is None and entry["resume"]["skipped"] is None
+    assert entry["missing"] is None and entry["ok"] and entry["seen"] == 4
+    assert "what came before the stop unknown" in entry["line"], entry["line"]

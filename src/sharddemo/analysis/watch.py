@@ -44,8 +44,10 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     indices were not noted. `restarts`, `again`: the epoch's chain of restarts (resume_check);
     `unknown_before`: resumed from a checkpoint without the watch's state, so the part before
     the stop is unknown: no missing verdict, the rest judged. `partial`: the loop stopped
-    before the epoch's end (see partial_entry). `id_field`: where the ids are a batch's field
-    (named where some fall outside 0..N-1: the verdict ids-in-range, listed only then)."""
+    before the epoch's end (see partial_entry); a resumed part carries `resume` too, with the
+    samples repeated so far and no `skipped` (the rest of the epoch may still come).
+    `id_field`: where the ids are a batch's field (named where some fall outside 0..N-1: the
+    verdict ids-in-range, listed only then)."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -71,14 +73,16 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         # its last step): nothing came before, the epoch is judged as any other
         resume = resume_check(before, present, epoch, restarts, again)
         resume.pop("verdict")
-        resume["skipped"] = {"count": e["missing_count"], "ids": e["missing"][:100]}
+        # (a part: the rest of the epoch may still come, so nothing is called skipped)
+        resume["skipped"] = (None if partial else
+                             {"count": e["missing_count"], "ids": e["missing"][:100]})
         resume["at_start"] = True
     elif before is not None and present is not None:
         skipped = ((restarts or [{}])[-1].get("skipped_batches") or 0)
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
         resume = resume_check(before, present, epoch, restarts, again, fill,
-                              fill_by=fill_source(description))
+                              fill_by=fill_source(description), partial=partial)
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -124,9 +128,13 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         entry["steps"] = [taken + s for s in entry["steps"]]
         entry["resume"] = resume
         entry["seen"] += resume["seen_before"]
-        entry["unique"] = n - resume["skipped"]["count"]
-        entry["missing"] = {"count": resume["skipped"]["count"],
-                            "ids": resume["skipped"]["ids"], "reason": None}
+        if partial:  # (no skipped: the samples of the chain so far, in any part)
+            n_ = min(len(before), len(present))
+            entry["unique"] = int(np.count_nonzero((before[:n_] > 0) | (present[:n_] > 0)))
+        else:
+            entry["unique"] = n - resume["skipped"]["count"]
+            entry["missing"] = {"count": resume["skipped"]["count"],
+                                "ids": resume["skipped"]["ids"], "reason": None}
     if unattributed:
         entry["unattributed_batches"] = unattributed
     if inferred:
@@ -187,17 +195,38 @@ def partial_line(entry: dict) -> str:
              else f"across {plural(world, 'rank')}")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
             f"{plural(entry['seen'], 'sample')}, {entry['unique']} distinct, {where}, {each}")
+    text += partial_resume_words(entry.get("resume"))
     failed = [v for v in entry["verdicts"] if not v["ok"]]
     if not failed:
         return text + ": ok"
     return text + ": FAIL " + "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
 
 
+def partial_resume_words(resumed: Optional[dict]) -> str:
+    """What a part of a resumed epoch says of its resume: the deliveries before the stop and
+    the samples repeated so far; never skipped or missing (the rest of the epoch may still
+    come). '' where the part is not resumed."""
+    if not resumed:
+        return ""
+    if resumed.get("unknown_before"):
+        return ("; resumed: what came before the stop unknown (the checkpoint holds no state "
+                "of the watch's), the part after the restart judged")
+    restarts = resumed.get("restarts") or [{}]
+    if not resumed["seen_before"] and not resumed["repeated"]["count"]:
+        r = restarts[-1]
+        return (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
+                f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
+    return (f": {resumed['seen_before']:,} before the stop, "
+            f"{resumed['repeated']['count']:,} repeated so far after "
+            f"{restarts_said(restarts)} (the rest of the epoch may still come: the samples "
+            "not delivered yet are not judged)")
+
+
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
                  again: Optional[np.ndarray] = None,
                  fill: Optional[np.ndarray] = None,
-                 fill_by: str = "accelerate's even_batches") -> dict:
+                 fill_by: str = "accelerate's even_batches", partial: bool = False) -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -209,7 +238,9 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     counts each repeated sample once; `fill`: the samples accelerate's even_batches fill or a
     DistributedSampler's padding dealt after the last restart (fill_ids; `fill_by` names which):
     delivered before the stop too, they are the loader's own fill, as in an uninterrupted run,
-    not a repeat of the resume's.
+    not a repeat of the resume's. `partial`: the epoch is still a part (the loop stopped in
+    it): `skipped` is None and only the repeats fail the verdict (a repeat is a fault as soon
+    as it happens; a sample not delivered yet may still come).
 
     Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
     repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
@@ -229,18 +260,25 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
     if (both & filled).any():
         restarts[-1]["fill"] = {**id_list(np.flatnonzero(both & filled)), "by": fill_by}
-    ok = not len(repeated) and not len(skipped)
-    detail = "" if ok else (
-        f"{len(repeated)} sample(s) delivered again after "
-        f"{'a restart' if len(restarts) > 1 else 'the restart'} and {len(skipped)} never: "
-        "the resumed run did not continue where it stopped (no common seed, or the loader's "
-        "position not restored; docs/resume.md)")
+    after_which = 'a restart' if len(restarts) > 1 else 'the restart'
+    if partial:
+        ok = not len(repeated)
+        detail = "" if ok else (
+            f"{len(repeated)} sample(s) delivered again after {after_which} so far: the "
+            "resumed run did not continue where it stopped (no common seed, or the loader's "
+            "position not restored; docs/resume.md)")
+    else:
+        ok = not len(repeated) and not len(skipped)
+        detail = "" if ok else (
+            f"{len(repeated)} sample(s) delivered again after {after_which} and "
+            f"{len(skipped)} never: the resumed run did not continue where it stopped (no "
+            "common seed, or the loader's position not restored; docs/resume.md)")
     said = [r for r in restarts if r.get("from_start") or (
         r.get("saved_on") and r.get("resumed_on") and r["saved_on"] != r["resumed_on"])]
     if not ok and said:
         detail += "; " + "; ".join(restart_words(r) for r in said)
     return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
-            "skipped": id_list(skipped), "restarts": restarts,
+            "skipped": None if partial else id_list(skipped), "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
 
 

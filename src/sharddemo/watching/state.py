@@ -793,19 +793,28 @@ class WatchState:
 
     def judge(self, record: dict, partial: bool = False, ranks=None) -> dict:
         """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
-        partial epoch is judged alone: no resume check (its rest may still come), and its
-        order is not compared."""
+        partial epoch's order is not compared; a resumed one is checked against what came
+        before the stop as far as it went (the samples repeated so far; none is called
+        skipped: its rest may still come). `ranks`: the main process alone (close_alone):
+        its part holds no other rank's, so no resume check."""
         from sharddemo.analysis.watch import judge_epoch
         from sharddemo.rank.session import trace_header
 
         present = record.pop("_present", None)
         if partial:
+            resumed = {}
+            if ranks is None:  # (every rank's part: the resume as far as it went)
+                resumed = dict(before=self.before, present=present, restarts=self.restarts,
+                               again=self.again, unknown_before=self.unknown_before)
             entry = judge_epoch(trace_header(ranks or self.ranks), record, None,
                                 epoch=self.epoch, name=self.name, role=self.role,
                                 description=self.description, n=self.n,
                                 batch_size=self.batch_size, unattributed=self.unattributed,
-                                partial=True, id_field=self.id_field)
+                                partial=True, id_field=self.id_field, **resumed)
             self.unattributed = 0
+            if present is not None or self.unknown_before:  # (the epoch ends here)
+                self.before, self.again, self.restarts = None, None, []
+                self.steps_before, self.unknown_before = 0, False
             return entry
         previous = self.previous
         if previous is not None and len(previous.get("ranks", ())) != self.ranks.num_processes:
