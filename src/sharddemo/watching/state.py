@@ -12,7 +12,7 @@ import json
 import os
 import uuid
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -23,11 +23,17 @@ from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
 
-# Steps between two window checks (watch's check_every). 50: a replicated stream is named within
-# the first 52 steps of a run (the window's exchange starts as the next batch arrives and is
-# judged one batch later, WINDOW_LAG), and the one collective a window costs is spread over 50
-# steps (measured: docs/benchmarks.md, "watch windows").
-CHECK_EVERY = 50
+# The windows' schedule by default (watch's check_every="auto"): the first window ends at step
+# FIRST_WINDOW, so that a replicated stream is named within the first 52 steps of a run (the
+# window's exchange starts as the next batch arrives and is judged one batch later, WINDOW_LAG);
+# each next window is twice as long as the one before, up to LONGEST_WINDOW steps, so that what
+# the windows cost shrinks as the epoch goes on (a window costs about as much wherever it comes:
+# measured, docs/benchmarks.md, "watch windows"): windows end at steps 50, 150, 350, 750, 1550,
+# 3150, then every 1,600; each epoch starts the schedule again. An int check_every is a fixed
+# number of steps between two windows.
+CHECK_EVERY = "auto"
+FIRST_WINDOW = 50
+LONGEST_WINDOW = 1600
 
 # Steps between starting a window's exchange (an all-gather started with async_op) and
 # waiting for it to judge the window. Waited for at once, the exchange made the earlier rank
@@ -106,7 +112,7 @@ class WatchState:
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
                  on_violation: str, role: str = "train",
-                 check_every: Optional[int] = CHECK_EVERY) -> None:
+                 check_every: Union[int, str, None] = CHECK_EVERY) -> None:
         run_stamp()  # the run starts with its first watch
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
@@ -149,7 +155,8 @@ class WatchState:
         self.field_error: Optional[str] = None
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         OPEN.append(self)
-        # windows of steps checked within the epoch (check_window); 0 or None: none
+        # windows of steps checked within the epoch (check_window): "auto" (growing, see
+        # CHECK_EVERY) or a fixed number of steps; 0 or None: none
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.new_windows()
@@ -422,12 +429,13 @@ class WatchState:
         steps = self.recorder.steps
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish_window()  # the window started WINDOW_LAG batches ago
-        if (steps and self.check_every and steps % self.check_every == 0
-                and self.windowed != steps and self.ranks.num_processes > 1):
+        if (steps and steps == self.window_due and self.windowed != steps
+                and self.ranks.num_processes > 1):
             # a batch after a full window: the window held no rank's last batch (padding and
             # fill come there), so it can be judged; every rank reaches this step alike, and a
             # rank out of data answers from its epoch's end (drain)
             self.windowed = steps
+            self.schedule_next(steps)
             self.start_window()
         if self.id_field is not None:
             try:
@@ -474,6 +482,17 @@ class WatchState:
         self.window_offset = 0  # ids this rank received before the window (this epoch)
         self.prefix: list = []  # the epoch's first ids (ORDER_PREFIX), for the next epoch
         self.prefix_size = 0
+        # the length of the next window and the step it ends at (0: no windows); the schedule
+        # is a function of the step count alone, so every rank keeps the same one
+        self.window_length = FIRST_WINDOW if self.check_every == "auto" else self.check_every
+        self.window_due = self.window_length
+
+    def schedule_next(self, steps: int) -> None:
+        """A window ends at `steps`: when the next one ends (CHECK_EVERY: "auto" doubles the
+        length up to LONGEST_WINDOW; an int is fixed)."""
+        if self.check_every == "auto":
+            self.window_length = min(2 * self.window_length, LONGEST_WINDOW)
+        self.window_due = steps + self.window_length
 
     def windows_on(self) -> bool:
         if self.ranks is None:
