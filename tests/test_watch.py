@@ -559,6 +559,22 @@ def test_the_default_windows_grow_one_collective_each(world):
         assert watched["total"] == plain["total"] + 4 + 2
 
 
+def test_the_default_windows_of_large_batches_keep_a_bounded_number_of_ids():
+    """check_every="auto", batches of 6,000 ids, 250 steps a rank (N = 3,000,000, 2 ranks): a
+    rank keeps at most 524,288 ids a window (4 MB) beyond the first. Worked out by hand: the
+    first window ends at step 50 (300,000 ids a rank); the next would be 100 steps (600,000
+    ids), so it is cut to 524,288 // 6,000 = 87 steps: it ends at 137; the one after would be
+    174 steps, cut to 87 again: it ends at 224; the next, at 311, is past the epoch. One
+    collective as batches 51, 138 and 225 arrive, on both ranks alike (the exchange of one
+    window decides the next's length)."""
+    runs = collectives_of("--n", "3000000", "--batch", "6000", "--check-every", "auto")
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        extra = [w - p for w, p in zip(watched["steps"], plain["steps"])]
+        assert len(extra) == 250
+        assert [k + 1 for k, more in enumerate(extra) if more] == [51, 138, 225]
+        assert watched["total"] == plain["total"] + 3 + 2
+
+
 def test_check_every_is_auto_a_number_of_steps_or_none():
     """One error line naming the argument, at watch()."""
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)

@@ -4,7 +4,8 @@ account of the run, to check the watch against.
 `collectives`: every torch.distributed collective is counted (wrapped here, in the test's
 process only), step by step and at each epoch's end, for the same loop unwatched and then
 watched (a prepared shuffled loader of `--n` ids, N = 40 by default, batches of `--batch`, 4 by
-default); the main process prints one line, COLLECTIVES <json>.
+default; other than N, fetched a batch at a time: Ids); the main process prints one line,
+COLLECTIVES <json>.
 
 `torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
 DistributedSampler's loader.
@@ -120,6 +121,28 @@ class Uneven(Sampler):
         return 4
 
 
+class Ids(torch.utils.data.Dataset):
+    """Ids 0..n-1, a batch fetched at once (torch's fetcher calls __getitems__ with the batch's
+    indices): batches of thousands cost the loop little. A batch is (ids,), as a TensorDataset
+    of the ids gives it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def __getitems__(self, indices):
+        return torch.tensor(indices)
+
+    @staticmethod
+    def collate(ids):
+        return (ids,)
+
+
 def walk(loader, epochs: int) -> list[dict]:
     out = []
     for _ in range(epochs):
@@ -144,8 +167,9 @@ def collectives(args, accelerator) -> None:
             data = TensorDataset(torch.arange(10000))
             loader = DataLoader(data, batch_sampler=Uneven())
         else:
-            loader = DataLoader(TensorDataset(torch.arange(args.n)),
-                                batch_size=args.batch or 4, shuffle=True)
+            data = TensorDataset(torch.arange(N)) if args.n == N else Ids(args.n)
+            loader = DataLoader(data, batch_size=args.batch or 4, shuffle=True,
+                                collate_fn=None if args.n == N else Ids.collate)
         if watched:
             loader = watch(loader, accelerator, report=None, on_violation=args.on_violation,
                            check_every=args.check_every)

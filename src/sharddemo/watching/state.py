@@ -34,6 +34,13 @@ ON_VIOLATION = ("warn", "raise", "ignore")
 CHECK_EVERY = "auto"
 FIRST_WINDOW = 50
 LONGEST_WINDOW = 1600
+# A rank keeps its window's ids until the window is judged (each batch's id tensor, then one
+# copy of them all): with "auto", a window after the first is shortened so that it holds at most
+# WINDOW_KEEP_IDS ids on the rank that receives the most a step (4 MB of int64; read from the
+# last window's exchange, where every rank says how many ids its window held, so every rank
+# shortens it alike), never below FIRST_WINDOW steps. Batches of 64 never reach it (1,600 steps
+# hold 102,400 ids); a stream of 8,192 ids a step has windows of 64 steps.
+WINDOW_KEEP_IDS = 1 << 19
 
 # Steps between starting a window's exchange (an all-gather started with async_op) and
 # waiting for it to judge the window. Waited for at once, the exchange made the earlier rank
@@ -52,10 +59,11 @@ WINDOW_IDS = 1024
 # 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, the samples
 # it found at the previous window that another rank received in an earlier one, the samples of
 # its window it has received more than once so far this epoch, whether its window repeats the
-# previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), and whether what
-# follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids); then
+# previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), whether what
+# follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids), and how
+# many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS); then
 # REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 8
+WINDOW_HEAD = 9
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -494,6 +502,19 @@ class WatchState:
             self.window_length = min(2 * self.window_length, LONGEST_WINDOW)
         self.window_due = steps + self.window_length
 
+    def keep_within(self, heads: list[dict], first: int, last: int) -> None:
+        """The window of steps `first`..`last` was exchanged: with "auto", the next window
+        (already scheduled) is shortened where it would hold more than WINDOW_KEEP_IDS ids on
+        the rank that received the most a step in this one (never below FIRST_WINDOW). From
+        the exchanged rows alone: every rank judging this exchange makes the same choice, at
+        the same step (before the next window's end: FIRST_WINDOW > WINDOW_LAG)."""
+        if self.check_every != "auto":
+            return
+        most = max(-(-int(h["kept"]) // (last - first + 1)) for h in heads)  # ids a step
+        if most and self.window_length * most > WINDOW_KEEP_IDS:
+            self.window_length = max(FIRST_WINDOW, WINDOW_KEEP_IDS // most)
+            self.window_due = last + self.window_length
+
     def windows_on(self) -> bool:
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
@@ -521,7 +542,8 @@ class WatchState:
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
         row[:WINDOW_HEAD] = (done, steps, -1 if self.n is None else self.n, sent.size,
-                             self.found_earlier, repeats, order, int(self.field_error is not None))
+                             self.found_earlier, repeats, order, int(self.field_error is not None),
+                             mine.size)
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
         return torch.from_numpy(row).to(self.ranks.device), mine
@@ -551,7 +573,7 @@ class WatchState:
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
-                  "repeats": r[5], "order": r[6], "error": r[7],
+                  "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8],
                   "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
@@ -637,6 +659,7 @@ class WatchState:
             recent = torch.cat([t.reshape(-1) for t in self.window_ids]).to(
                 "cpu", torch.int64).numpy()
         heads, ids = self.read_rows(pending["rows"], 0, pending["mine"], recent)
+        self.keep_within(heads, pending["first"], pending["last"])
         self.judge_exchange(heads, ids, pending["first"], pending["last"])
 
     def check_window(self, done: int) -> list[dict]:
