@@ -33,6 +33,13 @@ CONFIG = os.path.join(ROOT, "accelerate_configs", "cpu2.yaml")
 STEPS, BATCH, WIDTH = 1000, 64, 256
 
 
+def check_every():
+    """watch(check_every=): WATCH_CHECK_EVERY in the environment, "auto" (watch's default)
+    where it is not set, else a number of steps."""
+    value = os.environ.get("WATCH_CHECK_EVERY", "auto")
+    return value if value == "auto" else int(value)
+
+
 def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
     import torch
     from accelerate import Accelerator
@@ -70,7 +77,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
         folder = os.path.join(os.path.dirname(out), "lineage") if lineage else None
         loader = watch(loader, accelerator, report=None, lineage=folder,
-                       check_every=int(os.environ.get("WATCH_CHECK_EVERY", "50")))
+                       check_every=check_every())
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
@@ -189,7 +196,7 @@ def main() -> None:
                "median_watch_us_per_step": statistics.median(per_step) * 1e6,
                "median_watch_cpu_share": statistics.median(cpu_shares),
                "cpu_shares": [round(s, 5) for s in cpu_shares],
-               "check_every": int(os.environ.get("WATCH_CHECK_EVERY", "50"))}
+               "check_every": check_every()}
     print(json.dumps(figures, indent=1))
     if args.record:
         record(figures, "watch_lineage" if args.lineage else "watch")

@@ -15,7 +15,7 @@ batch of the size large runs use), the largest that keeps a rank's batch in a fe
 Each launch walks one epoch with the loop `for batch in loader: batch["input_ids"].to(device)`
 (nothing else: no model, so that the watch's share is as large as it can be), bare or with
 `watch(loader, accelerator, id_field="id", dataset_size=N, report=None)` (windows at their
-default). glibc's mmap threshold is fixed at 1 MB for both (see launch). Bare and watched are
+default; `WATCH_CHECK_EVERY` in the environment gives check_every). glibc's mmap threshold is fixed at 1 MB for both (see launch). Bare and watched are
 separate launches, alternated pair by pair, so that each
 launch's peak resident memory (ru_maxrss, every rank) is its own. Per launch: each rank's wall
 and CPU time of the epoch (process_time: the rank's threads, gloo's included), its peak RSS and
@@ -66,7 +66,9 @@ def rank_main(watched: bool, n: int, out: str) -> None:
     if watched:
         from sharddemo import watch
 
-        loader = watch(loader, accelerator, id_field="id", dataset_size=n, report=None)
+        every = os.environ.get("WATCH_CHECK_EVERY", "auto")  # (as watch_overhead.py)
+        loader = watch(loader, accelerator, id_field="id", dataset_size=n, report=None,
+                       check_every=every if every == "auto" else int(every))
     device = accelerator.device
     accelerator.wait_for_everyone()
     before = rss_mb()

@@ -561,6 +561,54 @@ def test_a_window_costs_one_collective_at_the_step_after_it():
         assert watched["total"] == plain["total"] + 2 + 2
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_default_windows_grow_one_collective_each(world):
+    """check_every="auto" (the default), 800 steps a rank (N = 800 x world, batch 1, 2 epochs):
+    the windows end at steps 50, 150 (50 + 100), 350 (150 + 200) and 750 (350 + 400); the next
+    would end at 1550 (750 + 800), past the epoch. Each costs one collective as the batch after
+    it arrives (batches 51, 151, 351, 751), on every rank, and each epoch starts the schedule
+    again; none at the other steps, two at each epoch's end."""
+    runs = collectives_of("--n", str(800 * world), "--batch", "1", "--check-every", "auto",
+                          nproc=world)
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        extra = [w - p for w, p in zip(watched["steps"], plain["steps"])]
+        assert len(extra) == 800
+        assert [k + 1 for k, more in enumerate(extra) if more] == [51, 151, 351, 751]
+        assert set(extra) == {0, 1}
+        assert watched["total"] == plain["total"] + 4 + 2
+
+
+def test_the_default_windows_of_large_batches_keep_a_bounded_number_of_ids():
+    """check_every="auto", batches of 6,000 ids, 250 steps a rank (N = 3,000,000, 2 ranks): a
+    rank keeps at most 524,288 ids a window (4 MB) beyond the first. Worked out by hand: the
+    first window ends at step 50 (300,000 ids a rank); the next would be 100 steps (600,000
+    ids), so it is cut to 524,288 // 6,000 = 87 steps: it ends at 137; the one after would be
+    174 steps, cut to 87 again: it ends at 224; the next, at 311, is past the epoch. One
+    collective as batches 51, 138 and 225 arrive, on both ranks alike (the exchange of one
+    window decides the next's length)."""
+    runs = collectives_of("--n", "3000000", "--batch", "6000", "--check-every", "auto")
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        extra = [w - p for w, p in zip(watched["steps"], plain["steps"])]
+        assert len(extra) == 250
+        assert [k + 1 for k, more in enumerate(extra) if more] == [51, 138, 225]
+        assert watched["total"] == plain["total"] + 3 + 2
+
+
+def test_check_every_is_auto_a_number_of_steps_or_none():
+    """One error line naming the argument, at watch()."""
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+    with pytest.raises(ValueError, match=r"^sharddemo.watch: check_every must be 'auto' \(the "
+                       r"default: windows that grow\), a number of steps \(0: no windows\) or "
+                       r"None, got 'often'$"):
+        watch(loader, report=None, check_every="often")
+    with pytest.raises(ValueError, match=r"^sharddemo.watch: check_every must be 'auto', a "
+                       r"number of steps \(0: no windows\) or None, got -1$"):
+        watch(loader, report=None, check_every=-1)
+    for fine in ("auto", 0, None, 7):
+        watch(DataLoader(TensorDataset(torch.arange(8)), batch_size=2), report=None,
+              check_every=fine)
+
+
 def test_batches_larger_than_the_slot_cost_one_more_collective():
     """Batches of 4000 where the loader names no batch size (the slot is sized for 64): the
     detail outgrows its slot, and every rank joins one ragged gather: three at each epoch's

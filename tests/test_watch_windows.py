@@ -378,3 +378,44 @@ def test_repeat_and_order_verdicts_follow_the_running_ranks(ranks, replacement):
     assert ("order-changes-each-epoch" in verdicts) == compared
     if compared:
         assert verdicts["order-changes-each-epoch"] == (not all(o == 1 for _, o in running))
+
+
+# (2 ranks: 501 ids a rank, the repeat after the 200th, at step 201, in the window of steps
+# 151-350 (150 + 200); 3 ranks: 334 a rank, past the 350 of that window's end, so the repeat
+# comes after the 120th, at step 121, in the window of steps 51-150 (50 + 100))
+@pytest.mark.parametrize("world,at,first,last", [(2, 200, 151, 350), (3, 120, 51, 150)])
+def test_the_default_windows_grow_and_a_late_repeat_raises_on_every_rank(tmp_path, world, at,
+                                                                        first, last):
+    """check_every="auto" (the default: windows end at steps 50, 150, 350, 750, ... of each
+    epoch), batches of 1, on 2 and 3 ranks, with on_violation="raise". First `shuffle` (a
+    DistributedSampler with set_epoch over 1001, 2 epochs of 501 or 334 steps: windows at 50,
+    150, and 350 on 2 ranks): no window is flagged. Then `dup`, whose sampler deals each
+    rank's 50th id again after its `at`-th: the second copy is the rank's step at + 1, in the
+    window first-last, whose exchange starts as batch last + 1 arrives and is judged as batch
+    last + 2 arrives: every rank raises ShardingViolation there, having received last + 1
+    batches. Positions from the ids each rank's loop received."""
+    proc, got, ids = run_cases(tmp_path, "shuffle,dup", "--check-every", "auto", "--batch", "1",
+                               "--dup-at", str(at), "--on-violation", "raise", nproc=world,
+                               check=False)
+    assert proc.returncode != 0
+    # shuffle: two whole epochs, every sample once, no window entry
+    shuffle = [e for e in got if e["loader"] == "shuffle"]
+    assert [("window" in e, e["ok"]) for e in shuffle] == [(False, True), (False, True)]
+    for epoch in (0, 1):
+        received = [i for r in range(world) for i in ids["shuffle"][r][epoch]]
+        assert len(set(received)) == 1001
+    # dup: where each rank's loop received a sample for the second time
+    seconds = []
+    for r in range(world):
+        mine = ids["dup"][r][0]
+        seconds.append(next(k for k in range(len(mine)) if mine[k] in mine[:k]) + 1)
+    assert seconds == [at + 1] * world  # (the step, of batches of 1, of the second copy)
+    assert all(first <= step <= last for step in seconds)
+    raised = [x for x in proc.stderr.splitlines() if "ShardingViolation: sharddemo:" in x]
+    assert len(raised) == world, proc.stderr
+    said = f"dup steps {first}-{last} (checked at step {last + 2})"
+    assert all(said in x for x in raised), raised
+    assert all(len(ids["dup"][r][0]) == last + 1 for r in range(world))  # not last + 2
+    [window] = [e for e in got if e["loader"] == "dup"]
+    assert window["window"] == {"first_step": first, "last_step": last, "checked_at": last + 2}
+    assert failed(window) == {"no-unexplained-duplicates"}

@@ -3,7 +3,9 @@ account of the run, to check the watch against.
 
 `collectives`: every torch.distributed collective is counted (wrapped here, in the test's
 process only), step by step and at each epoch's end, for the same loop unwatched and then
-watched; the main process prints one line, COLLECTIVES <json>.
+watched (a prepared shuffled loader of `--n` ids, N = 40 by default, batches of `--batch`, 4 by
+default; other than N, fetched a batch at a time: Ids); the main process prints one line,
+COLLECTIVES <json>.
 
 `torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
 DistributedSampler's loader.
@@ -25,6 +27,8 @@ process group is left to the interpreter's exit, and every torch.distributed cal
 the loop, the watch's exit handler's included, is appended to `--ids`/calls<r>.txt as it is
 made). Each rank writes the ids it received to `--ids`/rank<r>.json.
 
+`--check-every`: watch's check_every, "auto" (its default, passed as such) or a number of steps.
+
 `windows`: whole epochs (`--epochs`) with window checks every `--check-every` steps, over
 `--loader` prepared (N = 1001, batch 8, shuffled: accelerate's fill at the end), sampler (a
 shuffling DistributedSampler over 1001 samples with set_epoch, batch 8: its padding at the end),
@@ -37,10 +41,10 @@ epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
 
 `cases`: several loaders in one launch, each watched under its own name (`--cases`, comma
 separated), 2 epochs each, windows every `--check-every` steps: `dup` (a sampler of its own: rank r
-takes every W-th of 1001 ids from r, and its 50th id comes again after its 60th: an unexplained
-repeat), `replacement` (a prepared loader over RandomSampler(replacement=True), 1001 draws: repeats
+takes every W-th of 1001 ids from r, and its 50th id comes again after its 60th, `--dup-at`:
+an unexplained repeat), `replacement` (a prepared loader over RandomSampler(replacement=True), 1001 draws: repeats
 by design), `shuffle` and `shuffle-no-set-epoch` (a shuffling DistributedSampler over 1001 with and
-without set_epoch); batch 8; `--on-violation`. Each rank writes the ids it received, epoch by epoch, to
+without set_epoch); batch 8 (`--batch`); `--on-violation`. Each rank writes the ids it received, epoch by epoch, to
 `--ids`/<case>_rank<r>.json.
 
 `stateful`: a prepared StatefulDataLoader (use_stateful_dataloader=True) with workers,
@@ -117,6 +121,28 @@ class Uneven(Sampler):
         return 4
 
 
+class Ids(torch.utils.data.Dataset):
+    """Ids 0..n-1, a batch fetched at once (torch's fetcher calls __getitems__ with the batch's
+    indices): batches of thousands cost the loop little. A batch is (ids,), as a TensorDataset
+    of the ids gives it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def __getitems__(self, indices):
+        return torch.tensor(indices)
+
+    @staticmethod
+    def collate(ids):
+        return (ids,)
+
+
 def walk(loader, epochs: int) -> list[dict]:
     out = []
     for _ in range(epochs):
@@ -141,7 +167,9 @@ def collectives(args, accelerator) -> None:
             data = TensorDataset(torch.arange(10000))
             loader = DataLoader(data, batch_sampler=Uneven())
         else:
-            loader = DataLoader(TensorDataset(torch.arange(N)), batch_size=4, shuffle=True)
+            data = TensorDataset(torch.arange(N)) if args.n == N else Ids(args.n)
+            loader = DataLoader(data, batch_size=args.batch or 4, shuffle=True,
+                                collate_fn=None if args.n == N else Ids.collate)
         if watched:
             loader = watch(loader, accelerator, report=None, on_violation=args.on_violation,
                            check_every=args.check_every)
@@ -295,11 +323,12 @@ def windows(args, accelerator) -> None:
 
 
 class Repeating(Sampler):
-    """Rank r's every W-th id of 1001 from r, with its 50th id dealt again after its 60th."""
+    """Rank r's every W-th id of 1001 from r, with its 50th id dealt again after its 60th (after
+    its `at`-th)."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, at: int = 60) -> None:
         self.mine = list(range(rank, 1001, world))
-        self.mine.insert(60, self.mine[49])
+        self.mine.insert(at, self.mine[49])
 
     def __iter__(self):
         return iter(self.mine)
@@ -318,7 +347,8 @@ def cases(args, accelerator) -> None:
                       on_violation=args.on_violation)
         sampler = None
         if case == "dup":
-            loader = watch(DataLoader(data, batch_size=8, sampler=Repeating(rank, world)),
+            loader = watch(DataLoader(data, batch_size=args.batch or 8,
+                                      sampler=Repeating(rank, world, args.dup_at)),
                            accelerator, **common)
         elif case == "replacement":
             loader = watch(DataLoader(data, batch_size=8,
@@ -393,6 +423,11 @@ def plain_torch(args) -> None:
     dist.destroy_process_group()
 
 
+def check_every(value: str):
+    """--check-every: "auto" (watch's default) or a number of steps."""
+    return value if value == "auto" else int(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["collectives", "stateful", "torch", "stop", "windows",
@@ -402,7 +437,10 @@ def main() -> None:
     parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf"],
                         default="prepared")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--check-every", type=int, default=50)
+    parser.add_argument("--check-every", type=check_every, default="auto")
+    parser.add_argument("--n", type=int, default=N)
+    parser.add_argument("--batch", type=int)  # (collectives: 4, cases: 8)
+    parser.add_argument("--dup-at", type=int, default=60)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--no-split", action="store_true")
     parser.add_argument("--end", choices=["close", "with", "exit", "raise", "late", "left"],

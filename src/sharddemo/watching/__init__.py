@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from sharddemo.errors import ShardingViolation
 from sharddemo.rank.collect import guard_forks
@@ -46,7 +46,7 @@ from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
 
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
-          on_violation: str = "warn", check_every: Optional[int] = CHECK_EVERY,
+          on_violation: str = "warn", check_every: Union[int, str, None] = CHECK_EVERY,
           dataset_size: Optional[int] = None, lineage: Optional[str] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
@@ -64,10 +64,13 @@ def watch(loader, accelerator=None, *, name: str = "train",
             hands out (map-style datasets).
         on_violation: "warn" (the line says FAIL), "raise" (ShardingViolation on every rank
             at the same step) or "ignore" (the report only, nothing printed).
-        check_every: every this many steps the ranks meet once to check the window so far
+        check_every: when the ranks meet once to check the window of steps so far
             (replication, a sample a rank received twice, ranks that disagree about the
             dataset, a rank out of data, from the second epoch an order that repeats the
-            previous epoch's); 0 or None: only at the epoch's end.
+            previous epoch's): "auto" (the default) after steps 50, 150, 350, 750, 1550, 3150
+            of each epoch, then every 1,600 steps (each window twice as long as the one
+            before, up to 1,600); an int: every this many steps; 0 or None: only at the
+            epoch's end.
         dataset_size: N for a stream read with `id_field` (default: the dataset's length;
             for a stream, inferred from the largest id seen, and the line says so).
         lineage: a folder where each rank appends the ids of every batch its loop receives,
@@ -85,12 +88,17 @@ def watch(loader, accelerator=None, *, name: str = "train",
     """
     check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
                     on_violation=on_violation)
-    for label, value in (("check_every", check_every), ("dataset_size", dataset_size)):
+    if isinstance(check_every, str) and check_every != "auto":
+        raise ValueError("sharddemo.watch: check_every must be 'auto' (the default: windows "
+                         "that grow), a number of steps (0: no windows) or None, got "
+                         f"{check_every!r}")
+    for label, value in (("check_every", None if check_every == "auto" else check_every),
+                         ("dataset_size", dataset_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < (0 if label == "check_every" else 1)):
-            raise ValueError(f"sharddemo.watch: {label} must be "
-                             f"{'a number of steps (0: no windows)' if label == 'check_every' else 'the number of samples, at least 1'}"
-                             f" or None, got {value!r}")
+            wanted = ("'auto', a number of steps (0: no windows)" if label == "check_every"
+                      else "the number of samples, at least 1")
+            raise ValueError(f"sharddemo.watch: {label} must be {wanted} or None, got {value!r}")
     if lineage is not None:
         check_lineage_folder(lineage)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
@@ -196,7 +204,7 @@ def check_report(report, accelerator) -> None:
 
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
-           check_every: Optional[int] = CHECK_EVERY, dataset_size: Optional[int] = None,
+           check_every: Union[int, str, None] = CHECK_EVERY, dataset_size: Optional[int] = None,
            lineage: Optional[str] = None):
     """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
     (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run);

@@ -12,7 +12,7 @@ import json
 import os
 import uuid
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -23,11 +23,24 @@ from sharddemo.watching.hooks import Tap
 
 ON_VIOLATION = ("warn", "raise", "ignore")
 
-# Steps between two window checks (watch's check_every). 50: a replicated stream is named within
-# the first 52 steps of a run (the window's exchange starts as the next batch arrives and is
-# judged one batch later, WINDOW_LAG), and the one collective a window costs is spread over 50
-# steps (measured: docs/benchmarks.md, "watch windows").
-CHECK_EVERY = 50
+# The windows' schedule by default (watch's check_every="auto"): the first window ends at step
+# FIRST_WINDOW, so that a replicated stream is named within the first 52 steps of a run (the
+# window's exchange starts as the next batch arrives and is judged one batch later, WINDOW_LAG);
+# each next window is twice as long as the one before, up to LONGEST_WINDOW steps, so that what
+# the windows cost shrinks as the epoch goes on (a window costs about as much wherever it comes:
+# measured, docs/benchmarks.md, "watch windows"): windows end at steps 50, 150, 350, 750, 1550,
+# 3150, then every 1,600; each epoch starts the schedule again. An int check_every is a fixed
+# number of steps between two windows.
+CHECK_EVERY = "auto"
+FIRST_WINDOW = 50
+LONGEST_WINDOW = 1600
+# A rank keeps its window's ids until the window is judged (each batch's id tensor, then one
+# copy of them all): with "auto", a window after the first is shortened so that it holds at most
+# WINDOW_KEEP_IDS ids on the rank that receives the most a step (4 MB of int64; read from the
+# last window's exchange, where every rank says how many ids its window held, so every rank
+# shortens it alike), never below FIRST_WINDOW steps. Batches of 64 never reach it (1,600 steps
+# hold 102,400 ids); a stream of 8,192 ids a step has windows of 64 steps.
+WINDOW_KEEP_IDS = 1 << 19
 
 # Steps between starting a window's exchange (an all-gather started with async_op) and
 # waiting for it to judge the window. Waited for at once, the exchange made the earlier rank
@@ -46,10 +59,11 @@ WINDOW_IDS = 1024
 # 2 closing), steps so far, its dataset's length (-1: none), how many ids follow, the samples
 # it found at the previous window that another rank received in an earlier one, the samples of
 # its window it has received more than once so far this epoch, whether its window repeats the
-# previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), and whether what
-# follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids); then
+# previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), whether what
+# follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids), and how
+# many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS); then
 # REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 8
+WINDOW_HEAD = 9
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -106,7 +120,7 @@ class WatchState:
 
     def __init__(self, accelerator, name: str, report: Optional[str], id_field,
                  on_violation: str, role: str = "train",
-                 check_every: Optional[int] = CHECK_EVERY) -> None:
+                 check_every: Union[int, str, None] = CHECK_EVERY) -> None:
         run_stamp()  # the run starts with its first watch
         self.accelerator = accelerator
         self.role = role  # "eval": each sample must be counted once (eval padding fails)
@@ -152,7 +166,8 @@ class WatchState:
         self.field_error: Optional[str] = None
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         OPEN.append(self)
-        # windows of steps checked within the epoch (check_window); 0 or None: none
+        # windows of steps checked within the epoch (check_window): "auto" (growing, see
+        # CHECK_EVERY) or a fixed number of steps; 0 or None: none
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.new_windows()
@@ -432,12 +447,13 @@ class WatchState:
         steps = self.recorder.steps
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish_window()  # the window started WINDOW_LAG batches ago
-        if (steps and self.check_every and steps % self.check_every == 0
-                and self.windowed != steps and self.ranks.num_processes > 1):
+        if (steps and steps == self.window_due and self.windowed != steps
+                and self.ranks.num_processes > 1):
             # a batch after a full window: the window held no rank's last batch (padding and
             # fill come there), so it can be judged; every rank reaches this step alike, and a
             # rank out of data answers from its epoch's end (drain)
             self.windowed = steps
+            self.schedule_next(steps)
             self.start_window()
         if self.id_field is not None:
             try:
@@ -486,6 +502,30 @@ class WatchState:
         self.window_offset = 0  # ids this rank received before the window (this epoch)
         self.prefix: list = []  # the epoch's first ids (ORDER_PREFIX), for the next epoch
         self.prefix_size = 0
+        # the length of the next window and the step it ends at (0: no windows); the schedule
+        # is a function of the step count alone, so every rank keeps the same one
+        self.window_length = FIRST_WINDOW if self.check_every == "auto" else self.check_every
+        self.window_due = self.window_length
+
+    def schedule_next(self, steps: int) -> None:
+        """A window ends at `steps`: when the next one ends (CHECK_EVERY: "auto" doubles the
+        length up to LONGEST_WINDOW; an int is fixed)."""
+        if self.check_every == "auto":
+            self.window_length = min(2 * self.window_length, LONGEST_WINDOW)
+        self.window_due = steps + self.window_length
+
+    def keep_within(self, heads: list[dict], first: int, last: int) -> None:
+        """The window of steps `first`..`last` was exchanged: with "auto", the next window
+        (already scheduled) is shortened where it would hold more than WINDOW_KEEP_IDS ids on
+        the rank that received the most a step in this one (never below FIRST_WINDOW). From
+        the exchanged rows alone: every rank judging this exchange makes the same choice, at
+        the same step (before the next window's end: FIRST_WINDOW > WINDOW_LAG)."""
+        if self.check_every != "auto":
+            return
+        most = max(-(-int(h["kept"]) // (last - first + 1)) for h in heads)  # ids a step
+        if most and self.window_length * most > WINDOW_KEEP_IDS:
+            self.window_length = max(FIRST_WINDOW, WINDOW_KEEP_IDS // most)
+            self.window_due = last + self.window_length
 
     def windows_on(self) -> bool:
         if self.ranks is None:
@@ -514,7 +554,8 @@ class WatchState:
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
         row[:WINDOW_HEAD] = (done, steps, -1 if self.n is None else self.n, sent.size,
-                             self.found_earlier, repeats, order, int(self.field_error is not None))
+                             self.found_earlier, repeats, order, int(self.field_error is not None),
+                             mine.size)
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
         return torch.from_numpy(row).to(self.ranks.device), mine
@@ -544,7 +585,7 @@ class WatchState:
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
-                  "repeats": r[5], "order": r[6], "error": r[7],
+                  "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8],
                   "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
@@ -630,6 +671,7 @@ class WatchState:
             recent = torch.cat([t.reshape(-1) for t in self.window_ids]).to(
                 "cpu", torch.int64).numpy()
         heads, ids = self.read_rows(pending["rows"], 0, pending["mine"], recent)
+        self.keep_within(heads, pending["first"], pending["last"])
         self.judge_exchange(heads, ids, pending["first"], pending["last"])
 
     def check_window(self, done: int) -> list[dict]:
