@@ -222,11 +222,16 @@ def partial_resume_words(resumed: Optional[dict]) -> str:
             "not delivered yet are not judged)")
 
 
+# whose fill a restart's fill is where it does not say (saved before `by` was kept), and the
+# default of resume_check
+FILL_BY = "accelerate's even_batches"
+
+
 def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
                  again: Optional[np.ndarray] = None,
                  fill: Optional[np.ndarray] = None,
-                 fill_by: str = "accelerate's even_batches", partial: bool = False) -> dict:
+                 fill_by: str = FILL_BY, partial: bool = False) -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -260,19 +265,14 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     restarts[-1]["repeated"] = id_list(np.flatnonzero(last))
     if (both & filled).any():
         restarts[-1]["fill"] = {**id_list(np.flatnonzero(both & filled)), "by": fill_by}
-    after_which = 'a restart' if len(restarts) > 1 else 'the restart'
-    if partial:
-        ok = not len(repeated)
-        detail = "" if ok else (
-            f"{len(repeated)} sample(s) delivered again after {after_which} so far: the "
-            "resumed run did not continue where it stopped (no common seed, or the loader's "
-            "position not restored; docs/resume.md)")
-    else:
-        ok = not len(repeated) and not len(skipped)
-        detail = "" if ok else (
-            f"{len(repeated)} sample(s) delivered again after {after_which} and "
-            f"{len(skipped)} never: the resumed run did not continue where it stopped (no "
-            "common seed, or the loader's position not restored; docs/resume.md)")
+    # (a part: a sample not delivered yet may still come, so only the repeats count)
+    ok = not len(repeated) and (partial or not len(skipped))
+    detail = "" if ok else (
+        f"{len(repeated)} sample(s) delivered again after "
+        f"{'a restart' if len(restarts) > 1 else 'the restart'}"
+        + (" so far" if partial else f" and {len(skipped)} never")
+        + ": the resumed run did not continue where it stopped (no common seed, or the "
+        "loader's position not restored; docs/resume.md)")
     said = [r for r in restarts if r.get("from_start") or (
         r.get("saved_on") and r.get("resumed_on") and r["saved_on"] != r["resumed_on"])]
     if not ok and said:
@@ -307,10 +307,9 @@ def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],
     round-robin); a rank that skipped `skipped` batches (skip_first_batches) and then took s
     steps ended at batch skipped + s - 1. N = 80, B = 4, W = 3: K = 20, rank 2 ends at batch
     6, global 20: its last batch is fill (the first 4 samples of the epoch's order)."""
-    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
-    if (not shard and description.get("distributed_sampler")
-            and not description.get("iterable_shard")):
+    if pads_as_distributed_sampler(description):
         return padding_ids(record, description, n, batch_size, skipped)
+    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
     if (not shard or description.get("even_batches") is False or description.get("drop_last")
             or description.get("split_batches") or not batch_size):
         return np.zeros(0, dtype=np.int64)
@@ -352,19 +351,22 @@ def padding_ids(record: dict, description: dict, n: int, batch_size: Optional[in
     return np.unique(np.asarray(out, dtype=np.int64))
 
 
+def pads_as_distributed_sampler(description: dict) -> bool:
+    """Whether a rank's fill is a DistributedSampler's padding (a sampler of its own, not
+    sharded again by accelerate), not accelerate's even_batches fill."""
+    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
+    return bool(not shard and description.get("distributed_sampler")
+                and not description.get("iterable_shard"))
+
+
 def fill_source(description: dict) -> str:
     """Whose fill fill_ids reads, in words."""
-    shard = description.get("batch_sampler_shard") or description.get("dispatcher")
-    if not shard and description.get("distributed_sampler"):
-        return "the DistributedSampler's padding"
-    return "accelerate's even_batches"
+    return "the DistributedSampler's padding" if pads_as_distributed_sampler(description) \
+        else FILL_BY
 
 
 def id_list(ids: np.ndarray) -> dict:
     return {"count": int(len(ids)), "ids": ids[:100].tolist()}
-
-
-FILL_BY = "accelerate's even_batches"  # (a restart's fill saved before `by` was kept)
 
 
 def restart(epoch: int, step: Optional[int], saved_on: Optional[int],
