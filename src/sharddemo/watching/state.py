@@ -694,12 +694,8 @@ class WatchState:
 
         errors = [r for r, h in enumerate(heads) if h["error"]]
         if errors:  # a rank could not read id_field: every rank raises its message, here
-            self.finished = True
-            if self in OPEN:
-                OPEN.remove(self)
-            raise ValueError(bytes(ids[errors[0]].tolist()).decode(errors="replace")
-                             + f" (on rank{'s' if len(errors) > 1 else ''} "
-                             + ", ".join(map(str, errors)) + ")")
+            self.raise_field_error(bytes(ids[errors[0]].tolist()).decode(errors="replace"),
+                                   errors)
         lag = WINDOW_LAG if any(not h["done"] for h in heads) else 0
         entry = judge_window(epoch=self.epoch, name=self.name, first=first, last=last,
                              at=max(h["steps"] for h in heads) + 1 + lag, heads=heads, ids=ids,
@@ -796,7 +792,11 @@ class WatchState:
         if not any(flags):
             return
         message = next(m for m in exchange_objects(self.ranks, self.field_error) if m)
-        errors = [r for r, flag in enumerate(flags) if flag]
+        self.raise_field_error(message, [r for r, flag in enumerate(flags) if flag])
+
+    def raise_field_error(self, message: str, errors: list[int]) -> None:
+        """Every rank, at the same exchange: the watch is done, and the loop gets the error
+        of the ranks (`errors`) that could not read id_field."""
         self.finished = True
         if self in OPEN:
             OPEN.remove(self)
@@ -854,9 +854,7 @@ class WatchState:
                                 batch_size=self.batch_size, unattributed=self.unattributed,
                                 partial=True, id_field=self.id_field, **resumed)
             self.unattributed = 0
-            if present is not None or self.unknown_before:  # (the epoch ends here)
-                self.before, self.again, self.restarts = None, None, []
-                self.steps_before, self.unknown_before = 0, False
+            self.forget_resume(present)  # (the epoch ends here)
             return entry
         previous = self.previous
         if previous is not None and len(previous.get("ranks", ())) != self.ranks.num_processes:
@@ -869,12 +867,17 @@ class WatchState:
                             restarts=self.restarts, again=self.again,
                             unknown_before=self.unknown_before)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
-        if present is not None or self.unknown_before:
-            self.before, self.again, self.restarts = None, None, []
-            self.steps_before, self.unknown_before = 0, False
+        self.forget_resume(present)
         self.loaded = False
         self.unattributed = 0
         return entry
+
+    def forget_resume(self, present) -> None:
+        """The resumed epoch was judged (`present`: its part after the restart, or None where
+        it kept none): the next epoch starts with no restart."""
+        if present is not None or self.unknown_before:
+            self.before, self.again, self.restarts = None, None, []
+            self.steps_before, self.unknown_before = 0, False
 
 
 def skipped_batches(loader) -> int:
