@@ -22,6 +22,19 @@ def whole_train_epochs(report) -> list[dict]:
     return [e for e in entries(report) if e["loader"] == "train" and not e.get("partial")]
 
 
+def said_unknown_before(report, output: str, missing: str) -> None:
+    """A 2-epoch run (N = 40, 2 ranks, 5 steps an epoch) stopped at step 3 with a checkpoint
+    that lacks the watch's state (`missing`), then resumed: epoch 0's part after the restart,
+    16 samples in 2 steps a rank, judged with what came before unknown; epoch 1 whole."""
+    train = whole_train_epochs(report)
+    assert [e["epoch"] for e in train] == [0, 1]
+    resumed = train[0]
+    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
+    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
+    assert f"holds no {missing}" in output
+    assert train[1]["ok"] and train[1]["seen"] == 40
+
+
 def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
     """The Trainer's checkpoint at step 3 of epoch 0 without checkpoint-3/sharddemo_watch.pt
     (saved before TrainerWatch was added): the resumed epoch's part before the stop is
@@ -36,13 +49,7 @@ def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
         outputs.append(proc.stdout + proc.stderr)
         if args == ["--stop-at", "3"]:
             (out / "checkpoint-3" / "sharddemo_watch.pt").unlink()
-    train = whole_train_epochs(out / "sharddemo-watch.jsonl")
-    assert [e["epoch"] for e in train] == [0, 1]
-    resumed = train[0]
-    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
-    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
-    assert "holds no sharddemo_watch.pt" in outputs[1]
-    assert train[1]["ok"] and train[1]["seen"] == 40
+    said_unknown_before(out / "sharddemo-watch.jsonl", outputs[1], "sharddemo_watch.pt")
 
 
 def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
@@ -131,13 +138,7 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(t
             saved["callbacks"] = {k: v for k, v in saved["callbacks"].items()
                                   if "LightningWatch" not in k}
             torch.save(saved, ckpt)
-    train = whole_train_epochs(tmp_path / "sharddemo-watch.jsonl")
-    assert [e["epoch"] for e in train] == [0, 1]
-    resumed = train[0]
-    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
-    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
-    assert "holds no LightningWatch state" in outputs[1]
-    assert train[1]["ok"] and train[1]["seen"] == 40
+    said_unknown_before(tmp_path / "sharddemo-watch.jsonl", outputs[1], "LightningWatch state")
 
 
 # -- Lightning: chains and a changed world size (tests/lightning_chain_loop.py, N = 40, batch 4) --
