@@ -157,6 +157,43 @@ class Counts:
         self.samples += size
         self.steps += 1
 
+    def add_rows(self, block: torch.Tensor, worker: int, shift: int) -> None:
+        """Several batches of one size at once: the rows of `block` (2-D, batch after batch),
+        made by `worker`. The same log as add() for each row, with one pass of bookkeeping for
+        them all (sharddemo.watch hands a loader's noted indices over this way, a few dozen
+        batches at a time)."""
+        count, size = block.shape
+        if (not count or block.dtype is not torch.int64 or not block.is_cpu or self.on_device
+                or shift != self.shift_now):
+            for row in block:
+                self.add(row, worker, shift)
+            return
+        if size == self.size_now:
+            self.size_run += count
+        else:
+            if self.size_run:
+                self.sizes.append([self.size_now, self.size_run])
+            self.size_now, self.size_run = size, count
+        if worker == self.worker_now:
+            self.worker_batches += count
+            self.worker_samples += count * size
+        else:
+            if self.worker_batches:
+                _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
+            self.worker_now, self.worker_batches, self.worker_samples = worker, count, count * size
+        head = max(0, min(self.keep - self.steps, count))
+        for row in block[:head]:
+            self.head.append((unshift(row, shift), worker))
+        for row in block[max(head, count - self.keep):]:
+            self.tail.append((row, shift, worker))
+        self.pending.append(block.reshape(-1))
+        self.pending_ids += count * size
+        if self.pending_ids >= FLUSH_IDS:
+            self.state.add(self.pending, self.shift_now)
+            self.pending, self.pending_ids = [], 0
+        self.samples += count * size
+        self.steps += count
+
     def _close(self) -> tuple[list, list]:
         """The epoch's walk is over: the last runs stored, the waiting ids counted; the kept
         first and last batches as (ids, worker) lists."""

@@ -277,6 +277,16 @@ class Recorder:
         them itself (sharddemo.watch)."""
         self.log.add(ids, worker, 0)
 
+    def add_rows(self, block: torch.Tensor, worker: int = UNKNOWN_WORKER) -> None:
+        """Several batches of one size, the rows of `block` (2-D), given by their 0-based ids:
+        the same as add_ids() for each row, in one call (the count path books them at once)."""
+        add_rows = getattr(self.log, "add_rows", None)
+        if add_rows is not None:
+            add_rows(block, worker, 0)
+        else:
+            for row in block:
+                self.log.add(row, worker, 0)
+
     def holds(self, ids):
         """Mid-epoch, local: whether this rank has received each of `ids` so far this epoch (a
         bool array), or None where that cannot be looked up without a copy (the id path, ids

@@ -48,6 +48,11 @@ WINDOW_KEEP_IDS = 1 << 19
 # own work later the others have reached it. Every rank waits at the same step (the window's
 # step + WINDOW_LAG), so every rank still judges the same exchange at the same step.
 WINDOW_LAG = 1
+# Batches whose indices (a batch sampler's lists) the watch keeps as they came before
+# converting them in one go (WatchState.note_batches): one conversion and one booking for
+# these many, instead of one a batch (about 3 us a step less in the MLP loop of
+# benchmarks/watch_overhead.py). Every read of the record converts them first.
+NOTED_BATCHES = 32
 
 # Ids each rank sends per window at most (the first ones of the window): a fixed width, the same
 # on every rank whatever its batches (an all-gather needs equal sizes), 8 KB of int64. Enough to
@@ -170,6 +175,7 @@ class WatchState:
         # CHECK_EVERY) or a fixed number of steps; 0 or None: none
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
+        self.noted: list = []  # batches' indices not yet in the recorder (note_batches)
         self.new_windows()
 
     # -- checkpointing (accelerate's save_state / load_state pre-hooks, watching.hooks.checkpoint:
@@ -183,6 +189,7 @@ class WatchState:
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
         before, again, restarts = None, None, [dict(r) for r in self.restarts]
+        self.note_batches()
         if self.n is not None and not self.two_bits():  # (every rank alike: N is the length)
             if self.recorder is None:
                 self.recorder = self.new_recorder()
@@ -317,7 +324,7 @@ class WatchState:
 
     def open_steps(self) -> int:
         """Steps of the open epoch on this rank (0: none open)."""
-        return self.recorder.steps if self.recorder is not None else 0
+        return self.recorder.steps + len(self.noted) if self.recorder is not None else 0
 
     def close(self) -> Optional[dict]:
         """The end of the run, on every rank at the same point (a collective, like an epoch's
@@ -369,6 +376,7 @@ class WatchState:
             return None
         self.finished = True
         self.pending = None  # (the ranks can no longer meet: a started exchange is left)
+        self.note_batches()
         if self in OPEN:
             OPEN.remove(self)
         if not self.open_steps() or not self.ranks.is_main_process:
@@ -444,7 +452,7 @@ class WatchState:
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
             self.recorder = self.new_recorder()
-        steps = self.recorder.steps
+        steps = self.recorder.steps + len(self.noted)
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish_window()  # the window started WINDOW_LAG batches ago
         if (steps and steps == self.window_due and self.windowed != steps
@@ -471,6 +479,14 @@ class WatchState:
                 ids = None
             if ids is None:
                 ids = torch.empty(0, dtype=torch.int64)
+        elif tap.fifo and type(tap.fifo[0]) is list and self.lineage is None:
+            # the index sampler's batch, as a list of ints: kept as it is (a copy: a sampler
+            # may reuse its list) and converted with the next NOTED_BATCHES in one go
+            # (note_batches), a few microseconds less a step than one at a time
+            self.noted.append(tap.fifo.popleft().copy())
+            if len(self.noted) >= NOTED_BATCHES:
+                self.note_batches()
+            return
         elif not tap.fifo:
             # no index noted for this batch (a loader that yields batches its sampler did not
             # draw): counted as unattributed, never a failure of the user's loop
@@ -479,6 +495,7 @@ class WatchState:
                 self.lineage.append(self.epoch, None)
             return
         else:
+            self.note_batches()  # (those kept before this one come first)
             index = tap.fifo.popleft()
             # (numpy then a view: a third of torch.as_tensor's 6 us for a list of 64)
             ids = torch.from_numpy(np.asarray(index if isinstance(index, (list, tuple))
@@ -490,6 +507,27 @@ class WatchState:
         self.recorder.add_ids(ids)
         if self.check_every:
             self.window_ids.append(ids)
+
+    def note_batches(self) -> None:
+        """The batches whose indices add() kept as lists, into the recorder (and the window):
+        those of one size as one 2-D block (one conversion, one booking), the rest one by one.
+        Called before anything reads the recorder or the window (every exchange, a
+        checkpoint, the epoch's end), so that they see every batch received so far."""
+        noted, self.noted = self.noted, []
+        if not noted:
+            return
+        size = len(noted[0])
+        if all(len(index) == size for index in noted):
+            blocks = [torch.from_numpy(np.array(noted, dtype=np.int64).reshape(len(noted), size))]
+        else:
+            blocks = [torch.from_numpy(np.asarray(index, dtype=np.int64)).reshape(1, -1)
+                      for index in noted]
+        for block in blocks:
+            if self.mapping is not None:
+                block = self.mapping[block]
+            self.recorder.add_rows(block)
+            if self.check_every:
+                self.window_ids.append(block)
 
     # -- windows of steps within the epoch
     def new_windows(self) -> None:
@@ -536,6 +574,7 @@ class WatchState:
         """This rank's row of a window's exchange (its figures, then the first WINDOW_IDS ids
         of its window; none from a rank that is done), on the ranks' device, and all the ids
         of its window."""
+        self.note_batches()
         steps = self.open_steps()
         mine = np.empty(0, dtype=np.int64)
         if not done and self.window_ids:
@@ -664,6 +703,7 @@ class WatchState:
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        self.note_batches()
         if pending["work"] is not None:
             collective(pending["work"].wait)
         recent = None
@@ -732,6 +772,7 @@ class WatchState:
         limit_train_batches): the entry says so and judges only what a part can show."""
         from sharddemo.rank.collect import exchange_ints
 
+        self.note_batches()
         if self.edge_rest:
             self.edge_rest = False
             if self.rest_of_saved_epoch(loader):
