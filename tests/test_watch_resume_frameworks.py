@@ -8,6 +8,7 @@ side by side under `--dist loadfile`."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -35,24 +36,40 @@ def said_unknown_before(report, output: str, missing: str) -> None:
     assert train[1]["ok"] and train[1]["seen"] == 40
 
 
-def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path):
+@pytest.fixture(scope="module")
+def trainer_stopped_at_3(tmp_path_factory):
+    """One launch that the Trainer tests below all begin with: examples/watch_trainer.py on 2
+    ranks stopped at step 3 (checkpoint-3 and the report). Each test resumes its own copy."""
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("trainer") / "run"
+    proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out),
+                              "--stop-at", "3"], check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    return out
+
+
+def resume_trainer(stopped, tmp_path):
+    """A copy of the Trainer run stopped at step 3, for one test to resume (and change)."""
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    return out
+
+
+def test_a_trainer_resumed_from_a_checkpoint_without_the_watchs_state(tmp_path,
+                                                                    trainer_stopped_at_3):
     """The Trainer's checkpoint at step 3 of epoch 0 without checkpoint-3/sharddemo_watch.pt
     (saved before TrainerWatch was added): the resumed epoch's part before the stop is
     unknown, the rest (2 steps x 2 ranks x batch 4 = 16 samples, by hand) is judged."""
-    pytest.importorskip("transformers")
-    out = tmp_path / "run"
-    outputs = []
-    for args in (["--stop-at", "3"], ["--resume"]):
-        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
-                                 check=False)
-        assert ended_or_aborted_at_teardown(proc), proc.stderr
-        outputs.append(proc.stdout + proc.stderr)
-        if args == ["--stop-at", "3"]:
-            (out / "checkpoint-3" / "sharddemo_watch.pt").unlink()
-    said_unknown_before(out / "sharddemo-watch.jsonl", outputs[1], "sharddemo_watch.pt")
+    out = resume_trainer(trainer_stopped_at_3, tmp_path)
+    (out / "checkpoint-3" / "sharddemo_watch.pt").unlink()
+    proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), "--resume"],
+                             check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    said_unknown_before(out / "sharddemo-watch.jsonl", proc.stdout + proc.stderr,
+                        "sharddemo_watch.pt")
 
 
-def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
+def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path, trainer_stopped_at_3):
     """The Trainer stopped at step 3 (checkpoint-3), resumed and stopped again at step 6
     (checkpoint-6: the Trainer keeps the first launch's save_steps=3 from its trainer_state,
     so 6, not 4, is where the second launch can save), then resumed to the end: 2 ranks,
@@ -64,8 +81,8 @@ def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
     pytest.importorskip("transformers")
     if transformers_older_than("5.18.0"):
         pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
-    out = tmp_path / "run"
-    for args in (["--stop-at", "3"], ["--resume", "--stop-at", "6"], ["--resume"]):
+    out = resume_trainer(trainer_stopped_at_3, tmp_path)
+    for args in (["--resume", "--stop-at", "6"], ["--resume"]):
         proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
                                  check=False)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
@@ -81,7 +98,7 @@ def test_a_trainer_chain_of_restarts_across_epochs_is_exact(tmp_path):
                 for r in resume["restarts"]] == [where]
 
 
-def test_a_trainer_checkpoint_of_2_ranks_resumed_on_3(tmp_path):
+def test_a_trainer_checkpoint_of_2_ranks_resumed_on_3(tmp_path, trainer_stopped_at_3):
     """The Trainer stopped at step 3 on 2 ranks, resumed on 3 (N = 40, batch 4). By hand, from
     the Trainer's one seeded order P dealt round-robin by accelerate's BatchSamplerShard: on 2
     ranks steps 0-2 took global batches 0-5, P[0:24]. On 3 ranks the Trainer skips 3 batches on
@@ -94,11 +111,10 @@ def test_a_trainer_checkpoint_of_2_ranks_resumed_on_3(tmp_path):
     pytest.importorskip("transformers")
     if transformers_older_than("5.18.0"):
         pytest.skip("transformers < 5.18 cannot resume a Trainer on CPU ranks")
-    out = tmp_path / "run"
-    for nproc, args in ((2, ["--stop-at", "3"]), (3, ["--resume"])):
-        proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), *args],
-                                 nproc=nproc, check=False)
-        assert ended_or_aborted_at_teardown(proc), proc.stderr
+    out = resume_trainer(trainer_stopped_at_3, tmp_path)
+    proc = accelerate_launch(["examples/watch_trainer.py", "--output-dir", str(out), "--resume"],
+                             nproc=3, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
     train = whole_train_epochs(out / "sharddemo-watch.jsonl")
     assert [e["epoch"] for e in train] == [0, 1]
     resumed, after = train
