@@ -1,4 +1,4 @@
-"""A Lightning fit for tests/test_watch_resume_frameworks.py: LightningWatch on a fit that stops and
+"""A Lightning fit for tests/test_watch_resume_lightning.py: LightningWatch on a fit that stops and
 resumes as preempted runs do (a checkpoint every `--stop-at` steps, fit(ckpt_path=...)), on
 `--devices` CPU processes (DDP, gloo), and keeps its own account of what it received, to check
 the watch against.

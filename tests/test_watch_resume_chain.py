@@ -8,6 +8,7 @@ accelerate's own BatchSamplerShard and SkipBatchSampler, or from literals worked
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -45,6 +46,15 @@ class Chain:
         assert ended_or_aborted_at_teardown(proc), proc.stderr
         self.outputs.append(proc.stdout + proc.stderr)
 
+    def copy(self, tmp_path) -> "Chain":
+        """This chain's launches so far (their report, logged ids, checkpoints and outputs)
+        copied into `tmp_path`, for a test to go on with: a prefix that several tests share
+        runs once (the fixtures below)."""
+        other = type(self)(tmp_path)
+        shutil.copytree(self.tmp, tmp_path, dirs_exist_ok=True)
+        other.launches, other.outputs = self.launches, list(self.outputs)
+        return other
+
     def last_batch(self, launch: int, epoch: int, rank: int) -> list[int]:
         """The last batch rank `rank` of `launch` received in `epoch`."""
         got = json.loads((self.ids / f"launch{launch}_rank{rank}.json").read_text())
@@ -65,14 +75,36 @@ def accelerate_fill(world: int, n: int = 80, batch: int = 4) -> int:
     return len(dealt) - len(set(dealt))
 
 
-def test_a_chain_of_restarts_within_and_across_epochs_on_a_changed_world(tmp_path):
+@pytest.fixture(scope="module")
+def stopped_at_3_and_6(tmp_path_factory):
+    """The first two launches of the chains below (each test goes on with its own copy): 2
+    ranks stop at epoch 0 step 3 (ckpt1), 2 ranks resume and stop at step 6 (ckpt2)."""
+    tmp = tmp_path_factory.mktemp("chain36")
+    chain = Chain(tmp)
+    chain.launch(2, "--save-at", "0:3", "--checkpoint", str(tmp / "ckpt1"))
+    chain.launch(2, "--resume-from", str(tmp / "ckpt1"), "--save-at", "0:6", "--checkpoint",
+                 str(tmp / "ckpt2"))
+    return chain
+
+
+@pytest.fixture(scope="module")
+def saved_at_the_epochs_last_step(tmp_path_factory):
+    """The first launch of the two tests of a save after epoch 0's last step: 2 ranks save at
+    epoch 0 step 10 of 10 (80 / (2 x 4), by hand) into ckpt1 and stop."""
+    tmp = tmp_path_factory.mktemp("chain010")
+    chain = Chain(tmp)
+    chain.launch(2, "--save-at", "0:10", "--checkpoint", str(tmp / "ckpt1"))
+    return chain
+
+
+def test_a_chain_of_restarts_within_and_across_epochs_on_a_changed_world(tmp_path,
+                                                                         stopped_at_3_and_6):
     """Four launches of one unseeded run: 2 ranks stop at epoch 0 step 3, 2 ranks resume and
-    stop at step 6, 2 ranks resume, finish epoch 0 and stop at epoch 1 step 4, 3 ranks resume
-    epoch 1 (skip_first_batches(4) at the new size) and run epoch 2 whole."""
-    chain = Chain(tmp_path)
+    stop at step 6 (those two: the fixture), 2 ranks resume, finish epoch 0 and stop at epoch
+    1 step 4, 3 ranks resume epoch 1 (skip_first_batches(4) at the new size) and run epoch 2
+    whole."""
+    chain = stopped_at_3_and_6.copy(tmp_path)
     ckpt = [str(tmp_path / f"ckpt{k}") for k in range(4)]
-    chain.launch(2, "--save-at", "0:3", "--checkpoint", ckpt[1])
-    chain.launch(2, "--resume-from", ckpt[1], "--save-at", "0:6", "--checkpoint", ckpt[2])
     chain.launch(2, "--resume-from", ckpt[2], "--save-at", "1:4", "--checkpoint", ckpt[3])
     chain.launch(3, "--resume-from", ckpt[3])
     whole = {e["epoch"]: e for e in entries(chain.report) if not e.get("partial")}
@@ -139,13 +171,13 @@ def test_a_chain_of_restarts_within_and_across_epochs_on_a_changed_world(tmp_pat
     assert "resume" not in whole[2]
 
 
-def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path):
+def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path,
+                                                           saved_at_the_epochs_last_step):
     """A save after epoch 0's last step inside the loop (the next launch goes on with epoch 1,
     skip_first_batches(loader, 0), as accelerate's examples compute it), then a save after
     epoch 1's loop, outside it (the next launch goes on with epoch 2)."""
-    chain = Chain(tmp_path)
+    chain = saved_at_the_epochs_last_step.copy(tmp_path)  # saved at 0:10 (launch 1)
     first, second = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
-    chain.launch(2, "--save-at", "0:10", "--checkpoint", first)  # 80 / (2 x 4) = 10 steps
     chain.launch(2, "--resume-from", first, "--save-after-epoch", "1", "--checkpoint", second)
     chain.launch(2, "--resume-from", second)
     got = entries(chain.report)
@@ -165,15 +197,15 @@ def test_saves_at_an_epochs_edge_go_on_with_the_next_epoch(tmp_path):
     assert (outside["epoch"], outside["step"], outside.get("at_edge")) == (2, 0, None)
 
 
-def test_a_save_at_an_epochs_last_step_resumed_in_place_is_not_an_empty_epoch(tmp_path):
+def test_a_save_at_an_epochs_last_step_resumed_in_place_is_not_an_empty_epoch(
+        tmp_path, saved_at_the_epochs_last_step):
     """The new-user trial: a save after epoch 0's last step (step 10 of 10), resumed at epoch 0
     step 10, as a loop that keeps only (epoch, step) does: skip_first_batches(loader, 10) is an
     empty pass over epoch 0, then epochs 1 and 2. The empty pass is epoch 0's rest, with
     nothing left in it: no entry (before: "epoch 1: 0 of 80 samples ... FAIL 80 never seen",
     and every later epoch numbered one too high)."""
-    chain = Chain(tmp_path)
-    ckpt = str(tmp_path / "ckpt")
-    chain.launch(2, "--save-at", "0:10", "--checkpoint", ckpt)  # 80 / (2 x 4) = 10 steps
+    chain = saved_at_the_epochs_last_step.copy(tmp_path)  # saved at 0:10 (launch 1)
+    ckpt = str(tmp_path / "ckpt1")
     chain.launch(2, "--resume-from", ckpt, "--resume-in-place")
     got = entries(chain.report)
     assert [e["epoch"] for e in got] == [0, 1, 2]  # the loop's own epochs
@@ -501,14 +533,14 @@ def test_a_seeded_resume_ended_mid_epoch_is_exact_so_far(tmp_path):
                          "judged): ok"), line
 
 
-def test_the_middle_launch_of_a_chain_of_two_stops_says_its_repeats(tmp_path):
+def test_the_middle_launch_of_a_chain_of_two_stops_says_its_repeats(tmp_path,
+                                                                     stopped_at_3_and_6):
     """N = 80, 10 steps an epoch: launch 1 saves at step 3 and stops; launch 2 resumes and
-    saves at step 6 and stops (its epoch is a part: partial); launch 3 resumes and stops
-    after 2 steps (max_steps). Each partial entry: the repeats so far, from the logged ids."""
-    chain = Chain(tmp_path)
+    saves at step 6 and stops (its epoch is a part: partial) (those two: the fixture); launch
+    3 resumes and stops after 2 steps (max_steps). Each partial entry: the repeats so far,
+    from the logged ids."""
+    chain = stopped_at_3_and_6.copy(tmp_path)
     ckpt = [str(tmp_path / f"ckpt{k}") for k in range(3)]
-    chain.launch(2, "--save-at", "0:3", "--checkpoint", ckpt[1])
-    chain.launch(2, "--resume-from", ckpt[1], "--save-at", "0:6", "--checkpoint", ckpt[2])
     chain.launch(2, "--resume-from", ckpt[2], "--max-steps", "2")
     _, middle, last = partial_entries(chain.report)
     one, two, three = (chain.received(k, 0) for k in (1, 2, 3))
