@@ -12,20 +12,10 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+from oracle import Ids
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from sharddemo import watch
-
-
-class Ids(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 class ReusedList:
