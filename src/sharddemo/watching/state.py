@@ -326,12 +326,21 @@ class WatchState:
         """Steps of the open epoch on this rank (0: none open)."""
         return self.recorder.steps + len(self.noted) if self.recorder is not None else 0
 
+    def most_open_steps(self) -> int:
+        """The most steps any rank has taken in its open epoch: a collective where there are
+        several ranks (every rank gets the same answer and takes the same branch)."""
+        from sharddemo.rank.collect import exchange_ints
+
+        steps = self.open_steps()
+        if self.ranks.num_processes > 1:
+            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
+        return steps
+
     def close(self) -> Optional[dict]:
         """The end of the run, on every rank at the same point (a collective, like an epoch's
         end): an epoch the loop left open (a `break`, max_steps) is reported as partial, with
         the verdicts a part of an epoch supports. Then the watch is done; a second call does
         nothing. Returns the partial epoch's entry on the main process, else None."""
-        from sharddemo.rank.collect import exchange_ints
 
         if self.finished:
             return None
@@ -357,12 +366,9 @@ class WatchState:
                     entry = self.end_epoch(partial=not self.at_edge(), drained=True)
                 if not ending:  # (else they close next: meet them once more)
                     return entry
-        steps = self.open_steps()
         # whether any rank has an epoch open (a rank whose loader ran out has none): every
         # rank takes the same branch
-        if self.ranks.num_processes > 1:
-            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
-        if not steps:
+        if not self.most_open_steps():
             return None
         # a loop that took every batch of its pass and stopped before asking for one more (a
         # save at the epoch's last step, then the end): the epoch is whole
@@ -452,7 +458,7 @@ class WatchState:
     def add(self, batch, tap: Optional[Tap]) -> None:
         if self.recorder is None:
             self.recorder = self.new_recorder()
-        steps = self.recorder.steps + len(self.noted)
+        steps = self.open_steps()
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish_window()  # the window started WINDOW_LAG batches ago
         if (steps and steps == self.window_due and self.windowed != steps
@@ -513,9 +519,9 @@ class WatchState:
         those of one size as one 2-D block (one conversion, one booking), the rest one by one.
         Called before anything reads the recorder or the window (every exchange, a
         checkpoint, the epoch's end), so that they see every batch received so far."""
-        noted, self.noted = self.noted, []
-        if not noted:
+        if not self.noted:
             return
+        noted, self.noted = self.noted, []
         size = len(noted[0])
         if all(len(index) == size for index in noted):
             blocks = [torch.from_numpy(np.array(noted, dtype=np.int64).reshape(len(noted), size))]
@@ -850,16 +856,12 @@ class WatchState:
         pass: a loop that resumes at its saved epoch and step): that pass is the saved epoch's
         rest, with nothing left in it. No entry, and the next pass is the next epoch, as the
         checkpoint said. The same answer on every rank (their steps exchanged)."""
-        from sharddemo.rank.collect import exchange_ints
 
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
         if not skipped_batches(loader if loader is not None else self.described):
             return False  # (the same on every rank: the same skip_first_batches call)
-        steps = self.open_steps()
-        if self.ranks.num_processes > 1:
-            steps = max(row[0] for row in exchange_ints(self.ranks, [steps]))
-        if steps:
+        if self.most_open_steps():
             return False
         self.recorder = None
         self.closed = True
