@@ -129,19 +129,7 @@ class Counts:
                 self.on_device = True
             ids = ids.to(self.state.device, torch.int64, non_blocking=True)
         size = ids.shape[0]
-        if size == self.size_now:
-            self.size_run += 1
-        else:
-            if self.size_run:
-                self.sizes.append([self.size_now, self.size_run])
-            self.size_now, self.size_run = size, 1
-        if worker == self.worker_now:
-            self.worker_batches += 1
-            self.worker_samples += size
-        else:
-            if self.worker_batches:
-                _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
-            self.worker_now, self.worker_batches, self.worker_samples = worker, 1, size
+        self._runs(size, 1, worker)
         if shift != self.shift_now:  # a reader that changes its shift: flush under the old one
             self.state.add(self.pending, self.shift_now)
             self.pending, self.pending_ids, self.shift_now = [], 0, shift
@@ -157,17 +145,9 @@ class Counts:
         self.samples += size
         self.steps += 1
 
-    def add_rows(self, block: torch.Tensor, worker: int, shift: int) -> None:
-        """Several batches of one size at once: the rows of `block` (2-D, batch after batch),
-        made by `worker`. The same log as add() for each row, with one pass of bookkeeping for
-        them all (sharddemo.watch hands a loader's noted indices over this way, a few dozen
-        batches at a time)."""
-        count, size = block.shape
-        if (not count or block.dtype is not torch.int64 or not block.is_cpu or self.on_device
-                or shift != self.shift_now):
-            for row in block:
-                self.add(row, worker, shift)
-            return
+    def _runs(self, size: int, count: int, worker: int) -> None:
+        """`count` batches of `size` ids made by `worker`: the current runs of equal batch
+        sizes and of batches from one worker go on, or are stored and new ones begin."""
         if size == self.size_now:
             self.size_run += count
         else:
@@ -181,6 +161,19 @@ class Counts:
             if self.worker_batches:
                 _add_made(self.made, self.worker_now, self.worker_batches, self.worker_samples)
             self.worker_now, self.worker_batches, self.worker_samples = worker, count, count * size
+
+    def add_rows(self, block: torch.Tensor, worker: int, shift: int) -> None:
+        """Several batches of one size at once: the rows of `block` (2-D, batch after batch),
+        made by `worker`. The same log as add() for each row, with one pass of bookkeeping for
+        them all (sharddemo.watch hands a loader's noted indices over this way, a few dozen
+        batches at a time)."""
+        count, size = block.shape
+        if (not count or block.dtype is not torch.int64 or not block.is_cpu or self.on_device
+                or shift != self.shift_now):
+            for row in block:
+                self.add(row, worker, shift)
+            return
+        self._runs(size, count, worker)
         head = max(0, min(self.keep - self.steps, count))
         for row in block[:head]:
             self.head.append((unshift(row, shift), worker))
