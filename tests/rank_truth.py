@@ -90,6 +90,47 @@ def mixed_shift_walk(accelerator, strategy: str = "count") -> Optional[dict]:
                       strategy=strategy, n=6)
 
 
+# The id path's payloads (rank.recorder.IdLog): batches of consecutive ids travel as their
+# first id, and a rank's payload rides in the settling exchange where it fits its slot, else
+# every rank's goes in one ragged gather. Each scenario is a list of batches per rank; the
+# record must hold exactly these batches (tests/test_truth_ranks.py).
+PAYLOADS = ("fits", "over", "mixed", "mixed-rev", "big", "empty", "uneven")
+
+
+def payload_batches(scenario: str, rank: int) -> list:
+    import random
+
+    runs = [list(range(rank * 1000 + 100 * k, rank * 1000 + 100 * (k + 1))) for k in range(10)]
+    order = list(range(1000))
+    random.Random(rank).shuffle(order)
+    listed = [order[100 * k:100 * (k + 1)] for k in range(10)]
+    big = [[3_000_000_000 + i for i in batch] for batch in listed]  # past int32
+    return {"fits": runs, "over": listed,
+            "mixed": runs if rank == 0 else listed, "mixed-rev": listed if rank == 0 else runs,
+            "big": big if rank == 1 else runs, "empty": [] if rank == 1 else runs,
+            "uneven": runs[:rank + 1] + [[5, 3, 1], [], [7], [8, 9]] + listed[:rank]}[scenario]
+
+
+def payload_walks(accelerator) -> dict:
+    import torch
+
+    from sharddemo.rank.sources import batch_values
+    from sharddemo.rank.walk import walk_epoch
+
+    out, runs = {}, {}
+    for scenario in PAYLOADS:
+        # the toy sources' values (id + 1: batch_values takes the shift off); twice, the second
+        # epoch with the first's run lists at hand
+        batches = [torch.tensor(b, dtype=torch.int64) + 1
+                   for b in payload_batches(scenario, accelerator.process_index)]
+        for epoch in (0, 1):
+            rec = walk_epoch(accelerator, batches, lambda batch, tag: batch_values(batch),
+                             epoch=epoch, strategy="epoch", n=4000, runs=runs)
+            if rec is not None:
+                out[f"{scenario}/{epoch}"] = [r["batches"] for r in rec["ranks"]]
+    return out
+
+
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
     check_world(accelerator.num_processes)
@@ -108,11 +149,12 @@ def main(out_path: str) -> None:
     codes = reduced_codes(accelerator)
     mixed = mixed_shift_walk(accelerator)
     mixed_ids = mixed_shift_walk(accelerator, "epoch")
+    payloads = payload_walks(accelerator)
     if accelerator.is_main_process:
         with open(out_path, "w") as handle:
             json.dump({"world": world, "backend": accelerator.state.backend,
                        "results": results, "codes": codes, "mixed": mixed,
-                       "mixed_ids": mixed_ids}, handle)
+                       "mixed_ids": mixed_ids, "payloads": payloads}, handle)
     accelerator.end_training()
 
 

@@ -249,20 +249,33 @@ def test_the_id_path_lists_runs_other_batches_and_another_ranks_equal_batches_al
 
     from sharddemo.rank.recorder import list_ids
 
-    def listed(batches, n=10, like=None):
-        flat = np.array([i for b in batches for i in b], dtype=np.int32)
-        got = list_ids(flat, [len(b) for b in batches], n, like)
-        assert got == batches and all(type(i) is int for b in got for i in b)
-        return flat, got
+    def listed(batches, n=10, like=None, runs=()):
+        # the batches at the steps `runs` travel as runs: their first id, not in flat
+        flat = np.array([i for k, b in enumerate(batches) if k not in runs for i in b],
+                        dtype=np.int32)
+        firsts = [b[0] if k in runs else None for k, b in enumerate(batches)]
+        got = list_ids(flat, [len(b) for b in batches], n, like, firsts)
+        assert got.batches == batches and all(type(i) is int for b in got.batches for i in b)
+        return got
 
     first = [[3, 4, 5], [9, 1], [], [7], [0, 1, 2, 3]]
-    flat, got = listed(first)
+    got = listed(first)
     second = [[3, 4, 5], [9, 2], [], [7], [0, 1, 2], [8]]  # steps 0, 2, 3 equal rank 0's
-    _, again = listed(second, like=(flat, got))
-    assert again[0] is got[0] and again[3] is got[3]  # one list, held once in the record
-    listed([[3, 4, 5], [10, 2]], like=(flat, got))  # 10 is outside 0..9
+    again = listed(second, like=got)
+    assert again.batches[0] is got.batches[0] and again.batches[3] is got.batches[3]
+    listed([[3, 4, 5], [10, 2]], like=got)  # 10 is outside 0..9
     listed([[5, 4, 3], [2, 2]])
     listed([[1, 2, 3]], n=None)  # no length known: the plain way
+    # runs: [3, 4, 5] and [0, 1, 2, 3] travel as 3 and 0
+    ran = listed(first, runs=(0, 4))
+    third = [[3, 4, 5], [9, 1], [], [7], [0, 1, 2, 3]]
+    same = listed(third, like=ran, runs=(0, 4))  # every step equal to that rank's
+    assert all(a is b for a, b in zip(same.batches, ran.batches))
+    # a run and a listed batch of the same ids: the same lists either way, not shared
+    mixed = listed(third, like=ran, runs=(4,))
+    assert mixed.batches[0] == [3, 4, 5] and mixed.batches[4] is ran.batches[4]
+    listed([[8, 9, 10], [2]], runs=(0,))  # a run reaching outside 0..9: the plain way
+    listed([[7, 8, 9]], n=None, runs=(0,))
 
 
 def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):

@@ -104,6 +104,25 @@ def test_the_id_path_takes_each_readers_shift_off(truth):
         assert rank["batches"] == [[0, 1], [2, 3], [4, 0], [1], [2], [3]]
 
 
+def test_the_id_path_gives_back_every_payload_whole(truth):
+    """rank_truth.payload_walks: on the id path each rank's batches travel as runs (their
+    first id) and listed ids, in the settling exchange where the payload fits its slot, else
+    in one ragged gather of every rank's: every rank's runs (fits), every rank's ids shuffled
+    (over), one rank each way (mixed, mixed-rev), ids past int32 on rank 1 (big), a rank with
+    no batch (empty), and runs, short and empty batches and listed ones in one epoch on ranks
+    of different lengths (uneven); each twice, the second epoch with the first's runs at hand.
+    The record holds, rank by rank, exactly the batches that rank's loop was given."""
+    from rank_truth import PAYLOADS, payload_batches
+
+    world, got = truth["world"], truth["payloads"]
+    for scenario in PAYLOADS:
+        for epoch in (0, 1):
+            ranks = got[f"{scenario}/{epoch}"]
+            assert len(ranks) == world
+            for r in range(world):
+                assert ranks[r] == payload_batches(scenario, r), (scenario, epoch, r)
+
+
 def test_counts_follow_from_the_batches(truth):
     world, results = truth["world"], truth["results"]
     for result in results:

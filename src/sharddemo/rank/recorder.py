@@ -26,7 +26,7 @@ loader this way for `compare`, `audit` and the resume audit).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -65,24 +65,64 @@ def id_objects(n: int) -> tuple[np.ndarray, list[int]]:
     return pool, pool.tolist()
 
 
+class Listed(NamedTuple):
+    """One rank's batches as listed on the main process (list_ids), with what the next
+    rank's listing compares its batches with (`like`)."""
+    flat: np.ndarray  # the ids of the batches that travelled listed, in order
+    offsets: list  # batch k's first position in `flat` (a run's: where it would be)
+    firsts: list  # batch k's first id where it travelled as a run, else None
+    batches: list  # batch k as a list of Python ints
+
+
 def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
-             like: Optional[tuple[np.ndarray, list[list[int]]]] = None) -> list[list[int]]:
-    """One rank's batches as lists of Python ints: `flat` its ids, `cuts` its batch sizes.
-    Where every id is in 0..n-1 (`n` given), the ints come from id_objects: a batch of
-    consecutive ascending ids (a stream, an unshuffled loader) is a slice of its list, any
-    other batch is picked from its array. `like`: another rank's (flat, batches); a batch equal
-    to that rank's batch at the same step (replicated ranks) is that rank's list itself, so
-    the record holds it once (the record is read, never changed in place). The same ints in
-    the same order either way."""
-    pools = (id_objects(n) if n is not None and flat.size and int(flat.min()) >= 0
-             and int(flat.max()) < n else None)
-    other, listed = like if like is not None else (None, [])
-    batches, start = [], 0
+             like: Optional[Listed] = None,
+             firsts: Optional[list[Optional[int]]] = None,
+             runs: Optional[tuple[dict, dict]] = None) -> Listed:
+    """One rank's batches as lists of Python ints: `cuts` its batch sizes, `firsts[k]` the
+    first id of batch k where it travelled as a run (its ids are firsts[k], firsts[k] + 1,
+    ...; not in `flat`), else None, and `flat` the ids of the other batches, in order (no
+    `firsts`: every batch is in `flat`). Where every id is in 0..n-1 (`n` given), the ints
+    come from id_objects: a batch of consecutive ascending ids (a run, a stream, an unshuffled
+    loader) is a slice of its list, any other batch is picked from its array. `like`: the
+    previous rank's Listed; a batch equal to that rank's batch at the same step (replicated
+    ranks) is that rank's list itself, so the record holds it once (the record is read, never
+    changed in place). `runs`: (the lists of the runs listed before, by (first id, size); the
+    lists of this listing's runs, filled here): a run listed before is that list again (an
+    unshuffled loader, a stream read in order: every epoch's record holds the same lists), and
+    so is one listed before in this listing.
+    The same ints in the same order either way."""
+    firsts = firsts if firsts is not None else [None] * len(cuts)
+    lows = [f for f in firsts if f is not None]
+    highs = [f + size - 1 for f, size in zip(firsts, cuts) if f is not None]
+    if flat.size:
+        lows.append(int(flat.min()))
+        highs.append(int(flat.max()))
+    pools = (id_objects(n) if n is not None and lows and min(lows) >= 0 and max(highs) < n
+             else None)
+    batches, offsets, start = [], [], 0
     for step, size in enumerate(cuts):
+        first = firsts[step]
+        offsets.append(start)
+        same = like is not None and step < len(like.batches) and len(like.batches[step]) == size
+        if first is not None:  # a run: first, first + 1, ...
+            before = (runs[1].get((first, size)) or runs[0].get((first, size))
+                      if runs is not None else None)
+            if same and like.firsts[step] == first:
+                batches.append(like.batches[step])
+            elif before is not None:
+                batches.append(before)
+            elif pools is not None:
+                batches.append(pools[1][first:first + size])
+            else:
+                batches.append(list(range(first, first + size)))
+            if runs is not None:
+                runs[1][first, size] = batches[-1]
+            continue
         chunk = flat[start:start + size]
-        if (other is not None and step < len(listed) and len(listed[step]) == size
-                and np.array_equal(chunk, other[start:start + size])):
-            batches.append(listed[step])
+        start += size
+        if same and like.firsts[step] is None and np.array_equal(
+                chunk, like.flat[like.offsets[step]:like.offsets[step] + size]):
+            batches.append(like.batches[step])
         elif pools is None:
             batches.append(chunk.tolist())
         elif size and int(chunk[-1]) - int(chunk[0]) == size - 1 and (
@@ -90,8 +130,15 @@ def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
             batches.append(pools[1][int(chunk[0]):int(chunk[0]) + size])
         else:
             batches.append(pools[0][chunk].tolist())
-        start += size
-    return batches
+    return Listed(flat, offsets, firsts, batches)
+
+
+# The id path's epoch end: a rank's payload (IdLog.heads) of up to ID_SLOT ints rides in the
+# exchange that settles the epoch (rank.walk.settle), and no gather follows; a larger one goes
+# in one ragged gather after it. 512 int64s (4 KB a rank) hold 170 batches that each hold
+# consecutive ids (a stream read in order, an unshuffled loader, a shard of one), or a few
+# hundred listed ids: what a walk of a shuffled loader's epoch of any real length is not.
+ID_SLOT = 512
 
 
 class IdLog:
@@ -100,13 +147,14 @@ class IdLog:
     listed from one shared set of int objects (id_objects). A batch is kept as the reader gave
     it (values and shift): the shift is taken off once, at the epoch's end."""
 
-    def __init__(self, n: Optional[int] = None) -> None:
+    def __init__(self, n: Optional[int] = None, runs: Optional[dict] = None) -> None:
+        self.runs = runs  # the previous epoch's run lists (list_ids' `runs`), replaced by finish
         self.batches: list[torch.Tensor] = []
         self.shifts: list[int] = []
         self.workers: list[int] = []
         self.samples = 0
         self.n = n if n is not None and 0 < n < COUNT_FROM else None
-        self.ids: Optional[torch.Tensor] = None
+        self.payload: Optional[torch.Tensor] = None
 
     @property
     def steps(self) -> int:
@@ -135,52 +183,92 @@ class IdLog:
 
     def heads(self, loader) -> list[int]:
         """What this rank tells the others first at the epoch's end (finish exchanges it, or
-        the caller does, with finish's `heads`): its batches, its ids, the largest |id|, and
-        accelerate's remainder for `loader`."""
+        the caller does, with finish's `heads`): its batches, the length of its payload, the
+        largest |id|, accelerate's remainder for `loader`, then ID_SLOT ints: the payload where
+        it fits, else zeros. The payload (kept for finish): each batch's size, negated for a
+        run (consecutive ascending ids, which travel as the first id alone), each batch's
+        worker, the first id of each run, then the ids of the other batches. Runs are looked
+        for only while the payload can still fit the slot: past that, every batch is listed
+        as it came, and a batch looked at costs a comparison of its ids, once."""
         local, shifts = self.batches, self.shifts
-        if not local:
+        cuts: list[int] = []
+        firsts: list[int] = []
+        listed: list[torch.Tensor] = []
+        listed_shifts: list[int] = []
+        room = ID_SLOT - 2 * len(local)  # the slot's room beyond the sizes and the workers
+        top = 0
+        for values, shift in zip(local, shifts):
+            size = values.numel()
+            if room >= 0 and size:
+                array = values.numpy()
+                first, last = int(array[0]), int(array[-1])
+                if last - first == size - 1 and (
+                        size < 3 or bool((array[1:] > array[:-1]).all())):
+                    cuts.append(-size)
+                    firsts.append(first - shift)
+                    top = max(top, abs(first - shift), abs(last - shift))
+                    room -= 1
+                    continue
+            cuts.append(size)
+            listed.append(values)
+            listed_shifts.append(shift)
+            room -= size
+        if not listed:
             ids = torch.empty(0, dtype=torch.int64)
-        elif len(set(shifts)) == 1:
-            ids = torch.cat(local)  # a new tensor: the shift comes off in place
-            if shifts[0]:
-                ids.sub_(shifts[0])
+        elif len(set(listed_shifts)) == 1:
+            ids = torch.cat(listed)  # a new tensor: the shift comes off in place
+            if listed_shifts[0]:
+                ids.sub_(listed_shifts[0])
         else:
-            ids = torch.cat([unshift(b, s) for b, s in zip(local, shifts)])
-        self.ids = ids
-        low, high = torch.aminmax(ids) if ids.numel() else (ids.new_zeros(()),) * 2
-        return [len(local), ids.numel(), max(-int(low), int(high)), remainder(loader)]
+            ids = torch.cat([unshift(b, s) for b, s in zip(listed, listed_shifts)])
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            top = max(top, -int(low), int(high))
+        top = max(top, max((abs(c) for c in cuts), default=0))  # (the sizes travel too)
+        head = torch.tensor(cuts + self.workers + firsts, dtype=torch.int64)
+        self.payload = torch.cat([head, ids]) if ids.numel() else head
+        length = self.payload.numel()
+        slot = self.payload.tolist() + [0] * (ID_SLOT - length) if length <= ID_SLOT else \
+            [0] * ID_SLOT
+        return [len(local), length, top, remainder(loader), *slot]
 
     def finish(self, accelerator, loader, epoch: int, everyone: bool = False,
                heads: Optional[list[list[int]]] = None) -> Optional[dict]:
         """A collective: the heads exchanged (every rank's `heads(loader)`; `heads`: already
-        exchanged by the caller, [rank][k]), then one ragged gather of one tensor per rank
-        (the batch sizes, the batches' workers, then the ids; int32 when every id fits) onto
-        the main process (an all-gather with `everyone`). The record on the main process, and
-        on every rank with `everyone`."""
+        exchanged by the caller, [rank][k]). Where every rank's payload fitted its slot that
+        was all; else one ragged gather of every rank's payload (int32 when every value fits)
+        onto the main process (an all-gather with `everyone`). The record on the main process,
+        and on every rank with `everyone`."""
         if heads is None:
             heads = exchange_ints(accelerator, self.heads(loader))
-        elif self.ids is None:
+        elif self.payload is None:
             raise ValueError("finish(heads=...) needs this rank's heads() taken first")
-        ids, local = self.ids, self.batches
-        dtype = narrowest_dtype(max(h[2] for h in heads))
-        packed = torch.empty(2 * len(local) + ids.numel(), dtype=dtype)
-        packed[:len(local)] = torch.tensor([b.numel() for b in local], dtype=dtype)
-        packed[len(local):2 * len(local)] = torch.tensor(self.workers, dtype=dtype)
-        packed[2 * len(local):] = ids
-        parts = gather_ragged(accelerator, packed, [2 * h[0] + h[1] for h in heads],
-                              main_only=not everyone)
-        if not accelerator.is_main_process and not everyone:
+        keeps = accelerator.is_main_process or everyone
+        if all(h[1] <= ID_SLOT for h in heads):
+            parts = ([np.array(h[4:4 + h[1]], dtype=np.int64) for h in heads] if keeps
+                     else [])
+        else:
+            dtype = narrowest_dtype(max(h[2] for h in heads))
+            got = gather_ragged(accelerator, self.payload.to(dtype), [h[1] for h in heads],
+                                main_only=not everyone)
+            parts = [part.numpy() for part in got]
+        if not keeps:
             return None
         ranks, workers = [], []
         like = None
-        for (n_batches, _, _, _), part in zip(heads, parts):
-            array = part.numpy()
-            cuts = array[:n_batches].tolist()
-            workers.append(array[n_batches:2 * n_batches].tolist())
-            flat = array[2 * n_batches:]
-            batches = list_ids(flat, cuts, self.n, like)
-            ranks.append(batches)
-            like = (flat, batches)
+        runs = (dict(self.runs), {}) if self.runs is not None else None
+        for (count, *_), array in zip(heads, parts):
+            cuts = array[:count].tolist()
+            workers.append(array[count:2 * count].tolist())
+            run_count = sum(1 for c in cuts if c < 0)
+            starts = iter(array[2 * count:2 * count + run_count].tolist())
+            firsts = [next(starts) if c < 0 else None for c in cuts]
+            like = list_ids(array[2 * count + run_count:], [abs(c) for c in cuts], self.n,
+                            like, firsts, runs)
+            ranks.append(like.batches)
+        if runs is not None and self.runs is not None:
+            self.runs.clear()  # kept for the next epoch: this epoch's runs only
+            self.runs.update(runs[1])
         remainders = [None if h[3] == -2 else h[3] for h in heads]
         return epoch_record(epoch, "epoch", ranks, workers, remainders)
 
@@ -212,6 +300,8 @@ class Recorder:
         n: the dataset's length (required for "count").
         loader: the loader walked (its workers, accelerate's remainder).
         background, keep_present, one_collective, batch: as above.
+        runs: where a Recorder is made each epoch, one dict given to each (the id path lists a
+            run of ids that the last epoch listed as the same list: see list_ids).
 
     Example (on every rank; the record arrives on the main process)::
 
@@ -225,7 +315,7 @@ class Recorder:
     def __init__(self, accelerator, read_ids: Optional[ReadIds] = None, *, how: str = "epoch",
                  n: Optional[int] = None, loader: Any = None, background: bool = True,
                  keep_present: bool = False, one_collective: bool = False,
-                 batch: Optional[int] = None) -> None:
+                 batch: Optional[int] = None, runs: Optional[dict] = None) -> None:
         if how not in ("epoch", "count"):
             raise ValueError(f"how must be 'epoch' or 'count', got {how!r}")
         if how == "count" and n is None:
@@ -242,6 +332,9 @@ class Recorder:
         workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
                    if loader is not None else 0)
         self.keep = max(KEEP_BATCHES, workers)
+        # the id path's run lists of the last epoch (IdLog, list_ids); `runs`: a dict kept by
+        # the caller, where it makes a Recorder an epoch (rank.walk.EpochWalker)
+        self.runs: dict = runs if runs is not None else {}
         self.slots = None
         if one_collective:
             self.slots = (accelerator.num_processes,
@@ -250,7 +343,7 @@ class Recorder:
 
     def _new_log(self):
         if self.how != "count":
-            return IdLog(self.n)
+            return IdLog(self.n, self.runs)
         if int(self.n) >= BITS_FROM and self.slots is None and not self.keep_present:
             return BitCounts(int(self.n), self.keep, self.background)  # 2 bits a sample
         log = Counts(int(self.n), self.keep, self.background, slots=self.slots)

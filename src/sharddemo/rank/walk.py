@@ -80,11 +80,14 @@ def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -
 
 def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
                strategy: str = "auto", progress: Optional[Progress] = None,
-               max_steps: Optional[int] = None, n: Optional[int] = None) -> Optional[dict]:
+               max_steps: Optional[int] = None, n: Optional[int] = None,
+               runs: Optional[dict] = None) -> Optional[dict]:
     """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
     `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
     (the loader is left where it stopped). `n`: the dataset's length where known (ids are
-    0..n-1), which the count path needs. Returns the epoch record (sharddemo.record) on the
+    0..n-1), which the count path needs. `runs`: one dict for every epoch of a loader (the id
+    path's record holds a run of ids that the last epoch held as the same list:
+    rank.recorder.list_ids). Returns the epoch record (sharddemo.record) on the
     main process; None elsewhere.
 
     A loader that raises inside a library (Guarded) ends its rank's epoch there; once every
@@ -99,7 +102,7 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
         record = _walk_per_batch(accelerator, guarded, read_ids, epoch, progress, max_steps)
         settle(accelerator, guarded, epoch)
     else:
-        recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader)
+        recorder = Recorder(accelerator, read_ids, how=how, n=n, loader=loader, runs=runs)
         total = safe_len(loader) if progress is not None else None
         batches: Any = guarded
         if max_steps is not None:
@@ -160,6 +163,7 @@ class EpochWalker:
                                                       f"{describe_exception(exc)}")
         self.how = choose_gather(accelerator, loader, strategy, n)
         self.records: list[dict] = []
+        self.runs: dict = {}  # walk_epoch's `runs`
 
     def walk(self, epoch: int, source: Any = None,
              max_steps: Optional[int] = None) -> Optional[dict]:
@@ -171,7 +175,7 @@ class EpochWalker:
         try:
             record = walk_epoch(self.accelerator, self.loader if source is None else source,
                                 self.read_ids, epoch=epoch, strategy=self.how, n=self.n,
-                                progress=progress, max_steps=max_steps)
+                                progress=progress, max_steps=max_steps, runs=self.runs)
         except (UsageError, RunFailed, LoaderRaised):
             raise
         except Exception as exc:
