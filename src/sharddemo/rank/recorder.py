@@ -144,35 +144,56 @@ ID_SLOT = 512
 class IdLog:
     """Every id of one epoch on this rank, batch by batch, and the worker of each batch.
     `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then
-    listed from one shared set of int objects (id_objects). A batch is kept as the reader gave
-    it (values and shift): the shift is taken off once, at the epoch's end."""
+    listed from one shared set of int objects (id_objects). A batch of consecutive ascending
+    ids (a run: a stream read in order, an unshuffled loader, a shard of one) is kept as its
+    first id and size, and not held; any other batch is kept as the reader gave it (values and
+    shift: the shift is taken off once, at the epoch's end). Runs are looked for while this
+    rank's payload may still fit its slot (ID_SLOT): a batch looked at costs a comparison of
+    its ids, once, as it comes; past that, every batch is kept as it came."""
 
     def __init__(self, n: Optional[int] = None, runs: Optional[dict] = None) -> None:
         self.runs = runs  # the previous epoch's run lists (list_ids' `runs`), replaced by finish
-        self.batches: list[torch.Tensor] = []
-        self.shifts: list[int] = []
+        self.cuts: list[int] = []  # each batch's size, negated for a run
+        self.firsts: list[int] = []  # each run's first id (shift taken off)
+        self.batches: list[torch.Tensor] = []  # the other batches, as given
+        self.shifts: list[int] = []  # (their shifts)
         self.workers: list[int] = []
         self.samples = 0
+        self.room = ID_SLOT  # what the payload may still take and fit its slot
+        self.top = 0  # the largest |value| the payload holds
         self.n = n if n is not None and 0 < n < COUNT_FROM else None
         self.payload: Optional[torch.Tensor] = None
 
     @property
     def steps(self) -> int:
-        return len(self.batches)
+        return len(self.cuts)
 
     def add(self, values: torch.Tensor, worker: int, shift: int) -> None:
         if values.dim() != 1:
             values = values.reshape(-1)
         if values.dtype is not torch.int64 or not values.is_cpu:
             values = values.to("cpu", torch.int64)
-        if values.untyped_storage().nbytes() != 8 * values.numel():
+        size = values.numel()
+        self.workers.append(worker)
+        self.samples += size
+        self.top = max(self.top, size)  # (the sizes travel too)
+        if self.room >= 3 and size:
+            array = values.numpy()
+            first, last = int(array[0]), int(array[-1])
+            if last - first == size - 1 and (size < 3 or bool((array[1:] > array[:-1]).all())):
+                self.cuts.append(-size)
+                self.firsts.append(first - shift)
+                self.top = max(self.top, abs(first - shift), abs(last - shift))
+                self.room -= 3  # its size, its worker, its first id
+                return
+        if values.untyped_storage().nbytes() != 8 * size:
             # a view into a larger batch (accelerate's dispatcher hands each rank a slice of
             # the global batch): kept as it is, it would keep the whole batch alive
             values = values.clone()
+        self.cuts.append(size)
         self.batches.append(values)
         self.shifts.append(shift)
-        self.workers.append(worker)
-        self.samples += values.numel()
+        self.room -= 2 + size
 
     def delivers_everywhere(self, world: int) -> bool:
         return True  # with everyone, the gather is an all-gather: every rank holds every rank's ids
@@ -184,53 +205,29 @@ class IdLog:
     def heads(self, loader) -> list[int]:
         """What this rank tells the others first at the epoch's end (finish exchanges it, or
         the caller does, with finish's `heads`): its batches, the length of its payload, the
-        largest |id|, accelerate's remainder for `loader`, then ID_SLOT ints: the payload where
-        it fits, else zeros. The payload (kept for finish): each batch's size, negated for a
-        run (consecutive ascending ids, which travel as the first id alone), each batch's
-        worker, the first id of each run, then the ids of the other batches. Runs are looked
-        for only while the payload can still fit the slot: past that, every batch is listed
-        as it came, and a batch looked at costs a comparison of its ids, once."""
-        local, shifts = self.batches, self.shifts
-        cuts: list[int] = []
-        firsts: list[int] = []
-        listed: list[torch.Tensor] = []
-        listed_shifts: list[int] = []
-        room = ID_SLOT - 2 * len(local)  # the slot's room beyond the sizes and the workers
-        top = 0
-        for values, shift in zip(local, shifts):
-            size = values.numel()
-            if room >= 0 and size:
-                array = values.numpy()
-                first, last = int(array[0]), int(array[-1])
-                if last - first == size - 1 and (
-                        size < 3 or bool((array[1:] > array[:-1]).all())):
-                    cuts.append(-size)
-                    firsts.append(first - shift)
-                    top = max(top, abs(first - shift), abs(last - shift))
-                    room -= 1
-                    continue
-            cuts.append(size)
-            listed.append(values)
-            listed_shifts.append(shift)
-            room -= size
+        largest |value| in it, accelerate's remainder for `loader`, then ID_SLOT ints: the
+        payload where it fits, else zeros. The payload (kept for finish): each batch's size,
+        negated for a run, each batch's worker, each run's first id, then the ids of the
+        other batches."""
+        listed, shifts = self.batches, self.shifts
         if not listed:
             ids = torch.empty(0, dtype=torch.int64)
-        elif len(set(listed_shifts)) == 1:
+        elif len(set(shifts)) == 1:
             ids = torch.cat(listed)  # a new tensor: the shift comes off in place
-            if listed_shifts[0]:
-                ids.sub_(listed_shifts[0])
+            if shifts[0]:
+                ids.sub_(shifts[0])
         else:
-            ids = torch.cat([unshift(b, s) for b, s in zip(listed, listed_shifts)])
+            ids = torch.cat([unshift(b, s) for b, s in zip(listed, shifts)])
+        top = self.top
         if ids.numel():
             low, high = torch.aminmax(ids)
             top = max(top, -int(low), int(high))
-        top = max(top, max((abs(c) for c in cuts), default=0))  # (the sizes travel too)
-        head = torch.tensor(cuts + self.workers + firsts, dtype=torch.int64)
+        head = torch.tensor(self.cuts + self.workers + self.firsts, dtype=torch.int64)
         self.payload = torch.cat([head, ids]) if ids.numel() else head
         length = self.payload.numel()
         slot = self.payload.tolist() + [0] * (ID_SLOT - length) if length <= ID_SLOT else \
             [0] * ID_SLOT
-        return [len(local), length, top, remainder(loader), *slot]
+        return [len(self.cuts), length, top, remainder(loader), *slot]
 
     def finish(self, accelerator, loader, epoch: int, everyone: bool = False,
                heads: Optional[list[list[int]]] = None) -> Optional[dict]:
