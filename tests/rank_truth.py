@@ -94,7 +94,7 @@ def mixed_shift_walk(accelerator, strategy: str = "count") -> Optional[dict]:
 # first id, and a rank's payload rides in the settling exchange where it fits its slot, else
 # every rank's goes in one ragged gather. Each scenario is a list of batches per rank; the
 # record must hold exactly these batches (tests/test_truth_ranks.py).
-PAYLOADS = ("fits", "over", "mixed", "mixed-rev", "big", "empty", "uneven")
+PAYLOADS = ("fits", "over", "mixed", "mixed-rev", "big", "empty", "uneven", "wrapped")
 
 
 def payload_batches(scenario: str, rank: int) -> list:
@@ -108,7 +108,10 @@ def payload_batches(scenario: str, rank: int) -> list:
     return {"fits": runs, "over": listed,
             "mixed": runs if rank == 0 else listed, "mixed-rev": listed if rank == 0 else runs,
             "big": big if rank == 1 else runs, "empty": [] if rank == 1 else runs,
-            "uneven": runs[:rank + 1] + [[5, 3, 1], [], [7], [8, 9]] + listed[:rank]}[scenario]
+            "uneven": runs[:rank + 1] + [[5, 3, 1], [], [7], [8, 9]] + listed[:rank],
+            # a shard's last batch padded from the start: two runs
+            "wrapped": runs[:5] + [list(range(rank * 1000 + 950, rank * 1000 + 1000))
+                                   + list(range(50))]}[scenario]
 
 
 def payload_walks(accelerator) -> dict:

@@ -249,12 +249,13 @@ def test_the_id_path_lists_runs_other_batches_and_another_ranks_equal_batches_al
 
     from sharddemo.rank.recorder import list_ids
 
-    def listed(batches, n=10, like=None, runs=()):
-        # the batches at the steps `runs` travel as runs: their first id, not in flat
+    def listed(batches, n=10, like=None, runs=None):
+        # runs: step -> the batch's runs ((first, length), ...), which travel instead of its ids
+        runs = runs or {}
         flat = np.array([i for k, b in enumerate(batches) if k not in runs for i in b],
                         dtype=np.int32)
-        firsts = [b[0] if k in runs else None for k, b in enumerate(batches)]
-        got = list_ids(flat, [len(b) for b in batches], n, like, firsts)
+        got = list_ids(flat, [len(b) for b in batches], n, like,
+                       [runs.get(k) for k in range(len(batches))])
         assert got.batches == batches and all(type(i) is int for b in got.batches for i in b)
         return got
 
@@ -266,16 +267,16 @@ def test_the_id_path_lists_runs_other_batches_and_another_ranks_equal_batches_al
     listed([[3, 4, 5], [10, 2]], like=got)  # 10 is outside 0..9
     listed([[5, 4, 3], [2, 2]])
     listed([[1, 2, 3]], n=None)  # no length known: the plain way
-    # runs: [3, 4, 5] and [0, 1, 2, 3] travel as 3 and 0
-    ran = listed(first, runs=(0, 4))
-    third = [[3, 4, 5], [9, 1], [], [7], [0, 1, 2, 3]]
-    same = listed(third, like=ran, runs=(0, 4))  # every step equal to that rank's
-    assert all(a is b for a, b in zip(same.batches, ran.batches))
-    # a run and a listed batch of the same ids: the same lists either way, not shared
-    mixed = listed(third, like=ran, runs=(4,))
+    # runs: [3, 4, 5] and [0, 1, 2, 3] travel as one run each, [8, 9, 0, 1] as two
+    ran = listed(first + [[8, 9, 0, 1]], runs={0: ((3, 3),), 4: ((0, 4),), 5: ((8, 2), (0, 2))})
+    same = listed(first + [[8, 9, 0, 1]], like=ran,
+                  runs={0: ((3, 3),), 4: ((0, 4),), 5: ((8, 2), (0, 2))})
+    assert all(a is b for a, b in zip(same.batches, ran.batches))  # every step equal
+    # a batch of runs and a listed batch of the same ids: the same lists either way, not shared
+    mixed = listed(first, like=ran, runs={4: ((0, 4),)})
     assert mixed.batches[0] == [3, 4, 5] and mixed.batches[4] is ran.batches[4]
-    listed([[8, 9, 10], [2]], runs=(0,))  # a run reaching outside 0..9: the plain way
-    listed([[7, 8, 9]], n=None, runs=(0,))
+    listed([[8, 9, 10], [2]], runs={0: ((8, 3),)})  # a run reaching outside 0..9: the plain way
+    listed([[7, 8, 9, 1, 2]], n=None, runs={0: ((7, 3), (1, 2))})
 
 
 def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):

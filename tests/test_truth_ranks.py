@@ -110,7 +110,7 @@ def test_the_id_path_gives_back_every_payload_whole(truth):
     in one ragged gather of every rank's: every rank's runs (fits), every rank's ids shuffled
     (over), one rank each way (mixed, mixed-rev), ids past int32 on rank 1 (big), a rank with
     no batch (empty), and runs, short and empty batches and listed ones in one epoch on ranks
-    of different lengths (uneven); each twice, the second epoch with the first's runs at hand.
+    of different lengths (uneven), and a last batch of two runs (wrapped); each twice, the second epoch with the first's runs at hand.
     The record holds, rank by rank, exactly the batches that rank's loop was given."""
     from rank_truth import PAYLOADS, payload_batches
 

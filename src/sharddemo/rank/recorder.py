@@ -65,35 +65,40 @@ def id_objects(n: int) -> tuple[np.ndarray, list[int]]:
     return pool, pool.tolist()
 
 
+Runs = tuple  # a batch as runs of consecutive ascending ids: ((first id, length), ...)
+
+
 class Listed(NamedTuple):
     """One rank's batches as listed on the main process (list_ids), with what the next
     rank's listing compares its batches with (`like`)."""
     flat: np.ndarray  # the ids of the batches that travelled listed, in order
-    offsets: list  # batch k's first position in `flat` (a run's: where it would be)
-    firsts: list  # batch k's first id where it travelled as a run, else None
+    offsets: list  # batch k's first position in `flat` (a batch of runs: where it would be)
+    runs: list  # batch k's Runs where it travelled as runs, else None
     batches: list  # batch k as a list of Python ints
 
 
 def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
-             like: Optional[Listed] = None,
-             firsts: Optional[list[Optional[int]]] = None,
-             runs: Optional[tuple[dict, dict]] = None) -> Listed:
-    """One rank's batches as lists of Python ints: `cuts` its batch sizes, `firsts[k]` the
-    first id of batch k where it travelled as a run (its ids are firsts[k], firsts[k] + 1,
-    ...; not in `flat`), else None, and `flat` the ids of the other batches, in order (no
-    `firsts`: every batch is in `flat`). Where every id is in 0..n-1 (`n` given), the ints
-    come from id_objects: a batch of consecutive ascending ids (a run, a stream, an unshuffled
-    loader) is a slice of its list, any other batch is picked from its array. `like`: the
-    previous rank's Listed; a batch equal to that rank's batch at the same step (replicated
-    ranks) is that rank's list itself, so the record holds it once (the record is read, never
-    changed in place). `runs`: (the lists of the runs listed before, by (first id, size); the
-    lists of this listing's runs, filled here): a run listed before is that list again (an
-    unshuffled loader, a stream read in order: every epoch's record holds the same lists), and
-    so is one listed before in this listing.
-    The same ints in the same order either way."""
-    firsts = firsts if firsts is not None else [None] * len(cuts)
-    lows = [f for f in firsts if f is not None]
-    highs = [f + size - 1 for f, size in zip(firsts, cuts) if f is not None]
+             like: Optional[Listed] = None, runs: Optional[list[Optional[Runs]]] = None,
+             known: Optional[tuple[dict, dict]] = None) -> Listed:
+    """One rank's batches as lists of Python ints: `cuts` its batch sizes, `runs[k]` batch
+    k's runs where it travelled as runs of consecutive ascending ids ((first, length), ...;
+    not in `flat`), else None, and `flat` the ids of the other batches, in order (no `runs`:
+    every batch is in `flat`). Where every id is in 0..n-1 (`n` given), the ints come from
+    id_objects: a run is a slice of its list, and so is a listed batch of consecutive
+    ascending ids (a stream, an unshuffled loader); any other batch is picked from its array.
+    `like`: the previous rank's Listed; a batch equal to that rank's batch at the same step
+    (replicated ranks) is that rank's list itself, so the record holds it once (the record is
+    read, never changed in place). `known`: (the lists of the batches of runs listed before,
+    by their Runs; those of this listing, filled here): a batch of runs listed before, in the
+    last listing or in this one, is that list again (an unshuffled loader, a stream read in
+    order: every epoch's record holds the same lists). The same ints in the same order either
+    way."""
+    runs = runs if runs is not None else [None] * len(cuts)
+    lows, highs = [], []
+    for batch in runs:
+        for first, length in batch or ():
+            lows.append(first)
+            highs.append(first + length - 1)
     if flat.size:
         lows.append(int(flat.min()))
         highs.append(int(flat.max()))
@@ -101,26 +106,31 @@ def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
              else None)
     batches, offsets, start = [], [], 0
     for step, size in enumerate(cuts):
-        first = firsts[step]
+        mine = runs[step]
         offsets.append(start)
         same = like is not None and step < len(like.batches) and len(like.batches[step]) == size
-        if first is not None:  # a run: first, first + 1, ...
-            before = (runs[1].get((first, size)) or runs[0].get((first, size))
-                      if runs is not None else None)
-            if same and like.firsts[step] == first:
+        if mine is not None:
+            before = (known[1].get(mine) or known[0].get(mine)) if known is not None else None
+            if same and like.runs[step] == mine:
                 batches.append(like.batches[step])
             elif before is not None:
                 batches.append(before)
-            elif pools is not None:
-                batches.append(pools[1][first:first + size])
+            elif len(mine) == 1:
+                first = mine[0][0]
+                batches.append(pools[1][first:first + size] if pools is not None
+                               else list(range(first, first + size)))
             else:
-                batches.append(list(range(first, first + size)))
-            if runs is not None:
-                runs[1][first, size] = batches[-1]
+                batch: list = []
+                for first, length in mine:
+                    batch += (pools[1][first:first + length] if pools is not None
+                              else range(first, first + length))
+                batches.append(batch)
+            if known is not None:
+                known[1][mine] = batches[-1]
             continue
         chunk = flat[start:start + size]
         start += size
-        if same and like.firsts[step] is None and np.array_equal(
+        if same and like.runs[step] is None and np.array_equal(
                 chunk, like.flat[like.offsets[step]:like.offsets[step] + size]):
             batches.append(like.batches[step])
         elif pools is None:
@@ -130,12 +140,12 @@ def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
             batches.append(pools[1][int(chunk[0]):int(chunk[0]) + size])
         else:
             batches.append(pools[0][chunk].tolist())
-    return Listed(flat, offsets, firsts, batches)
+    return Listed(flat, offsets, runs, batches)
 
 
 # The id path's epoch end: a rank's payload (IdLog.heads) of up to ID_SLOT ints rides in the
 # exchange that settles the epoch (rank.walk.settle), and no gather follows; a larger one goes
-# in one ragged gather after it. 512 int64s (4 KB a rank) hold 170 batches that each hold
+# in one ragged gather after it. 512 int64s (4 KB a rank) hold 128 batches that each hold
 # consecutive ids (a stream read in order, an unshuffled loader, a shard of one), or a few
 # hundred listed ids: what a walk of a shuffled loader's epoch of any real length is not.
 ID_SLOT = 512
@@ -144,22 +154,23 @@ ID_SLOT = 512
 class IdLog:
     """Every id of one epoch on this rank, batch by batch, and the worker of each batch.
     `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then
-    listed from one shared set of int objects (id_objects). A batch of consecutive ascending
-    ids (a run: a stream read in order, an unshuffled loader, a shard of one) is kept as its
-    first id and size, and not held; any other batch is kept as the reader gave it (values and
-    shift: the shift is taken off once, at the epoch's end). Runs are looked for while this
-    rank's payload may still fit its slot (ID_SLOT): a batch looked at costs a comparison of
-    its ids, once, as it comes; past that, every batch is kept as it came."""
+    listed from one shared set of int objects (id_objects). A batch that is a few runs of
+    consecutive ascending ids (one run: a stream read in order, an unshuffled loader, a shard
+    of one; two: a shard's last batch padded from the start) is kept as its runs, and not
+    held; any other batch is kept as the reader gave it (values and shift: the shift is taken
+    off once, at the epoch's end). Runs are looked for while this rank's payload may still fit
+    its slot (ID_SLOT): a batch looked at costs a comparison of its ids, once, as it comes;
+    past that, every batch is kept as it came."""
 
     def __init__(self, n: Optional[int] = None, runs: Optional[dict] = None) -> None:
-        self.runs = runs  # the previous epoch's run lists (list_ids' `runs`), replaced by finish
-        self.cuts: list[int] = []  # each batch's size, negated for a run
-        self.firsts: list[int] = []  # each run's first id (shift taken off)
+        self.runs = runs  # the last epoch's lists of batches of runs (list_ids' `known`)
+        self.cuts: list[int] = []  # each batch's size, negated for a batch of runs
+        self.segments: list[int] = []  # each batch of runs: c, first, length, ..., first
         self.batches: list[torch.Tensor] = []  # the other batches, as given
         self.shifts: list[int] = []  # (their shifts)
         self.workers: list[int] = []
         self.samples = 0
-        self.room = ID_SLOT  # what the payload may still take and fit its slot
+        self.room = ID_SLOT - 1  # what the payload may still take and fit its slot
         self.top = 0  # the largest |value| the payload holds
         self.n = n if n is not None and 0 < n < COUNT_FROM else None
         self.payload: Optional[torch.Tensor] = None
@@ -177,15 +188,8 @@ class IdLog:
         self.workers.append(worker)
         self.samples += size
         self.top = max(self.top, size)  # (the sizes travel too)
-        if self.room >= 3 and size:
-            array = values.numpy()
-            first, last = int(array[0]), int(array[-1])
-            if last - first == size - 1 and (size < 3 or bool((array[1:] > array[:-1]).all())):
-                self.cuts.append(-size)
-                self.firsts.append(first - shift)
-                self.top = max(self.top, abs(first - shift), abs(last - shift))
-                self.room -= 3  # its size, its worker, its first id
-                return
+        if self.room >= 4 and size and self._as_runs(values.numpy(), size, shift):
+            return
         if values.untyped_storage().nbytes() != 8 * size:
             # a view into a larger batch (accelerate's dispatcher hands each rank a slice of
             # the global batch): kept as it is, it would keep the whole batch alive
@@ -194,6 +198,34 @@ class IdLog:
         self.batches.append(values)
         self.shifts.append(shift)
         self.room -= 2 + size
+
+    def _as_runs(self, array: np.ndarray, size: int, shift: int) -> bool:
+        """Keep the batch as its runs where it is a few (fewer ints than its ids, and room
+        for them): [c, first, length, ..., first], the last run's length implied."""
+        first, last = int(array[0]) - shift, int(array[-1]) - shift
+        if last - first == size - 1 and (size < 3 or bool((array[1:] > array[:-1]).all())):
+            code = [1, first]
+            top = max(abs(first), abs(last))
+        elif size > 4:
+            breaks = np.flatnonzero(array[1:] - array[:-1] != 1)
+            count = breaks.size + 1
+            if 2 * count >= size or 2 + 2 * count > self.room:
+                return False
+            starts = [0, *(breaks + 1).tolist()]
+            lengths = [b - a for a, b in zip(starts, starts[1:] + [size])]
+            firsts = (array[starts] - shift).tolist()
+            code = [count]
+            for f, length in zip(firsts, lengths):
+                code += (f, length)
+            code.pop()  # the last length: the size tells it
+            top = max(max(abs(f), abs(f + k - 1)) for f, k in zip(firsts, lengths))
+        else:
+            return False
+        self.cuts.append(-size)
+        self.segments += code
+        self.top = max(self.top, top)
+        self.room -= 2 + len(code)
+        return True
 
     def delivers_everywhere(self, world: int) -> bool:
         return True  # with everyone, the gather is an all-gather: every rank holds every rank's ids
@@ -207,8 +239,9 @@ class IdLog:
         the caller does, with finish's `heads`): its batches, the length of its payload, the
         largest |value| in it, accelerate's remainder for `loader`, then ID_SLOT ints: the
         payload where it fits, else zeros. The payload (kept for finish): each batch's size,
-        negated for a run, each batch's worker, each run's first id, then the ids of the
-        other batches."""
+        negated for a batch of runs, each batch's worker, the length of what follows and the
+        runs of each batch of runs (c, first, length, ..., first: the last length is the
+        size's rest), then the ids of the other batches."""
         listed, shifts = self.batches, self.shifts
         if not listed:
             ids = torch.empty(0, dtype=torch.int64)
@@ -222,7 +255,8 @@ class IdLog:
         if ids.numel():
             low, high = torch.aminmax(ids)
             top = max(top, -int(low), int(high))
-        head = torch.tensor(self.cuts + self.workers + self.firsts, dtype=torch.int64)
+        head = torch.tensor(self.cuts + self.workers + [len(self.segments)] + self.segments,
+                            dtype=torch.int64)
         self.payload = torch.cat([head, ids]) if ids.numel() else head
         length = self.payload.numel()
         slot = self.payload.tolist() + [0] * (ID_SLOT - length) if length <= ID_SLOT else \
@@ -253,19 +287,31 @@ class IdLog:
             return None
         ranks, workers = [], []
         like = None
-        runs = (dict(self.runs), {}) if self.runs is not None else None
+        known = (dict(self.runs), {}) if self.runs is not None else None
         for (count, *_), array in zip(heads, parts):
             cuts = array[:count].tolist()
             workers.append(array[count:2 * count].tolist())
-            run_count = sum(1 for c in cuts if c < 0)
-            starts = iter(array[2 * count:2 * count + run_count].tolist())
-            firsts = [next(starts) if c < 0 else None for c in cuts]
-            like = list_ids(array[2 * count + run_count:], [abs(c) for c in cuts], self.n,
-                            like, firsts, runs)
+            coded = int(array[2 * count])
+            code = array[2 * count + 1:2 * count + 1 + coded].tolist()
+            at, runs = 0, []
+            for c in cuts:
+                if c >= 0:
+                    runs.append(None)
+                    continue
+                k, left, mine = code[at], -c, []
+                for j in range(k):
+                    first = code[at + 1 + 2 * j]
+                    length = code[at + 2 + 2 * j] if j < k - 1 else left
+                    mine.append((first, length))
+                    left -= length
+                runs.append(tuple(mine))
+                at += 2 * k
+            like = list_ids(array[2 * count + 1 + coded:], [abs(c) for c in cuts], self.n,
+                            like, runs, known)
             ranks.append(like.batches)
-        if runs is not None and self.runs is not None:
-            self.runs.clear()  # kept for the next epoch: this epoch's runs only
-            self.runs.update(runs[1])
+        if known is not None and self.runs is not None:
+            self.runs.clear()  # kept for the next epoch: this epoch's batches of runs only
+            self.runs.update(known[1])
         remainders = [None if h[3] == -2 else h[3] for h in heads]
         return epoch_record(epoch, "epoch", ranks, workers, remainders)
 
