@@ -9,9 +9,10 @@ One `accelerate launch` on W CPU ranks. Every rank builds the mode's loader as `
 ABBA, each walk after a full garbage collection and a barrier; the first pair is a warm-up.
 Each rank prints one JSON line of medians (ms, its own process's CPU time, gloo's threads
 included, and wall time): the bare and traced walks, and inside the traced one the loop up to
-the epoch's end (`loop`), the id path's heads (`heads`: the ids joined, their largest value),
-the exchange that settles the epoch and carries the heads (`settle`), and the ragged gather
-with the listing on the main rank (`finish`, of it `finish.ragged`); `faults_cpu` is the
+the epoch's end (`loop`), the id path's heads (`heads`: the payload built, its runs and the
+other batches' ids joined), the exchange that settles the epoch and carries the heads, and the
+payload where it fits (`settle`), and the listing on the main rank with the ragged gather
+where a payload did not fit (`finish`, of it `finish.ragged`); `faults_cpu` is the
 minor page faults of one traced walk (a count, not ms). With N = 4096 (one batch a rank)
 the traced walk's excess is the epoch's fixed cost.
 """
