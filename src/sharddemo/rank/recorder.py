@@ -343,8 +343,10 @@ class Recorder:
         n: the dataset's length (required for "count").
         loader: the loader walked (its workers, accelerate's remainder).
         background, keep_present, one_collective, batch: as above.
-        runs: where a Recorder is made each epoch, one dict given to each (the id path lists a
-            run of ids that the last epoch listed as the same list: see list_ids).
+        runs: a dict that keeps the id path's lists of the last epoch's batches of runs, for
+            a caller that keeps every record (a run met again is then the same list: see
+            list_ids); one dict for every epoch, where a Recorder is made each epoch. None:
+            nothing kept.
 
     Example (on every rank; the record arrives on the main process)::
 
@@ -375,9 +377,10 @@ class Recorder:
         workers = (int(getattr(base_loader(loader), "num_workers", 0) or 0)
                    if loader is not None else 0)
         self.keep = max(KEEP_BATCHES, workers)
-        # the id path's run lists of the last epoch (IdLog, list_ids); `runs`: a dict kept by
-        # the caller, where it makes a Recorder an epoch (rank.walk.EpochWalker)
-        self.runs: dict = runs if runs is not None else {}
+        # the id path's lists of the last epoch's batches of runs (IdLog, list_ids), where the
+        # caller keeps every epoch's record anyway (rank.walk.EpochWalker): kept by a caller
+        # that drops each record (the watch), they would hold an epoch's ids the longer
+        self.runs: Optional[dict] = runs
         self.slots = None
         if one_collective:
             self.slots = (accelerator.num_processes,
