@@ -133,6 +133,33 @@ def unsplit_stream_with_workers(accelerator):
     return DataLoader(Unsplit(), batch_size=3, num_workers=2)
 
 
+class Ordered(IterableDataset):
+    """{"id": i} for 1,003 ids, in order or in one fixed shuffled order (the same each epoch)."""
+
+    def __init__(self, shuffled: bool = False) -> None:
+        self.order = list(range(1003))
+        if shuffled:
+            import random
+
+            random.Random(0).shuffle(self.order)
+
+    def __iter__(self):
+        return ({"id": i} for i in self.order)
+
+
+def stream_in_order_dispatched(accelerator):
+    return accelerator.prepare(DataLoader(Ordered(), batch_size=8))
+
+
+def stream_in_order_sharded(accelerator):
+    accelerator.dataloader_config.dispatch_batches = False
+    return accelerator.prepare(DataLoader(Ordered(), batch_size=8))
+
+
+def stream_shuffled_alike_each_epoch(accelerator):
+    return accelerator.prepare(DataLoader(Ordered(shuffled=True), batch_size=8))
+
+
 def id_tensor_batches(accelerator):
     """Each batch is itself the tensor of ids."""
     return DataLoader(Unsplit(), batch_size=3)

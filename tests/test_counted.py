@@ -387,3 +387,38 @@ def test_a_stream_past_two_to_the_26_is_counted_at_two_bits_on_real_ranks(tmp_pa
     assert (e["seen"], e["unique"], e["missing_count"], e["duplicate_count"]) == (n, n, 0, 0)
     assert [r["steps"] for r in e["ranks"]] == [8194, 8194]
     assert e["ranks"][0]["first_batches"][0] == list(range(4096))  # block 0, rank 0
+
+
+@pytest.mark.parametrize("where", ["host", "device", "bits"])
+@pytest.mark.parametrize("flush", [2, 8, 1 << 18])
+@pytest.mark.parametrize("batches,in_order", [
+    ([[0, 1, 2], [3, 4, 5], [6, 0, 1]], True),  # one fall, inside the last batch (a fill)
+    ([[0, 1, 2], [3, 4, 5], [0, 1, 2]], True),  # one fall, onto the last batch's start
+    ([[0, 1, 2], [4, 3, 5], [6, 7, 8]], False),  # one fall, before the last batch
+    ([[0, 1, 2], [3, 4, 5], [6, 0, 1, 0]], False),  # two falls
+    ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], True),  # none
+])
+def test_the_count_path_tells_an_order_with_a_fill_from_a_shuffle(monkeypatch, where, flush,
+                                                                   batches, in_order):
+    """`ascending` on the count path (host, device and 2-bit counters, the ids counted in
+    flushes of any size): the ids never decrease but for one fall back inside the rank's last
+    batch (worked out by hand for each case), as the id path reads them
+    (analysis.views.in_order)."""
+    from accelerate import Accelerator
+
+    import torch
+
+    from sharddemo.analysis.views import in_order as id_path_in_order
+    from sharddemo.rank import counting
+    from sharddemo.rank.recorder import Recorder
+
+    monkeypatch.setattr(counting, "FLUSH_IDS", flush)
+    recorder = Recorder(Accelerator(cpu=True), lambda batch, tag: batch, how="count", n=9)
+    if where == "device":
+        recorder.log.state = counting._DeviceRunning(torch.device("cpu"), 9)
+    elif where == "bits":
+        recorder.log = counting.BitCounts(9, 3, False)
+    for batch in batches:
+        recorder.add(torch.tensor(batch))
+    assert recorder.finish(0)["ranks"][0]["ascending"] is in_order
+    assert id_path_in_order(batches) is in_order

@@ -190,3 +190,21 @@ def test_audit_of_an_unsplit_stream_does_not_claim_the_ranks_split_it():
     failed = {v["verdict"] for v in mode["verdicts"] if not v["ok"]}
     assert {"no-unexplained-duplicates", "no-silent-replication"} <= failed
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("factory,args,ok", [
+    ("stream_in_order_dispatched", (), True),
+    ("stream_in_order_sharded", ("--gather", "count", "--dataset-size", "1003"), True),
+    ("stream_shuffled_alike_each_epoch", (), False),
+])
+def test_a_stream_in_order_with_accelerates_fill_is_not_taken_for_a_shuffle(factory, args, ok):
+    """1,003 ids in order, batches of 8 on 2 ranks, prepared by accelerate: the last global
+    batch (11 ids of 16) is filled from the stream's start, so a rank's ids fall back once,
+    inside its last batch. Read in order the same each epoch is by design (the id path, and
+    the count path with IterableDatasetShard); one fixed shuffled order each epoch is the
+    forgotten set_epoch."""
+    proc, report = audit_json(f"{FACTORIES}:{factory}", "--id-field", "id", *args)
+    order = [v["ok"] for v in report["modes"]["audit"]["verdicts"]
+             if v["verdict"] == "order-changes-each-epoch"]
+    assert order == [ok]
+    assert proc.returncode == (0 if ok else 1)

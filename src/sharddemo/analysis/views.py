@@ -268,8 +268,19 @@ class IdsEpoch(EpochView):
     def rank_entries(self) -> list[dict]:
         return [{"rank": r["rank"], "batches": r["batches"], "steps": len(r["batches"]),
                  "samples": len(ids), **({"workers": r["workers"]} if r.get("workers") else {}),
-                 "ascending": ids == sorted(ids)}
+                 "ascending": in_order(r["batches"])}
                 for r, ids in zip(self.record["ranks"], self.flat)]
+
+
+def in_order(batches: list) -> bool:
+    """A rank's ids in order: they never decrease, but for one fall back inside its last batch:
+    the fill or padding that wraps an unshuffled walk back to its first ids there
+    (accelerate's even_batches fill, IterableDatasetShard's, a DistributedSampler's padding)
+    and nowhere else. The count path's rank answers the same (rank.counting._Running)."""
+    ids = [i for batch in batches for i in batch]
+    last = len(batches[-1]) if batches else 0
+    falls = [k + 1 for k, (a, b) in enumerate(zip(ids, ids[1:])) if b < a][:2]
+    return not falls or (len(falls) == 1 and falls[0] >= len(ids) - last)
 
 
 class CountedEpoch(EpochView):

@@ -218,7 +218,7 @@ class Counts:
         head, tail = self._close()
         state.to_host(counts)  # ids counted on a device: the counter comes over once, here
         samples, steps, sizes, made = self.samples, self.steps, self.sizes, self.made
-        order, ascending = state.order, state.ascending
+        order, ascending = state.order, state.in_order(sizes[-1][0] if sizes else 0)
         outside, outside_total = state.outside, state.outside_total
         if outside_total and not outside:
             # counted on a device: the ids outside [0, n) are counted there, not listed; those
@@ -375,7 +375,8 @@ class BitCounts(Counts):
                      state.order.digest())
         row = [0, self.steps, self.samples, repeats_total, _popcount(state.seen),
                state.outside_total, len(self.sizes), len(self.made), remainder(loader),
-               int(state.ascending), int(mine.numel())]
+               int(state.in_order(self.sizes[-1][0] if self.sizes else 0)),
+               int(mine.numel())]
         heads = exchange_ints(accelerator, row)
         parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
         main = accelerator.is_main_process
@@ -513,8 +514,8 @@ FLUSH_IDS = 1 << 18
 
 class _Running:
     """What the walk accumulates over the ids, fed a list of batches (about FLUSH_IDS ids) at a
-    time: the counter, the order hash, whether the ids never decrease, and the ids outside
-    [0, n)."""
+    time: the counter, the order hash, whether the ids are in order (in_order), and the ids
+    outside [0, n)."""
 
     device = torch.device("cpu")
 
@@ -522,9 +523,19 @@ class _Running:
         self.counter, self.ones, self.n = counter, ones, n
         # 9 us per 65,536 ids where sha256 took 300 (xxhash: a dependency of datasets)
         self.order = xxhash.xxh3_128()
-        self.ascending, self.last = True, None
+        self.falls, self.last = 0, None  # ids below the one before them
+        self.fall_at = 0  # the position in the epoch of the first of them
+        self.position = 0  # the ids taken so far
         self.outside: set[int] = set()
         self.outside_total = 0
+
+    def in_order(self, last_batch: int) -> bool:
+        """The rank's ids in order: they never decrease, but for one fall back inside its
+        last batch (`last_batch` ids): the fill or padding that wraps an unshuffled walk back
+        to its first ids there (accelerate's even_batches fill, IterableDatasetShard's, a
+        DistributedSampler's padding) and nowhere else."""
+        return self.falls == 0 or (self.falls == 1
+                                   and self.fall_at >= self.position - last_batch)
 
     def add(self, batches: list[torch.Tensor], shift: int = 0) -> None:
         """Count `batches`, whose ids are their values - shift (one subtraction for all)."""
@@ -540,9 +551,14 @@ class _Running:
             return
         arr = ids.numpy()
         self.order.update(memoryview(arr))  # the same digest as hashing batch after batch
-        if self.ascending:
-            self.ascending = bool((self.last is None or arr[0] >= self.last)
-                                  and np.all(arr[1:] >= arr[:-1]))
+        if self.falls < 2:  # (from two on, the answer is known)
+            at = np.flatnonzero(arr[1:] < arr[:-1])[:2] + 1
+            if self.last is not None and arr[0] < self.last:
+                at = np.concatenate(([0], at))
+            if at.size and not self.falls:
+                self.fall_at = self.position + int(at[0])
+            self.falls += int(at.size)
+        self.position += arr.size
         self.last = arr[-1]
         if arr.min() < 0 or arr.max() >= self.n:
             inside = (arr >= 0) & (arr < self.n)
@@ -593,7 +609,7 @@ class _DeviceRunning:
     """_Running for ids that live on a device: the counter (N + 1 bytes: the last counts ids
     outside [0, n)), the order hash, the falls (an id below the one before it) and the ids
     outside, all kept on the device, so a step queues a few kernels and never waits for them.
-    The host reads it once, at the epoch's end (to_host, order, ascending, outside_total)."""
+    The host reads it once, at the epoch's end (to_host, order, in_order, outside_total)."""
 
     def __init__(self, device: torch.device, n: int) -> None:
         self.device, self.n = device, n
@@ -602,6 +618,7 @@ class _DeviceRunning:
         self.lanes = torch.zeros(2, dtype=torch.int64, device=device)
         self.salt = torch.tensor(_LANES, dtype=torch.int64, device=device).view(2, 1)
         self.falls = torch.zeros((), dtype=torch.int64, device=device)
+        self.fall_at = torch.full((), -1, dtype=torch.int64, device=device)
         self.bad = torch.zeros((), dtype=torch.int64, device=device)
         self.last: Optional[torch.Tensor] = None
         self.position = 0
@@ -619,10 +636,12 @@ class _DeviceRunning:
         where = torch.arange(self.position, self.position + size, device=self.device)
         self.position += size
         self.lanes += _mix(ids ^ _mix(where * self.salt)).sum(dim=1)
-        if size > 1:
-            self.falls += (ids[1:] < ids[:-1]).sum()
-        if self.last is not None:
-            self.falls += (ids[0] < self.last).long()
+        # each id below the one before it, and where the last such is (no sync: kept here)
+        fell = torch.empty(size, dtype=torch.bool, device=self.device)
+        fell[0] = ids[0] < self.last if self.last is not None else False
+        fell[1:] = ids[1:] < ids[:-1]
+        self.falls += fell.sum()
+        self.fall_at = torch.maximum(self.fall_at, torch.where(fell, where, -1).max())
         self.last = ids[-1]
         outside = (ids < 0) | (ids >= self.n)
         self.bad += outside.sum()
@@ -636,9 +655,10 @@ class _DeviceRunning:
     def order(self) -> _DeviceOrder:
         return _DeviceOrder(self.lanes)
 
-    @property
-    def ascending(self) -> bool:
-        return int(self.falls) == 0
+    def in_order(self, last_batch: int) -> bool:
+        """As _Running.in_order (with one fall, the last fall is the fall)."""
+        falls = int(self.falls)
+        return falls == 0 or (falls == 1 and int(self.fall_at) >= self.position - last_batch)
 
     @property
     def outside_total(self) -> int:
