@@ -92,3 +92,46 @@ def test_dataset_size_tells_a_stream_its_n(tmp_path, capsys):
     assert told["missing"]["ids"] == list(range(20, 40)) and not told["ok"]
     assert "dataset_size_inferred" not in told and "inferred" not in lines[1]
     assert torch.__version__
+
+
+class Sparse(IterableDataset):
+    """Ids from 3,000,000 on: 3,000,000..3,000,009 and 3,000,004 again (one repeat), with
+    3,000,007 left out in the second epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def __iter__(self):
+        ids = [3_000_000 + i for i in range(10)] + [3_000_004]
+        if self.epoch:
+            ids.remove(3_000_007)
+        self.epoch += 1
+        return iter({"id": i} for i in ids)
+
+
+def test_sparse_ids_without_dataset_size_are_judged_without_an_n_from_the_largest(
+        tmp_path, capsys):
+    """A stream of ids far above their count and no dataset_size: N from the largest id
+    (3,000,010) would cost memory for three million numbers no sample has. The 11 ids are
+    judged as they are (worked by hand): 10 distinct, 3,000,004 twice, no missing verdict (N is
+    unknown), and the second epoch's count against the ids of both (11 distinct)."""
+    import tracemalloc
+
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(Sparse(), batch_size=4), report=str(report), id_field="id")
+    tracemalloc.start()
+    for _ in range(2):
+        for _ in loader:
+            pass
+    loader.close()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    first, second = entries(report)
+    assert peak < 20e6  # (an analysis over N = 3,000,010 took over 300 MB)
+    assert (first["seen"], first["unique"], first["dataset_size"]) == (11, 10, 10)
+    assert first["duplicated"]["ids"] == [3_000_004] and first["missing"] is None
+    assert first["sparse_ids"] is True and first["dataset_size_inferred"] is True
+    assert "no-missing-samples" not in {v["verdict"] for v in first["verdicts"]}
+    assert (second["seen"], second["unique"], second["dataset_size"]) == (10, 9, 10)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sharddemo:")]
+    assert "N unknown: 10 distinct ids up to 3,000,009" in lines[0]

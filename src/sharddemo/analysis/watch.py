@@ -30,6 +30,35 @@ def watch_trace(header: dict, *, name: str, role: str, description: dict, n: int
                                 "prepared": bool(description.get("prepared"))}}}
 
 
+# A stream watched with no dataset_size has N inferred from its largest id. Where its ids are
+# sparse (that number is past SPARSE_FROM and over 4 times the ids delivered: ids that begin at
+# 2^31, hashes), an analysis over N would take memory in proportion to numbers no sample has,
+# and could end the training it watches. Its ids are then numbered 0..K-1 in order for the
+# analysis (K: the distinct ids of the epoch and the one before it) and named again in the
+# entry (`dataset_size` is then K, and `sparse_ids` true); which samples the epoch missed is
+# unknown without N, as the line says.
+SPARSE_FROM = 1_000_000
+
+
+def _sparse_names(records: list[dict], n: int) -> Optional[list[int]]:
+    """The distinct ids of `records`, in order, where they are sparse under N = `n` (above);
+    None where they are not."""
+    if n <= SPARSE_FROM:
+        return None
+    names = sorted({i for rec in records for r in rec["ranks"] for b in r["batches"] for i in b})
+    return names if n > 4 * len(names) else None
+
+
+def _renumbered(record: dict, index: dict) -> dict:
+    """An id record with every id replaced by its number in `index`."""
+    gathered = record.get("gathered_for_metrics")
+    return {**record,
+            "ranks": [{**r, "batches": [[index[i] for i in b] for b in r["batches"]]}
+                      for r in record["ranks"]],
+            "gathered_for_metrics": (None if gathered is None
+                                     else [index[i] for i in gathered])}
+
+
 def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: int, name: str,
                 role: str, description: dict, n: Optional[int], batch_size: Optional[int],
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
@@ -53,6 +82,13 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
     n = n if n is not None else largest_id(record) + 1
     records = [r for r in (previous, record) if r is not None]
+    names = (_sparse_names(records, n) if inferred and before is None and present is None
+             else None)
+    told_n = n
+    if names is not None:  # sparse ids: numbered 0..K-1 for the analysis (SPARSE_FROM)
+        index = {v: k for k, v in enumerate(names)}
+        records = [_renumbered(r, index) for r in records]
+        n = len(names)
     # The order must change only where the loader is meant to shuffle (its sampler, or a
     # shuffled stream, says so): a loader not known to shuffle (workers interleaving a stream,
     # rows stored in any order) is never told it forgot set_epoch.
@@ -94,6 +130,14 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                                "the restarted loader counts its epochs from 0 again (call "
                                "set_epoch with the real epoch, or resume the loader's "
                                "state: use_stateful_dataloader)")
+    if names is not None:
+        # which samples the epoch missed is unknown without N; the ids in a detail are named
+        verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
+        twice = [d["id"] for d in e["duplicates"]][:12]
+        for v in verdicts:
+            if twice and v["detail"] and f"ids {twice}" in v["detail"]:
+                v["detail"] = v["detail"].replace(f"ids {twice}",
+                                                  f"ids {[names[i] for i in twice]}")
     if e["out_of_range"]:  # ids that number no sample: one finding, not a contradiction
         verdicts.append({"verdict": "ids-in-range", "epoch": epoch, "ok": False,
                          "detail": out_of_range_detail(sorted(e["out_of_range"]),
@@ -137,13 +181,21 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                                 "ids": resume["skipped"]["ids"], "reason": None}
     if unattributed:
         entry["unattributed_batches"] = unattributed
+    if names is not None:
+        entry["missing"] = None
+        entry["sparse_ids"] = True
+        entry["duplicated"]["ids"] = [names[i] for i in entry["duplicated"]["ids"]]
     if inferred:
         entry["dataset_size_inferred"] = True
     if partial:
         entry = partial_entry(entry)
     else:
         entry["line"] = watch_line(entry, failed)
-    if inferred and not partial:  # (a part's largest id says nothing of the stream's N)
+    if names is not None:
+        entry["line"] += (f" [N unknown: {len(names):,} distinct ids up to {told_n - 1:,}, too "
+                          "sparse to take N from the largest; which samples were missed is not "
+                          "judged: watch(..., dataset_size=N) gives it]")
+    elif inferred and not partial:  # (a part's largest id says nothing of the stream's N)
         entry["line"] += (f" [N = {n} inferred from the largest id seen: "
                           "watch(..., dataset_size=N) gives it]")
     return entry
