@@ -156,6 +156,11 @@ def stream_in_order_sharded(accelerator):
     return accelerator.prepare(DataLoader(Ordered(), batch_size=8))
 
 
+def stream_sharded_read_whole_by_each_worker(accelerator):
+    accelerator.dataloader_config.dispatch_batches = False
+    return accelerator.prepare(DataLoader(Ordered(), batch_size=8, num_workers=2))
+
+
 def stream_shuffled_alike_each_epoch(accelerator):
     return accelerator.prepare(DataLoader(Ordered(shuffled=True), batch_size=8))
 

@@ -208,3 +208,24 @@ def test_a_stream_in_order_with_accelerates_fill_is_not_taken_for_a_shuffle(fact
              if v["verdict"] == "order-changes-each-epoch"]
     assert order == [ok]
     assert proc.returncode == (0 if ok else 1)
+
+
+def test_workers_that_each_read_a_ranks_whole_shard_are_worker_replication_only():
+    """IterableDatasetShard on 2 ranks over 1,003 ids in order, 2 DataLoader workers, a stream
+    that ignores the workers: each worker yields its rank's whole shard (every id twice on its
+    rank), and each worker fills its own last global batch from the start (those few ids on
+    both ranks). The ranks did split the stream: worker replication is the fault, not
+    replication across ranks; and each worker's batches are in order (no shuffle to renew)."""
+    proc, report = audit_json(f"{FACTORIES}:stream_sharded_read_whole_by_each_worker",
+                              "--id-field", "id", "--epochs", "2")
+    mode = report["modes"]["audit"]
+    ok = {}
+    for v in mode["verdicts"]:
+        ok[v["verdict"]] = ok.get(v["verdict"], True) and v["ok"]
+    assert ok["no-silent-replication"] and ok["order-changes-each-epoch"]
+    assert not ok["no-unexplained-duplicates"] and proc.returncode == 1
+    e = mode["epochs"][0]
+    ranks = [{i for b in r["batches"] for i in b} for r in e["ranks"]]
+    assert len(ranks[0] & ranks[1]) < 16 * 2  # only the fills: a global batch a worker
+    assert e["duplicates"][0]["reason"] == "worker-replication"
+    assert "split each epoch between them, but within each rank" in mode["conclusion"]

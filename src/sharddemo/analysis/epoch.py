@@ -59,7 +59,10 @@ def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w
     if loader.get("iterable_dataset") and known and not (
             (loader.get("iterable_shard") and not shard_workers) or loader.get("dispatcher")
             or is_double_split(loader) or hint) and not stream_padded:
-        per_id, codes = view.stream_causes()
+        # IterableDatasetShard's fill: up to a global batch a DataLoader worker, on several ranks
+        workers = len({k for ws in view.worker_sets() for k in ws if k >= 0}) or 1
+        per_id, codes = view.stream_causes(w * per_rank_batch * workers
+                                           if loader.get("iterable_shard") else 0)
         code = "worker-replication" if "worker-replication" in codes else "stream-replication"
         explained = codes == {"stream-replication"} and kind == REPLICATED
         return code, explained, per_id, {c: REASON_SENTENCE[c] for c in sorted(codes)}

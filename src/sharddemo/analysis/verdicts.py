@@ -255,6 +255,14 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
         text = (f"The {w} ranks drew {seen} samples per epoch between them for a dataset of "
                 f"{n} = {times} {sums}, with replacement "
                 f"({loader['draws']['sampler']})")
+    elif copies == {"worker-replication"} and not any(
+            {"replication", "stream-replication"} & set(d.get("causes", []))
+            for d in first["duplicates"]):
+        # the ranks split the stream; within each, every worker yielded the rank's share
+        text = (f"The {w} ranks split each epoch between them, but within each rank every "
+                f"DataLoader worker yielded the rank's whole share: {seen} samples per epoch "
+                f"for a dataset of {n} = {times} {sums}, samples received "
+                f"{_most_copies(first)} ({REASON_LABEL['worker-replication']})")
     elif copies:
         why = " and ".join(REASON_LABEL[c] for c in sorted(copies))
         text = (f"The {w} ranks did NOT split the epoch: {seen} samples per epoch for a dataset "

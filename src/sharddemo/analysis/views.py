@@ -137,7 +137,7 @@ class EpochView:
     def fill_per_worker(self, limit: int) -> Optional[int]: ...
     def replicated(self) -> bool: ...
     def ranks_disagree(self, n: int) -> bool: ...
-    def stream_causes(self) -> tuple[dict[int, list[str]], set[str]]: ...
+    def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]: ...
     def ragged(self) -> tuple[list[int], int]: ...
     def for_metrics(self, n: int, share: int) -> tuple[Optional[list[int]], Optional[int],
                                                        Optional[bool]]: ...
@@ -194,10 +194,13 @@ class IdsEpoch(EpochView):
         union = set().union(*map(set, ids))
         return sum(len(x) for x in ids) != len(union) and len(union) < n
 
-    def stream_causes(self) -> tuple[dict[int, list[str]], set[str]]:
+    def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
         """Each duplicated id -> `worker-replication` when some rank received it from several of
-        its DataLoader workers, else `stream-replication` (several ranks read it). Found in the
-        records: which rank and which worker delivered each copy."""
+        its DataLoader workers, and `stream-replication` where several ranks read it (but
+        `shard-fill` where no more than `fill` ids reached several ranks: IterableDatasetShard
+        fills each worker's last global batch from its start, the only ids a sharded stream
+        gives more than one rank). Found in the records: which rank and which worker delivered
+        each copy."""
         dups = [i for i, _ in self.cov["duplicates"]]
         wanted = set(dups)
         where: dict[int, set] = {}
@@ -207,6 +210,8 @@ class IdsEpoch(EpochView):
                     if i in wanted:
                         where.setdefault(i, set()).add((r, worker))
         out = {}
+        shared = sum(1 for i in dups if len({r for r, _ in where.get(i, ())}) > 1)
+        across = "shard-fill" if 0 < shared <= fill else "stream-replication"
         for i in dups:
             per_rank: dict[int, set] = {}
             for r, worker in where.get(i, set()):
@@ -215,7 +220,7 @@ class IdsEpoch(EpochView):
             if any(len(ws) > 1 and min(ws) >= 0 for ws in per_rank.values()):
                 causes.append("worker-replication")
             if len(per_rank) > 1:
-                causes.append("stream-replication")
+                causes.append(across)
             out[i] = causes or ["stream-replication"]
         return out, {c for causes in out.values() for c in causes}
 
@@ -268,15 +273,21 @@ class IdsEpoch(EpochView):
     def rank_entries(self) -> list[dict]:
         return [{"rank": r["rank"], "batches": r["batches"], "steps": len(r["batches"]),
                  "samples": len(ids), **({"workers": r["workers"]} if r.get("workers") else {}),
-                 "ascending": in_order(r["batches"])}
+                 "ascending": in_order(r["batches"], r.get("workers"))}
                 for r, ids in zip(self.record["ranks"], self.flat)]
 
 
-def in_order(batches: list) -> bool:
+def in_order(batches: list, workers: Optional[list] = None) -> bool:
     """A rank's ids in order: they never decrease, but for one fall back inside its last batch:
     the fill or padding that wraps an unshuffled walk back to its first ids there
     (accelerate's even_batches fill, IterableDatasetShard's, a DistributedSampler's padding)
-    and nowhere else. The count path's rank answers the same (rank.counting._Running)."""
+    and nowhere else. The count path's rank answers the same (rank.counting._Running).
+    `workers`: the DataLoader worker of each batch; where several made them, each worker's
+    batches are asked this in turn (workers interleave their batches: no shuffle)."""
+    made = sorted({k for k in workers or () if k >= 0})
+    if workers is not None and len(workers) == len(batches) and len(made) > 1:
+        return all(in_order([b for b, k in zip(batches, workers) if k == worker])
+                   for worker in made)
     ids = [i for batch in batches for i in batch]
     last = len(batches[-1]) if batches else 0
     falls = [k + 1 for k, (a, b) in enumerate(zip(ids, ids[1:])) if b < a][:2]
@@ -447,7 +458,9 @@ class CountedEpoch(EpochView):
         union = self.cov["unique"]
         return sum(r["samples"] for r in ranks) != union and union < n
 
-    def stream_causes(self) -> tuple[dict[int, list[str]], set[str]]:
+    def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
+        """(IdEpoch.stream_causes; how many samples reached several ranks is not counted
+        here, so `fill` is not used.)"""
         codes = set()
         if any(r["repeats_total"] and sum(int(k) >= 0 for k in r["workers"]) > 1
                for r in self.rank_records):
