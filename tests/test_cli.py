@@ -136,7 +136,10 @@ def test_shipped_configs_load():
                            "hf-stream or webdataset"),
     (["--modes", "sampler", "--source", "iterable"],
      "Error: mode sampler needs a map-style dataset (a sampler draws indices), but --source "
-     "iterable is iterable; use --source toy or hf, or modes prepared, replicated, split"),
+     "iterable is iterable; use --source toy or hf, or --modes prepared,replicated"),
+    (["--source", "hf-stream"],  # the default modes begin with sampler
+     "Error: mode sampler needs a map-style dataset (a sampler draws indices), but --source "
+     "hf-stream is iterable; use --source toy or hf, or --modes prepared,replicated,split"),
     (["--shards", "0", "--source", "hf-stream"], "Error: --shards must be at least 1, got 0"),
     (["--modes", "resume", "--epochs", "2"],
      "Error: mode resume always walks epochs 0..2 with 0 and 2 workers and gathers every batch, "

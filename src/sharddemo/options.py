@@ -295,9 +295,11 @@ class RunOptions:
         if self.source not in MAP_SOURCES + ("webdataset",):
             needs_map = [m for m in self.modes if m in ("sampler",) + PITFALL_MODES]
             if needs_map:
+                valid = ("prepared,replicated" if self.source == "iterable"
+                         else "prepared,replicated,split")
                 raise UsageError(f"mode {needs_map[0]} needs a map-style dataset (a sampler draws "
                                  f"indices), but --source {self.source} is iterable; use "
-                                 "--source toy or hf, or modes prepared, replicated, split")
+                                 f"--source toy or hf, or --modes {valid}")
         return self
 
     def check_world(self, world: int) -> "RunOptions":
