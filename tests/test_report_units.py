@@ -575,14 +575,3 @@ def test_a_frameworks_note_reaches_the_report_and_its_table():
     assert "  note: the framework shuffles it" in render(report, "table").splitlines()
     assert "Note: the framework shuffles it" in render(report, "markdown").splitlines()
 
-
-def test_the_order_of_interleaved_workers_is_read_worker_by_worker():
-    """Two DataLoader workers, each reading its share in order, interleave their batches: the
-    rank's ids fall at every change of worker, yet no worker's do (by hand)."""
-    from sharddemo.analysis.views import in_order
-
-    batches = [[0, 1], [10, 11], [2, 3], [12, 13], [4, 0]]  # the last: worker 0's fill
-    workers = [0, 1, 0, 1, 0]
-    assert in_order(batches, workers) and not in_order(batches)
-    assert not in_order([[1, 0], [10, 11], [2, 3], [12, 13]], [0, 1, 0, 1])  # worker 0 falls
-    assert in_order([[0, 1], [2, 3]], [-1, -1])  # the main process alone

@@ -273,21 +273,15 @@ class IdsEpoch(EpochView):
     def rank_entries(self) -> list[dict]:
         return [{"rank": r["rank"], "batches": r["batches"], "steps": len(r["batches"]),
                  "samples": len(ids), **({"workers": r["workers"]} if r.get("workers") else {}),
-                 "ascending": in_order(r["batches"], r.get("workers"))}
+                 "ascending": in_order(r["batches"])}
                 for r, ids in zip(self.record["ranks"], self.flat)]
 
 
-def in_order(batches: list, workers: Optional[list] = None) -> bool:
+def in_order(batches: list) -> bool:
     """A rank's ids in order: they never decrease, but for one fall back inside its last batch:
     the fill or padding that wraps an unshuffled walk back to its first ids there
     (accelerate's even_batches fill, IterableDatasetShard's, a DistributedSampler's padding)
-    and nowhere else. The count path's rank answers the same (rank.counting._Running).
-    `workers`: the DataLoader worker of each batch; where several made them, each worker's
-    batches are asked this in turn (workers interleave their batches: no shuffle)."""
-    made = sorted({k for k in workers or () if k >= 0})
-    if workers is not None and len(workers) == len(batches) and len(made) > 1:
-        return all(in_order([b for b, k in zip(batches, workers) if k == worker])
-                   for worker in made)
+    and nowhere else. The count path's rank answers the same (rank.counting._Running)."""
     ids = [i for batch in batches for i in batch]
     last = len(batches[-1]) if batches else 0
     falls = [k + 1 for k, (a, b) in enumerate(zip(ids, ids[1:])) if b < a][:2]
@@ -459,13 +453,17 @@ class CountedEpoch(EpochView):
         return sum(r["samples"] for r in ranks) != union and union < n
 
     def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
-        """(IdEpoch.stream_causes; how many samples reached several ranks is not counted
-        here, so `fill` is not used.)"""
+        """(IdEpoch.stream_causes, from the counts: `shard-fill` where no more than `fill`
+        samples reached several ranks.)"""
         codes = set()
         if any(r["repeats_total"] and sum(int(k) >= 0 for k in r["workers"]) > 1
                for r in self.rank_records):
             codes.add("worker-replication")
-        if max(self.cov["ranks_per_sample"], default=0) > 1 or not codes:
+        shared = self.cov.get("on_several_ranks")
+        if max(self.cov["ranks_per_sample"], default=0) > 1:
+            codes.add("shard-fill" if shared is not None and 0 < shared <= fill
+                      else "stream-replication")
+        elif not codes:
             codes.add("stream-replication")
         return {}, codes
 

@@ -752,7 +752,7 @@ class _Tally:
         self.missing: list[int] = []
         self.dup_ids: list[int] = []
         self.dup_present: list[int] = []
-        self.n_missing = self.n_dup = self.n_several = self.n_present = 0
+        self.n_missing = self.n_dup = self.n_several = self.n_present = self.n_shared = 0
         self.levels: set[int] = set()
         self.wanted = np.unique(np.asarray(list(wanted), dtype=np.int64))
         self.values: dict[int, int] = {}
@@ -787,7 +787,9 @@ class _Tally:
             self.missing += (gone + lo).tolist()
         if several is None and top <= 1:
             return  # no duplicates here
-        dup = np.flatnonzero(present > 1 if several is None else (present > 1) | (several > 0))
+        shared = present > 1  # received by several ranks
+        self.n_shared += int(np.count_nonzero(shared))
+        dup = np.flatnonzero(shared if several is None else shared | (several > 0))
         self.n_dup += int(dup.size)
         if len(self.dup_ids) < LIST_CAP:
             keep = dup[:LIST_CAP - len(self.dup_ids)]
@@ -824,6 +826,7 @@ class _Tally:
                 "most_copies": most, "most_copies_exact": exact,
                 "ranks_per_sample": sorted(self.levels),
                 "repeated_within_a_rank": self.n_several,
+                "on_several_ranks": self.n_shared,
                 "out_of_range": outside[:LIST_CAP],
             },
         }
