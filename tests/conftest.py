@@ -130,6 +130,11 @@ def _starts_processes(func, fixtures: dict, seen: set) -> bool:
             seen.add(id(helper))
             if _starts_processes(helper, fixtures, seen):
                 return True
+        if inspect.isclass(helper) and "tests" in Path(inspect.getfile(helper)).parts \
+                and id(helper) not in seen:  # a module's launching class (a resume chain)
+            seen.add(id(helper))
+            if any(word in inspect.getsource(helper) for word in STARTS_PROCESSES):
+                return True
     for name in inspect.signature(func).parameters:
         for definition in fixtures.get(name, ()):
             if id(definition) not in seen:
