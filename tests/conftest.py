@@ -130,10 +130,14 @@ def _starts_processes(func, fixtures: dict, seen: set) -> bool:
             seen.add(id(helper))
             if _starts_processes(helper, fixtures, seen):
                 return True
-        if inspect.isclass(helper) and "tests" in Path(inspect.getfile(helper)).parts \
-                and id(helper) not in seen:  # a module's launching class (a resume chain)
-            seen.add(id(helper))
-            if any(word in inspect.getsource(helper) for word in STARTS_PROCESSES):
+        if inspect.isclass(helper) and id(helper) not in seen:
+            seen.add(id(helper))  # a module's launching class (a resume chain)
+            try:
+                ours = "tests" in Path(inspect.getfile(helper)).parts
+                source = inspect.getsource(helper) if ours else ""
+            except (OSError, TypeError):  # (a class built into Python or an extension)
+                source = ""
+            if any(word in source for word in STARTS_PROCESSES):
                 return True
     for name in inspect.signature(func).parameters:
         for definition in fixtures.get(name, ()):
