@@ -177,10 +177,12 @@ def test_id_field_dot_takes_batches_that_are_the_ids_and_0_is_refused():
     assert "selects one number per batch" in proc.stderr and "--id-field ." in proc.stderr
 
 
-def test_audit_of_an_unsplit_stream_does_not_claim_the_ranks_split_it():
-    # 12 ids, batch 3, 2 workers, 2 ranks, a stream that ignores both: every id 4 times.
+@pytest.mark.parametrize("gather", [(), ("--gather", "count", "--dataset-size", "12")])
+def test_audit_of_an_unsplit_stream_does_not_claim_the_ranks_split_it(gather):
+    # 12 ids, batch 3, 2 workers, 2 ranks, a stream that ignores both: every id 4 times; on the
+    # id path and on the count path (which keeps no per-id causes)
     proc, report = audit_json(f"{FACTORIES}:unsplit_stream_with_workers", "--id-field", ".",
-                              "--epochs", "1")
+                              "--epochs", "1", *gather)
     mode = report["modes"]["audit"]
     e = mode["epochs"][0]
     assert e["seen"] == 48 and {d["count"] for d in e["duplicates"]} == {4}

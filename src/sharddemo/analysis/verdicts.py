@@ -176,9 +176,7 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
         if promised == "sharded":
-            ok = w == 1 or not any({"replication", "stream-replication"}
-                                   & {d["reason"], *d.get("causes", [])}
-                                   for d in e["duplicates"])
+            ok = w == 1 or not copies_across_ranks(e)
             add("no-silent-replication", k, ok, "" if ok else
                 f"all {w} ranks received the same samples: the loader is not sharded")
         else:
@@ -205,6 +203,16 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
                 "the same shuffled order as the previous epoch: set_epoch is never called")
         previous = e
     return out
+
+
+def copies_across_ranks(e: dict) -> set:
+    """The reasons an epoch gives for samples that reached several ranks (replication, a
+    stream every rank read): its duplicates' reasons and per-id causes, and the epoch's own
+    reasons (the count path keeps no per-id causes: a stream's codes are the epoch's)."""
+    said = set(e.get("reasons") or {})
+    for d in e["duplicates"]:
+        said |= {d["reason"], *d.get("causes", [])}
+    return said & {"replication", "stream-replication"}
 
 
 def _most_copies(e: dict) -> str:
@@ -255,10 +263,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
         text = (f"The {w} ranks drew {seen} samples per epoch between them for a dataset of "
                 f"{n} = {times} {sums}, with replacement "
                 f"({loader['draws']['sampler']})")
-    elif copies == {"worker-replication"} and not any(
-            {"replication", "stream-replication"} & set(d.get("causes", []))
-            for d in first["duplicates"]):
-        # the ranks split the stream; within each, every worker yielded the rank's share
+    elif copies == {"worker-replication"} and not copies_across_ranks(first):
+        # the ranks split the stream; within each, every worker yielded its share
         text = (f"The {w} ranks split each epoch between them, but within each rank every "
                 f"DataLoader worker yielded the rank's whole share: {seen} samples per epoch "
                 f"for a dataset of {n} = {times} {sums}, samples received "
