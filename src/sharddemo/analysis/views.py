@@ -209,13 +209,15 @@ class IdsEpoch(EpochView):
                 for i in batch:
                     if i in wanted:
                         where.setdefault(i, set()).add((r, worker))
-        out = {}
-        shared = sum(1 for i in dups if len({r for r, _ in where.get(i, ())}) > 1)
-        across = "shard-fill" if 0 < shared <= fill else "stream-replication"
+        ranks_of: dict[int, dict[int, set]] = {}  # id -> rank -> the workers that made it
         for i in dups:
-            per_rank: dict[int, set] = {}
+            per_rank = ranks_of[i] = {}
             for r, worker in where.get(i, set()):
                 per_rank.setdefault(r, set()).add(worker)
+        shared = sum(1 for per_rank in ranks_of.values() if len(per_rank) > 1)
+        across = "shard-fill" if 0 < shared <= fill else "stream-replication"
+        out = {}
+        for i, per_rank in ranks_of.items():
             causes = []
             if any(len(ws) > 1 and min(ws) >= 0 for ws in per_rank.values()):
                 causes.append("worker-replication")
