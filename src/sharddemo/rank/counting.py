@@ -187,6 +187,10 @@ class Counts:
         self.samples += count * size
         self.steps += count
 
+    def last_size(self) -> int:
+        """The size of the epoch's last batch, once _close has stored the last run (0: none)."""
+        return self.sizes[-1][0] if self.sizes else 0
+
     def _close(self) -> tuple[list, list]:
         """The epoch's walk is over: the last runs stored, the waiting ids counted; the kept
         first and last batches as (ids, worker) lists."""
@@ -218,7 +222,7 @@ class Counts:
         head, tail = self._close()
         state.to_host(counts)  # ids counted on a device: the counter comes over once, here
         samples, steps, sizes, made = self.samples, self.steps, self.sizes, self.made
-        order, ascending = state.order, state.in_order(sizes[-1][0] if sizes else 0)
+        order, ascending = state.order, state.in_order(self.last_size())
         outside, outside_total = state.outside, state.outside_total
         if outside_total and not outside:
             # counted on a device: the ids outside [0, n) are counted there, not listed; those
@@ -375,8 +379,7 @@ class BitCounts(Counts):
                      state.order.digest())
         row = [0, self.steps, self.samples, repeats_total, _popcount(state.seen),
                state.outside_total, len(self.sizes), len(self.made), remainder(loader),
-               int(state.in_order(self.sizes[-1][0] if self.sizes else 0)),
-               int(mine.numel())]
+               int(state.in_order(self.last_size())), int(mine.numel())]
         heads = exchange_ints(accelerator, row)
         parts = gather_ragged(accelerator, mine, [h[-1] for h in heads])
         main = accelerator.is_main_process
