@@ -266,20 +266,23 @@ def resume_skip(loader) -> int:
 
 
 def follow(accelerator, state) -> None:
-    """accelerator.prepare and accelerator.skip_first_batches return watched loaders for a
-    watched one (instance attributes: this Accelerator only, nothing global)."""
+    """A loader that accelerate prepares or skips from a watched one is watched too
+    (instance attributes: this Accelerator only, nothing global).
+
+    The hook is on `prepare_data_loader`, which `accelerator.prepare` calls for each
+    DataLoader when it runs, not on `prepare` itself: in `accelerator.prepare(model,
+    watch(loader, accelerator))` Python looks `accelerator.prepare` up before watch() runs, so
+    a patched `prepare` would come too late and the watch would be lost without a word."""
     if accelerator.__dict__.get("_sharddemo_follows"):
         return
-    prepare, skip = accelerator.prepare, accelerator.skip_first_batches
+    prepare_loader, skip = accelerator.prepare_data_loader, accelerator.skip_first_batches
 
-    def watched_prepare(*objects, **kwargs):
-        out = prepare(*objects, **kwargs)
-        results = out if isinstance(out, tuple) else (out,)
-        for given, made in zip(objects, results):
-            mine = getattr(given, "__dict__", {}).get("_sharddemo_watch")
-            if mine is not None and made is not given:
-                attach(made, mine)
-        return out
+    def watched_prepare_loader(data_loader, *args, **kwargs):
+        made = prepare_loader(data_loader, *args, **kwargs)
+        mine = getattr(data_loader, "__dict__", {}).get("_sharddemo_watch")
+        if mine is not None and made is not data_loader:
+            attach(made, mine)
+        return made
 
     def watched_skip(loader, num_batches: int = 0):
         made = skip(loader, num_batches)
@@ -288,7 +291,7 @@ def follow(accelerator, state) -> None:
             attach(made, mine)
         return made
 
-    accelerator.prepare = watched_prepare
+    accelerator.prepare_data_loader = watched_prepare_loader
     accelerator.skip_first_batches = watched_skip
     accelerator.__dict__["_sharddemo_follows"] = True
 

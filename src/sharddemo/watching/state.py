@@ -111,6 +111,8 @@ OPEN: list = []
 def close_open_watches() -> None:
     for state in list(OPEN):
         try:
+            if not state.passes:
+                state.say_never_iterated()
             state.close_alone()
         except Exception as error:  # the process is ending: say it, never fail the exit
             import warnings
@@ -167,6 +169,7 @@ class WatchState:
         self.described = None
         self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
         self.finished = False  # close() ran (or close_alone): nothing more is reported
+        self.passes = 0  # passes begun, of any loader this watch is attached to
         # this rank's error reading id_field, said to every rank at the next exchange
         self.field_error: Optional[str] = None
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
@@ -262,6 +265,7 @@ class WatchState:
         a step budget per epoch does): that epoch ends here, on every rank (the loop begins
         its next pass at the same point on every rank, as a prepared loader's own RNG
         synchronisation needs too), as partial unless its pass delivered every batch."""
+        self.passes += 1
         if not self.closed and not self.finished and self.open_steps():
             self.end_epoch(self.described, partial=not self.at_edge())
         if self.described is not loader:
@@ -373,6 +377,23 @@ class WatchState:
         # a loop that took every batch of its pass and stopped before asking for one more (a
         # save at the epoch's last step, then the end): the epoch is whole
         return self.end_epoch(partial=not self.at_edge())
+
+    def say_never_iterated(self) -> None:
+        """At the interpreter's exit, for a watch that no pass ever reached: the loop iterated
+        another loader (one made from the watched loader where the watch cannot follow), and
+        the watch, silent, would look like a run with nothing to report. The main process
+        says so once."""
+        dist = torch.distributed
+        try:
+            main = self.accelerator.is_main_process
+        except AttributeError:  # no accelerator, or its state reset: torch's rank, or the launcher's
+            main = (dist.get_rank() == 0 if dist.is_available() and dist.is_initialized()
+                    else os.environ.get("RANK", "0") == "0")
+        if main:
+            warnings.warn(f"sharddemo.watch: {self.name!r} was watched, but no pass of it reached "
+                          "the loop, so nothing was checked: iterate the loader watch() returned, "
+                          "or one accelerator.prepare() made from it (docs/watch.md, \"Where to "
+                          "call watch()\")", RuntimeWarning, stacklevel=1)
 
     def close_alone(self) -> Optional[dict]:
         """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
