@@ -209,3 +209,22 @@ def test_a_lightning_save_after_an_epochs_last_step_goes_on_with_the_next_epoch(
     (edge,) = resume["restarts"]
     assert (edge["epoch"], edge["step"], edge.get("at_edge")) == (0, 5, True)
     assert "from_start" not in edge
+
+
+def test_a_lightning_replay_after_a_save_at_an_epochs_last_step_is_caught(tmp_path):
+    """The same save after epoch 0's last step, with 2 DataLoader workers: Lightning's resumed
+    iterator, made before set_epoch, can deal epoch 0's order again in epoch 1 (its open issue
+    #21938). The save holds epoch 0's record, so whatever the loops received is judged: a
+    replay (the logged batches of epoch 1 equal epoch 0's) fails order-changes-each-epoch, a
+    new order holds it."""
+    pytest.importorskip("pytorch_lightning")
+    chain = LightningChain(tmp_path)
+    chain.fit(2, "--stop-at", "5", "--workers", "2")
+    chain.fit(2, "--resume", chain.checkpoint(5), "--workers", "2")
+    replayed = ([chain.batches(2, 1, r) for r in (0, 1)]
+                == [chain.batches(1, 0, r) for r in (0, 1)])
+    got = whole_train_epochs(chain.report)
+    assert [e["epoch"] for e in got] == [0, 1]
+    assert got[1]["order_changed"] is (not replayed)
+    failed = {v["verdict"] for v in got[1]["verdicts"] if not v["ok"]}
+    assert ("order-changes-each-epoch" in failed) is replayed, got[1]["line"]

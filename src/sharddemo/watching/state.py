@@ -191,6 +191,8 @@ class WatchState:
 
         if self.ranks is None:
             self.ranks = ranks_of(self.accelerator)
+        if not self.closed and not self.finished and self.at_edge():
+            return self.state_at_edge()
         before, again, restarts = None, None, [dict(r) for r in self.restarts]
         self.note_batches()
         if self.n is not None and not self.two_bits():  # (every rank alike: N is the length)
@@ -204,15 +206,33 @@ class WatchState:
                 restarts[-1].update(seen_before=int(self.before.sum(dtype=np.int64)),
                                     repeated=id_list(np.flatnonzero(last)))
                 before = np.minimum(self.before.astype(np.int64) + before, 255).astype(np.uint8)
-        # (tensors, not numpy arrays: Lightning loads checkpoints with weights_only=True)
-        return {"schema": "sharddemo.watch-state/1", "loader": self.name, "epoch": self.epoch,
+        return self.saved(epoch=self.epoch,
+                          before=None if before is None else torch.from_numpy(before),
+                          again=(None if again is None
+                                 else torch.from_numpy(again.astype(np.uint8))),
+                          restarts=restarts, step=self.steps_before + self.open_steps(),
+                          at_edge=self.at_edge(), unknown_before=self.unknown_before)
+
+    def state_at_edge(self) -> dict:
+        """state_dict() for a save after the epoch's last step, inside the loop: the epoch is
+        whole, so it ends here (every rank saves at the same point) and its record goes in
+        the checkpoint as `previous`, so that the first epoch after a resume is compared with
+        it (a resumed loader that replays this epoch's order is caught). The loop's own end
+        of the pass then finds the epoch closed."""
+        epoch, step = self.epoch, self.steps_before + self.open_steps()
+        restarts = [dict(r) for r in self.restarts]
+        self.end_epoch(self.described, partial=False)
+        return self.saved(epoch=epoch, before=None, again=None, restarts=restarts, step=step,
+                          at_edge=True, unknown_before=False)
+
+    def saved(self, **place) -> dict:
+        """The watch's state as a checkpoint holds it: `place` (the epoch, the steps, what
+        the open epoch delivered so far) and what every save holds alike (tensors, not numpy
+        arrays: Lightning loads checkpoints with weights_only=True)."""
+        return {"schema": "sharddemo.watch-state/1", "loader": self.name,
                 "dataset_size": self.n, "previous": self.previous,
-                "before": None if before is None else torch.from_numpy(before),
-                "again": None if again is None else torch.from_numpy(again.astype(np.uint8)),
-                "restarts": restarts, "step": self.steps_before + self.open_steps(),
-                "world_size": self.ranks.num_processes, "at_edge": self.at_edge(),
-                "unknown_before": self.unknown_before,
-                "lineage": self.lineage.place() if self.lineage else None}
+                "world_size": self.ranks.num_processes,
+                "lineage": self.lineage.place() if self.lineage else None, **place}
 
     def at_edge(self) -> bool:
         """The pass now iterating has delivered every batch of its loader (a save at the
