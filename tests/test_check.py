@@ -124,3 +124,21 @@ def test_the_gate_of_docs_watch_md(tmp_path, pitfall, code):
     if code:
         assert all("no-silent-replication" in line for line in gate.stdout.splitlines())
         assert len(gate.stdout.splitlines()) == 2  # both epochs
+
+
+def test_a_failed_window_is_named_by_its_steps_not_printed_as_json(tmp_path):
+    """A window (a check within the epoch, on several ranks) that failed is named by its steps
+    in words: the trial saw `window {"first_step": 0, ...}` printed as a raw JSON object. The
+    entry is a window's as docs/watch.md gives it, written by hand."""
+    report = tmp_path / "w.jsonl"
+    entry = {"schema": "sharddemo.watch/1", "loader": "train", "epoch": 1, "ok": False,
+             "run_id": "0123456789ab", "run_started": "2026-12-05T20:00:00+00:00",
+             "window": {"first_step": 51, "last_step": 150, "checked_at": 152},
+             "verdicts": [{"verdict": "no-silent-replication", "epoch": 1, "ok": False,
+                           "detail": "3 samples on 2 ranks"}]}
+    report.write_text(json.dumps(entry) + "\n")
+    result = invoke(["check", str(report)])
+    assert result.exit_code == 1
+    assert result.stdout == ("FAIL train epoch 1 steps 51-150 (checked at step 152), run "
+                             "0123456789ab started 2026-12-05T20:00:00+00:00: "
+                             "no-silent-replication: 3 samples on 2 ranks\n")

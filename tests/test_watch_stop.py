@@ -59,6 +59,21 @@ def test_a_loop_that_breaks_is_reported_as_a_partial_epoch(tmp_path, capsys, how
                      "1 rank, 5 steps: ok"]
 
 
+def test_a_partial_epoch_says_its_counts_with_the_same_separators(tmp_path, capsys):
+    """2,000 samples, batches of 8, a break after 240 steps: 1,920 samples, all distinct (by
+    hand); both counts with thousands separators (the trial saw "1,916 samples, 1916
+    distinct")."""
+    loader = watch(DataLoader(TensorDataset(torch.arange(2000)), batch_size=8, shuffle=True),
+                   report=str(tmp_path / "w.jsonl"))
+    for step, _ in enumerate(loader):
+        if step == 239:
+            break
+    loader.close()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("sharddemo:")]
+    assert lines == ["sharddemo: epoch 0 train (partial): 1,920 samples, 1,920 distinct, "
+                     "across 1 rank, 240 steps: ok"]
+
+
 def test_a_new_pass_after_a_break_ends_the_epoch_before_it(tmp_path):
     """3 epochs of 100 samples, batches of 8, each left at step 5 (a step budget per epoch):
     3 partial entries of 40 samples each (5 x 8, by hand), each holding its own epoch's ids,

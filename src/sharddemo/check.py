@@ -95,8 +95,10 @@ def entry_line(entry: dict) -> str:
     where = f"{entry.get('loader', '?')} epoch {entry.get('epoch', '?')}"
     if entry.get("partial"):
         where += " (partial)"
-    if entry.get("window") is not None:  # a check within the epoch: its steps
-        where += f" window {json.dumps(entry['window'])}"
+    window = entry.get("window")
+    if isinstance(window, dict):  # a check within the epoch: its steps
+        where += (f" steps {window.get('first_step', '?')}-{window.get('last_step', '?')} "
+                  f"(checked at step {window.get('checked_at', '?')})")
     run = entry.get("run_id")
     if run:
         where += f", run {run} started {entry.get('run_started', '?')}"

@@ -118,7 +118,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
         resume = resume_check(before, present, epoch, restarts, again, fill,
-                              fill_by=fill_source(description), partial=partial)
+                              fill_by=fill_source(description), partial=partial,
+                              cause=restart_cause(description, epoch))
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -127,9 +128,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         for v in verdicts:
             if v["verdict"] == "order-changes-each-epoch" and not v["ok"]:
                 v["detail"] = ("the same shuffled order as the epoch before the checkpoint: "
-                               "the restarted loader counts its epochs from 0 again (call "
-                               "set_epoch with the real epoch, or resume the loader's "
-                               "state: use_stateful_dataloader)")
+                               + replay_cause(description))
     if names is not None:
         # which samples the epoch missed is unknown without N; the ids in a detail are named
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -246,7 +245,7 @@ def partial_line(entry: dict) -> str:
     where = (f"on the main process alone of {world} ranks (the ranks could not meet)" if alone
              else f"across {plural(world, 'rank')}")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
-            f"{plural(entry['seen'], 'sample')}, {entry['unique']} distinct, {where}, {each}")
+            f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct, {where}, {each}")
     text += partial_resume_words(entry.get("resume"))
     failed = [v for v in entry["verdicts"] if not v["ok"]]
     if not failed:
@@ -274,6 +273,52 @@ def partial_resume_words(resumed: Optional[dict]) -> str:
             "not delivered yet are not judged)")
 
 
+# why a resumed run does not continue where it stopped, where the loader's description names
+# no mechanism: what must hold, not a guess at what the script did
+RESTART_CAUSE = ("the loader's order and position were not restored: the launches must share "
+                 "the seed and the epoch of what draws the order, or the loader keep its own "
+                 "state; docs/resume.md")
+
+
+def prepared_random_sampler(description: dict) -> bool:
+    """accelerate prepared a loader over torch's RandomSampler (not its seedable one, not a
+    stateful loader): each pass draws from a generator that accelerate synchronises across
+    the ranks, and that takes no epoch."""
+    classes = description.get("classes") or []
+    return (bool(description.get("prepared")) and "RandomSampler" in classes
+            and not description.get("seedable_sampler")
+            and "StatefulDataLoader" not in classes)
+
+
+def restart_cause(description: dict, epoch: int) -> str:
+    """Why a resumed epoch repeats or skips samples, from what the loader is (resume_check's
+    `cause`): the mechanism the loader's own objects have, never a cause the script may not
+    have (a seed it set, a set_epoch it calls)."""
+    if prepared_random_sampler(description):
+        if epoch == 0:
+            return ("accelerate's prepared RandomSampler draws each launch's order from its "
+                    "generator: the launches did not deal the same order (accelerate's set_seed "
+                    "before the loader is built makes them; docs/resume.md)")
+        return (f"accelerate's prepared RandomSampler takes no epoch: a new launch deals a new "
+                f"order, or with set_seed epoch 0's again, never epoch {epoch}'s "
+                "(use_stateful_dataloader=True restores the position; docs/resume.md)")
+    if description.get("distributed_sampler"):
+        return (f"a DistributedSampler deals epoch {epoch}'s order in a new launch only with the "
+                f"stopped run's seed and set_epoch({epoch}) before the pass; docs/resume.md")
+    return RESTART_CAUSE
+
+
+def replay_cause(description: dict) -> str:
+    """Why the first epoch after a checkpoint deals the order of the epoch before it."""
+    if prepared_random_sampler(description):
+        return ("accelerate's prepared RandomSampler takes no epoch: with set_seed a new launch "
+                "deals epoch 0's order again (use_stateful_dataloader=True restores the "
+                "loader's state; use_seedable_sampler=True takes loader.set_epoch(epoch))")
+    return ("the restarted loader counts its epochs from 0 again (set the epoch of what draws "
+            "the order, e.g. set_epoch with the real epoch, or resume the loader's state: "
+            "use_stateful_dataloader)")
+
+
 # whose fill a restart's fill is where it does not say (saved before `by` was kept), and the
 # default of resume_check
 FILL_BY = "accelerate's even_batches"
@@ -283,7 +328,8 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
                  again: Optional[np.ndarray] = None,
                  fill: Optional[np.ndarray] = None,
-                 fill_by: str = FILL_BY, partial: bool = False) -> dict:
+                 fill_by: str = FILL_BY, partial: bool = False,
+                 cause: str = RESTART_CAUSE) -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -297,7 +343,8 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
     delivered before the stop too, they are the loader's own fill, as in an uninterrupted run,
     not a repeat of the resume's. `partial`: the epoch is still a part (the loop stopped in
     it): `skipped` is None and only the repeats fail the verdict (a repeat is a fault as soon
-    as it happens; a sample not delivered yet may still come).
+    as it happens; a sample not delivered yet may still come). `cause`: why a resumed run does
+    not continue where it stopped, as far as the loader's description tells (restart_cause).
 
     Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
     repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
@@ -323,8 +370,7 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
         f"{len(repeated)} sample(s) delivered again after "
         f"{'a restart' if len(restarts) > 1 else 'the restart'}"
         + (" so far" if partial else f" and {len(skipped)} never")
-        + ": the resumed run did not continue where it stopped (no common seed, or the "
-        "loader's position not restored; docs/resume.md)")
+        + f": the resumed run did not continue where it stopped ({cause})")
     said = [r for r in restarts if r.get("from_start") or (
         r.get("saved_on") and r.get("resumed_on") and r["saved_on"] != r["resumed_on"])]
     if not ok and said:
@@ -500,6 +546,13 @@ def restarts_said(restarts: list) -> str:
     return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
 
 
+# the verdicts about which samples the ranks received, and how often: a failed one may be
+# explained in part by the loader's padding or fill, which the line then names
+COUNT_VERDICTS = frozenset({"no-missing-samples", "no-unexplained-duplicates",
+                            "no-silent-replication", "every-rank-sees-everything",
+                            "eval-counts-each-sample-once", "resume-exact"})
+
+
 def watch_line(entry: dict, failed: list[dict]) -> str:
     """The entry's one line: what the ranks received, in calm words where every verdict held
     ('and 1 again (DistributedSampler padding)', 'order changed: no'), with the failed
@@ -512,9 +565,12 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
             else f"steps per rank {steps}")
     again = entry["seen"] - entry["unique"]
     labels = [REASON_LABEL.get(r, r) for r in entry["duplicated"]["reasons"]]
+    # the loader's padding or fill is named beside a failed verdict about the counts, which it
+    # may explain in part, never beside one it has nothing to do with (the order)
+    counts_failed = any(v["verdict"] in COUNT_VERDICTS for v in failed)
     if not again:
         once = "once"
-    elif failed:
+    elif counts_failed:
         once = ", " + plural(again, "repeat")
     else:  # repeats the verdicts explain: the loader's own padding, fill or draws (`again`
         # deliveries more than the distinct samples: not "N once", which some came more than)
@@ -548,6 +604,7 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
     reasons = [REASON_LABEL.get(r, r) for r in
-               [(entry["missing"] or {}).get("reason"), *entry["duplicated"]["reasons"]] if r]
+               [(entry["missing"] or {}).get("reason"), *entry["duplicated"]["reasons"]]
+               if r and counts_failed]
     reasons = [r for r in dict.fromkeys(reasons) if r not in details]  # not said twice
     return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")
