@@ -715,7 +715,7 @@ def test_a_missing_id_field_is_named_on_every_rank_with_no_hang(tmp_path, some, 
 
 
 def test_the_readme_first_screen_watch_runs_as_shown(tmp_path):
-    """The README's first screen: its watch snippet, launched on 2 ranks word for word, prints
+    """The README's watch quickstart: its snippet, launched on 2 ranks word for word, prints
     the lines the README shows, and `sharddemo check` passes its report as shown."""
     import subprocess
 
