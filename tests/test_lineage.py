@@ -385,6 +385,49 @@ def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
     assert all(forwards == step * 2 for step, forwards in made_at)
 
 
+def test_the_optimizer_steps_of_an_epoch_whose_batches_g_does_not_divide(
+        tmp_path, fresh_accelerate_state):  # noqa: F811
+    """docs/watch.md's rule for the batches behind an optimizer step, against the Trainer's own
+    global_step: one process, 40 samples in batches of 4 (B = 10 batches an epoch), 2 epochs,
+    gradient accumulation G = 3, so the epoch's last update takes 1 batch (10 = 3 + 3 + 3 + 1)
+    and (s-1)*G .. s*G-1 over the run is wrong from step 4 on. Expected: the forwards the model
+    itself made before each optimizer step (the Trainer's on_step_end), and the lineage's ids
+    of those forwards."""
+    pytest.importorskip("transformers")
+    from test_frameworks import example
+    from transformers import TrainerCallback
+
+    wt = example("watch_trainer")
+    received: list[list[int]] = []
+    made_at: list[tuple[int, int]] = []  # (global_step, forwards so far)
+
+    class Logged(wt.TinyModel):
+        def forward(self, x, labels=None):
+            if self.training:
+                received.append(x[:, 0].long().tolist())
+            return super().forward(x, labels)
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            made_at.append((state.global_step, len(received)))
+
+    folder = tmp_path / "lineage"
+    wt.make_trainer(str(tmp_path / "run"), 2, lineage=str(folder), model=Logged(),
+                    accumulation=3, callbacks=[Steps()]).train()
+    flush_all()
+    G, B = 3, 10
+    U = -(-B // G)  # optimizer steps an epoch: 4
+    assert [s for s, _ in made_at] == list(range(1, 2 * U + 1))
+    done = 0
+    for s, forwards in made_at:
+        E, J = (s - 1) // U, (s - 1) % U
+        steps = range(J * G, min((J + 1) * G, B))  # the rule, within epoch E
+        assert forwards == done + len(steps), (s, forwards)
+        got = [cli_json(folder, "--epoch", E, "--step", k)["batches"][0]["ids"] for k in steps]
+        assert got == received[done:forwards], s
+        done = forwards
+
+
 def test_lightning_lineage_across_a_resumed_fit(tmp_path):
     """LightningWatch(lineage=DIR), one device in this process, 40 samples in batches of 4,
     2 epochs; a checkpoint at step 13, the fit stopped there, then fit(ckpt_path=...) in a new
