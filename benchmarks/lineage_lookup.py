@@ -3,10 +3,10 @@
     python benchmarks/lineage_lookup.py                     # 10^8 samples, 8 ranks, batch 512
     python benchmarks/lineage_lookup.py --record            # and into docs/benchmarks.md
 
-A synthetic lineage of N samples: one epoch of a permutation of 0..N-1 (uint32), dealt to W
-ranks in batches of B, written with the format's own encoder (sharddemo.lineage.encode, what
-the watch's writer calls) straight from numpy: no training loop, no torch, so that 10^8 samples
-can be made on 2 cores. Then, each in a fresh process (`sharddemo lineage`, as a user runs it,
+A synthetic lineage of N samples: one epoch of a permutation of 0..N-1, dealt to W ranks in
+batches of B, written with the format's own encoder (sharddemo.lineage.encode_many, a chunk of
+256 batches at a time, as the watch's writer calls it) straight from numpy: no training loop,
+no torch, so that 10^8 samples can be made on 2 cores. Then, each in a fresh process (`sharddemo lineage`, as a user runs it,
 the Python start included) and with the files in the page cache: a lookup by step (every rank
 at that step) and a lookup by id (every rank's file searched), several of each; the median and
 the slowest. The folder is removed at the end unless --keep.
@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
-from sharddemo.lineage import BATCH, encode, file_header, rank_file, write_run_file
+from sharddemo.lineage import BATCH, encode_many, file_header, rank_file, write_run_file
+
+CHUNK = 256  # batches a chunk: the writer's FLUSH_BATCHES
 
 
 def make(folder: str, n: int, world: int, batch: int, seed: int = 0) -> dict:
@@ -35,15 +37,15 @@ def make(folder: str, n: int, world: int, batch: int, seed: int = 0) -> dict:
     per_rank = n // world
     for rank in range(world):
         mine = order[rank * per_rank:(rank + 1) * per_rank]
+        sizes = np.diff(np.append(np.arange(0, len(mine), batch), len(mine)))
         with open(rank_file(folder, rank), "wb") as handle:
             handle.write(file_header(rank))
-            chunk = []
-            for step, at in enumerate(range(0, len(mine), batch)):
-                chunk.append(encode(BATCH, 0, step, mine[at:at + batch]))
-                if len(chunk) == 4096:
-                    handle.write(b"".join(chunk))
-                    chunk = []
-            handle.write(b"".join(chunk))
+            for first in range(0, len(sizes), CHUNK):
+                part = sizes[first:first + CHUNK]
+                at = first * batch
+                handle.write(encode_many([BATCH] * len(part), [0] * len(part),
+                                         range(first, first + len(part)), part,
+                                         mine[at:at + int(part.sum())]))
     write_run_file(folder, {"run_id": "benchmark000", "started": "-", "world_size": world,
                             "dataset_size": n, "loader": "train"})
     size = sum(os.path.getsize(rank_file(folder, r)) for r in range(world))

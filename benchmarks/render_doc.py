@@ -457,15 +457,21 @@ def render_doc(results: dict) -> str:
                    f"command (`sharddemo --help` alone: {ln['help_s']:.2f} s) | {ln['target']} "
                    f"| {'met' if step_ok and id_ok else 'NOT met'} |")
         notes.append(f"- lineage ({_when(ln)}): `python benchmarks/lineage_lookup.py --record`. "
-                     "A synthetic lineage (one epoch, a permutation of the N ids as uint32, "
-                     "dealt to the ranks in batches) written with the format's own encoder "
-                     "from numpy (no training loop), then `sharddemo lineage DIR --step K` and "
-                     "`--id ID` as a user runs them, each in a fresh process, the files in the "
-                     f"page cache, {ln['lookups']} random steps and ids. A lookup by step walks "
-                     "every rank's record headers (those of one batch size checked at once with "
-                     "numpy); one by id searches every file's words for the id with numpy and "
-                     f"keeps the hits inside a record's ids. Making the files took "
-                     f"{ln['write_s']:.0f} s.")
+                     "A synthetic lineage (one epoch, a permutation of the N ids, dealt to the "
+                     "ranks in batches) written with the format's own encoder from numpy, a "
+                     "chunk of 256 batches at a time as the watch's writer writes them (no "
+                     "training loop), then `sharddemo lineage DIR --step K` and `--id ID` as a "
+                     "user runs them, each in a fresh process, the files in the page cache, "
+                     f"{ln['lookups']} random steps and ids. A lookup by step walks every rank's "
+                     "chunk headers and decodes the one chunk that holds the step; one by id "
+                     "decodes every chunk (its ids unpacked with numpy) and searches it. Making "
+                     f"the files took {ln['write_s']:.0f} s."
+                     + (f" Load: {ln['load']}." if ln.get("load") else "")
+                     + lineage_before(ln.get("format_1_same_hour")))
+    ls = results.get("lineage_size")
+    if ls:
+        out.append(lineage_size_row(ls))
+        notes.append(lineage_size_note(ls))
     hg = results.get("huge")
     if hg:
         def cell(r):
@@ -553,6 +559,58 @@ def render_doc(results: dict) -> str:
                        f"{gpu['run_s']:.2f} s | {gpu['target']} | {_met(gpu)} |")
     out += ["", "## How each figure was taken", ""] + notes + [""]
     return "\n".join(out)
+
+
+def lineage_before(old) -> str:
+    """The same lookups on the format before (uint32 or int64 ids a record), the same hour."""
+    if not old:
+        return ""
+    return (" The format before (format 1: a 24-byte header and uint32 ids a batch), the same "
+            f"hour: {old['bytes_per_sample']:.2f} bytes a sample, by step {old['step_s']:.2f} s "
+            f"(slowest {old['step_max_s']:.2f} s), by id {old['id_s']:.2f} s (slowest "
+            f"{old['id_max_s']:.2f} s; it searched the raw words, which packed ids no longer "
+            "allow).")
+
+
+def lineage_size_row(ls: dict) -> str:
+    """The lineage's bytes a sample beside OLMo's gzipped TSV (benchmarks/lineage_size.py)."""
+    def cell(r):
+        return (f"batch {r['batch']}: **{r['ours']:.2f}** vs {r['olmo_gzip_tsv']:.2f}")
+
+    groups = []
+    for n in sorted({r["n"] for r in ls["rows"]}):
+        for order in ("shuffled", "in order"):
+            rows = [r for r in ls["rows"] if r["n"] == n and r["order"] == order]
+            if rows:
+                floor = (f" (floor log2(N) {rows[0]['floor']:.2f}, packed "
+                         f"{rows[0]['packed']:.3f})" if order == "shuffled" else "")
+                groups.append(f"N = {n:,} {order}{floor}: " + ", ".join(map(cell, rows)))
+    ahead = all(r["ours"] < r["olmo_gzip_tsv"] for r in ls["rows"])
+    close = max(r["ours"] / r["packed"] for r in ls["rows"] if r["order"] == "shuffled")
+    return (f"| lineage on disk, bytes a sample: ours (the watch's writer) vs OLMo's per-step TSV "
+            f"of indices gzipped, {ls['rows'][0]['samples']:,} ids a case | "
+            + "; ".join(groups) + f" | {ls['target']} | "
+            + ("met" if ahead else "**missed**")
+            + f" (shuffled: at most {100 * (close - 1):.1f}% over ids packed to ceil(log2 N) "
+            "bits) |")
+
+
+def lineage_size_note(ls: dict) -> str:
+    writer = [r["write_us_per_batch"] for r in ls["rows"]]
+    one = [r["ours"] for r in ls["rows"] if r["order"] == "in order" and r["batch"] == 1]
+    return (f"- lineage size ({ls['date']}, {ls['machine']}): `{ls['command']}`. One rank's "
+            "loop receives the ids (at N = 10^8 the first 2 x 10^5 of a shuffled epoch: drawn "
+            "without replacement from range(N), in random order; in order: the epoch's last "
+            "2 x 10^5 ids, as large as N's), written by the watch's own writer "
+            "(`LineageWriter.append` a batch, a chunk every 256 batches, the file header "
+            "included) and as OLMo keeps them, a `step<TAB>idx idx ...` line a step gzipped by "
+            "Python's gzip at its default level. The floor: log2(N) bits a sample; packed: "
+            "ceil(log2 N) bits, what the chunks' ids take. A chunk's 32-byte header is "
+            "shared by its 256 batches (0.125 bytes a sample at batch 1); a batch of "
+            "consecutive ids is its first id, and a chunk's ids are stored from its smallest "
+            f"where that saves bits (in order: {max(one):.2f} bytes a sample at batch 1). The "
+            f"writer's CPU time: {min(writer):.1f}-{max(writer):.1f} us a batch (append, the join and copy "
+            "of a chunk's ids, the encoding, the write).")
 
 
 def record_result(name: str, figures: dict) -> None:

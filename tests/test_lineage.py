@@ -96,29 +96,47 @@ def test_every_step_of_every_rank_is_the_samplers_batch(tmp_path, monkeypatch, w
         assert cli_json(folder, "--id", sample)["received"] == expected
 
 
-def test_four_bytes_a_sample_where_ids_fit_and_eight_beyond(tmp_path, monkeypatch):
+def test_ids_packed_to_the_bits_the_chunk_needs(tmp_path, monkeypatch):
+    """One chunk for the loop's 3 batches (written at the exit): a 32-byte header, then the
+    sizes and the ids packed to the bits they need; a batch of consecutive ids is its first id."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    order = [9, 2, 7, 0, 5, 1, 8, 3, 6, 4]
+    loader = watch(DataLoader(TensorDataset(torch.arange(10)), batch_size=4, sampler=order),
+                   report=None, lineage=str(tmp_path / "shuffled"))
+    assert [b[0].tolist() for b in loader] == [order[:4], order[4:8], order[8:]]
+    flush_all()
+    # by hand: a 16-byte file header, a 32-byte chunk header, the sizes 4, 4, 2 at 3 bits
+    # (9 bits: 2 bytes), the 10 ids below 16 at 4 bits (40 bits: 5 bytes): 16 + 32 + 7 = 55
+    assert (tmp_path / "shuffled" / "rank0.lineage").stat().st_size == 55
+
     loader = watch(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), report=None,
-                   lineage=str(tmp_path / "small"))
+                   lineage=str(tmp_path / "in_order"))
     assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     flush_all()
-    # by hand: a 16-byte file header, then per batch a 24-byte record header and its ids as
-    # uint32 padded to 8 bytes: 16 + (24 + 16) * 2 + (24 + 8) = 128
-    assert (tmp_path / "small" / "rank0.lineage").stat().st_size == 128
+    # every batch a run: a 1-byte bitmap of runs, the sizes (2 bytes), the first ids 0, 4, 8
+    # at 4 bits (2 bytes): 16 + 32 + 5 = 53
+    assert (tmp_path / "in_order" / "rank0.lineage").stat().st_size == 53
+    assert cli_json(tmp_path / "in_order", "--step", 2)["batches"][0]["ids"] == [8, 9]
+    assert cli_json(tmp_path / "in_order", "--id", 6)["received"] == [
+        {"epoch": 0, "step": 1, "rank": 0}]
 
-    big = 2**33  # ids past 32 bits: int64, 8 bytes each
-    rows = [{"id": torch.tensor(big + k)} for k in range(3)]
+    big = 2**33  # ids past 32 bits: 34 bits each
+    rows = [{"id": torch.tensor(big + k)} for k in (0, 1, 5)]
     loader = watch(DataLoader(rows, batch_size=2), report=None, id_field="id",
                    on_violation="ignore", lineage=str(tmp_path / "big"))
     received = [b["id"].tolist() for b in loader]
+    assert received == [[big, big + 1], [big + 5]]
     flush_all()
-    # 16 + (24 + 16) + (24 + 8) = 88, by hand
-    assert (tmp_path / "big" / "rank0.lineage").stat().st_size == 88
+    # by hand: the runs' bitmap (1 byte), the sizes 2, 1 at 2 bits (1 byte), the first ids
+    # 2^33 and 2^33 + 5 at 34 bits (68 bits: 9 bytes; from a base of 2^33, 3 bits each but 8
+    # bytes for the base, no fewer): 16 + 32 + 11 = 59
+    assert (tmp_path / "big" / "rank0.lineage").stat().st_size == 59
     assert cli_json(tmp_path / "big", "--step", 1)["batches"][0]["ids"] == received[1]
-    assert cli_json(tmp_path / "big", "--id", big + 2)["received"] == [
-        {"epoch": 0, "step": 1, "rank": 0}]
-    assert cli_json(tmp_path / "big", "--id", 2)["received"] == []  # same low 32 bits
+    assert cli_json(tmp_path / "big", "--step", 0)["batches"][0]["ids"] == received[0]
+    assert cli_json(tmp_path / "big", "--id", big + 1)["received"] == [
+        {"epoch": 0, "step": 0, "rank": 0}]
+    assert cli_json(tmp_path / "big", "--id", 1)["received"] == []  # same low 32 bits
 
 
 def test_a_resume_continues_the_steps_and_a_torn_tail_is_skipped(tmp_path, monkeypatch):
@@ -179,19 +197,24 @@ def test_a_torn_tail_is_detected_and_skipped_on_read(tmp_path, monkeypatch):
     folder = tmp_path / "lineage"
     loader = watch(DataLoader(TensorDataset(torch.arange(6)), batch_size=2), report=None,
                    lineage=str(folder))
-    received = [b[0].tolist() for b in loader]
+    received = []
+    for (ids,) in loader:
+        received.append(ids.tolist())
+        if len(received) == 2:
+            flush_all()  # steps 0 and 1 in one chunk; step 2 in the next, at the exit
     flush_all()
     whole = (folder / "rank0.lineage").read_bytes()
-    # a crash in the middle of the last record's write: its first 30 bytes of 24 + 8
+    # a crash in the middle of the last chunk's write: its first 32 bytes of 32 + 2 (a
+    # batch [4, 5]: the runs' bitmap, 1 byte, and its first id, 1 byte)
     (folder / "rank0.lineage").write_bytes(whole[:-2])
     result = lineage_cli(folder, "--step", 1)
     assert result.exit_code == 0
-    assert result.stderr.startswith("Warning: rank0.lineage ends in a record cut short (30 "
+    assert result.stderr.startswith("Warning: rank0.lineage ends in a record cut short (32 "
                                     "bytes")
     assert result.stdout == f"rank 0 epoch 0 step 1: 2 samples: {received[1][0]} " \
         f"{received[1][1]}\n"
     assert lineage_cli(folder, "--step", 2).exit_code == 2  # the torn step is not there
-    # a last record whole in length but not in content: its CRC fails
+    # a last chunk whole in length but not in content: its CRC fails
     (folder / "rank0.lineage").write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))
     assert lineage_cli(folder, "--step", 2).exit_code == 2
     assert cli_json(folder, "--step", 1)["batches"][0]["ids"] == received[1]
@@ -296,6 +319,15 @@ def test_real_ranks_three_with_workers(tmp_path):
     # epoch 1's first batch of every rank, by --epoch
     assert [b["ids"] for b in cli_json(folder, "--step", 0, "--epoch", 1)["batches"]] == [
         uninterrupted[rank][len(uninterrupted[rank]) // 2] for rank in range(3)]
+    # the files' size, by hand: one chunk an epoch (the writer writes at the epoch's change and
+    # at the exit), each a 32-byte header, at most 1 byte of runs' bitmap and 2 of sizes (4
+    # batches of at most 4: 3 bits each), and the epoch's ids at 6 bits (all below 40); the
+    # 16-byte file header. (Format 1 took 24 bytes a batch and 4 an id: 336 bytes a rank here.)
+    for rank in range(3):
+        half = len(uninterrupted[rank]) // 2
+        epochs = [uninterrupted[rank][:half], uninterrupted[rank][half:]]
+        bound = 16 + sum(32 + 1 + 2 + -(-6 * sum(map(len, batches)) // 8) for batches in epochs)
+        assert (folder / f"rank{rank}.lineage").stat().st_size <= bound, rank
 
 
 def prepared_batches(world: int, epochs: int) -> list[list[list[int]]]:

@@ -7,17 +7,34 @@ A lineage folder holds:
 - `lineage.json`, written by rank 0 when its loop receives its first batch: the schema, the
   run id, the world size, the dataset's length where known, the loader's name;
 - `rank{r}.lineage` per rank, append-only: a 16-byte file header (MAGIC, the format version,
-  the rank), then one record per batch the loop received, in order. A record is a 24-byte
-  header (kind, id width, epoch, step, count, CRC-32 of the header's other fields and the
-  ids) and the ids: uint32 where every id of the batch fits, else int64; padded to 8 bytes.
-  A `RESTART` record (count 0) marks a resume from a checkpoint: its step is the first step
-  of the resumed launch, and any record of an earlier launch from that step on (written after
-  the checkpoint the run resumed from) is superseded. An `UNKNOWN` record (count 0) is a batch
-  whose ids the watch could not attribute: it keeps the step count true.
+  the rank), then one chunk per write of the writer (every 256 batches, an epoch's change, a
+  checkpoint, the exit), each holding the consecutive steps of one epoch.
 
-A crash can leave the last record cut short: it fails its length or CRC check and is skipped
-(`RankLineage.torn` says how many bytes). Steps count the batches a rank's loop received, from
-0, across epochs and resumes.
+A chunk is a 32-byte header (`CHUNK`: kind, id width in bits, size width in bits, flags, epoch,
+first step, batch count, the batches' size where they all have one, payload length, CRC-32 of
+the header's other fields and the payload), then its payload, each part byte-aligned:
+
+1. with `BASE`: an int64 subtracted from every stored id (negative ids, or ids all far from 0);
+2. with `UNKNOWNS`: one bit a batch, set for a batch whose ids the watch could not attribute
+   (it keeps the step count true; no ids);
+3. with `RUNS`: one bit a batch, set for a batch of 2 or more consecutive ascending ids, which
+   is stored as its first id alone;
+4. unless `UNIFORM` (every known batch has the header's size): the known batches' sizes,
+   packed at the size width;
+5. the stored ids (every id of a plain batch, the first of a run), minus the base, packed at
+   the id width: the fewest bits the chunk's largest stored id needs (18 for ids below
+   2 x 10^5, 27 below 10^8, up to 64), little-endian bit order.
+
+A `RESTART` chunk (no batches, no payload) marks a resume from a checkpoint: its step is the
+first step of the resumed launch, and any batch of an earlier launch from that step on (written
+after the checkpoint the run resumed from) is superseded.
+
+A crash can leave the last chunk cut short: it fails its length or CRC check and is skipped
+(`RankLineage.torn` says how many bytes); the writer cuts it off before a resumed run appends.
+The reader indexes a file by its chunk headers alone (the ids are decoded for the chunk a lookup
+needs). Steps count the batches a rank's loop received, from 0, across epochs and resumes.
+Format 2 (this one) replaced format 1 (a 24-byte header and uint32 or int64 ids per batch);
+a format-1 file is refused with a message that says so.
 
     lineage = Lineage("runs/lineage")
     lineage.at_step(48112)        # [{"rank": 0, "epoch": 3, "step": 48112, "ids": [...]}, ...]
@@ -40,12 +57,19 @@ from sharddemo.errors import UsageError
 SCHEMA = "sharddemo.lineage/1"
 RUN_FILE = "lineage.json"
 MAGIC = b"SDLINEAG"
-VERSION = 1
+VERSION = 2
 FILE_HEADER = struct.Struct("<8sII")  # magic, version, rank: 16 bytes
-# kind, width, flags, epoch, step, count, crc: 24 bytes
-RECORD = struct.Struct("<BBHIQII")
-BATCH, RESTART, UNKNOWN = 0, 1, 2
-UINT32_MAX = 2**32 - 1
+# kind, id width, size width, flags, epoch, first step, batches, size, payload length, crc
+CHUNK = struct.Struct("<BBBBIQIIII")  # 32 bytes
+BATCH, RESTART, UNKNOWN = 0, 1, 2  # what a step (a row of the reader) is
+CHUNK_BATCHES, CHUNK_RESTART = 0, 1  # what a chunk is
+UNIFORM, RUNS, UNKNOWNS, BASE = 1, 2, 4, 8  # a chunk's flags
+FLAGS = UNIFORM | RUNS | UNKNOWNS | BASE
+# a chunk's limits (encode_many starts another past them): its payload stays well under the
+# 4 GB its length field can say, and one chunk's decode well under a second
+MAX_CHUNK_IDS = 1 << 24
+MAX_CHUNK_BATCHES = 1 << 20
+U64 = np.uint64
 
 
 def rank_file(folder: str, rank: int) -> str:
@@ -56,45 +80,199 @@ def file_header(rank: int) -> bytes:
     return FILE_HEADER.pack(MAGIC, VERSION, rank)
 
 
+def pack(values: np.ndarray, width: int) -> bytes:
+    """`values` (uint64, each below 2**width) packed at `width` bits each, the first value in
+    the lowest bits: ceil(len * width / 8) bytes. Vectorised, no loop over the values: every 8
+    values fill `width` whole bytes, so the k-th value of each 8 starts at the same byte and
+    bit of its group (k * width / 8), and each k is one strided OR into the groups' bytes."""
+    n = len(values)
+    if n == 0 or width == 0:
+        return b""
+    if width in (8, 16, 32, 64):
+        return values.astype(f"<u{width // 8}").tobytes()
+    nbytes = (n * width + 7) // 8
+    if 8 <= width <= 57:  # (a value and its shift in 8 bytes; groups whose k-th do not overlap)
+        groups = -(-n // 8)
+        padded = np.zeros(groups * 8, dtype=U64)
+        padded[:n] = values
+        out = np.zeros(groups * width + 8, dtype=np.uint8)
+        for k in range(8):
+            into = np.ndarray((groups,), dtype="<u8", buffer=out, offset=k * width >> 3,
+                              strides=(width,))
+            into |= padded[k::8] << U64(k * width & 7)
+        return out[:nbytes].tobytes()
+    # the other widths: each 64-bit word is the OR of the values that start in it (one
+    # reduceat), plus the high part of the one that started in the word before and spills
+    bit = np.arange(n, dtype=U64) * U64(width)
+    word = (bit >> U64(6)).astype(np.intp)
+    shift = bit & U64(63)
+    starts = np.flatnonzero(np.concatenate(([True], word[1:] != word[:-1])))
+    words = np.zeros(nbytes // 8 + 2, dtype="<u8")
+    words[word[starts]] = np.bitwise_or.reduceat(values << shift, starts)
+    spill = np.flatnonzero(shift > U64(64 - width))
+    if len(spill):  # (a word's start has one straddler at most: these indexes are distinct)
+        words[word[spill] + 1] |= values[spill] >> (U64(64) - shift[spill])
+    return words.view(np.uint8)[:nbytes].tobytes()
+
+
+def unpack(data, n: int, width: int) -> np.ndarray:
+    """The `n` values of `width` bits that pack() wrote at the start of `data`, as uint64."""
+    if n == 0:
+        return np.empty(0, dtype=U64)
+    if width == 0:
+        return np.zeros(n, dtype=U64)
+    if width in (8, 16, 32, 64):
+        return np.frombuffer(data, dtype=f"<u{width // 8}", count=n).astype(U64)
+    nbytes = (n * width + 7) // 8
+    mask = U64((1 << width) - 1)
+    if width <= 57:  # the k-th value of every 8: one strided read of 8 bytes, one shift
+        groups = -(-n // 8)
+        padded = np.zeros(groups * width + 8, dtype=np.uint8)
+        padded[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+        out = np.empty(groups * 8, dtype=U64)
+        for k in range(8):
+            np.right_shift(np.ndarray((groups,), dtype="<u8", buffer=padded,
+                                      offset=k * width >> 3, strides=(width,)),
+                           U64(k * width & 7), out=out[k::8])
+        out &= mask
+        return out[:n]
+    words = np.zeros(nbytes // 8 + 2, dtype="<u8")
+    words.view(np.uint8)[:nbytes] = np.frombuffer(data, dtype=np.uint8, count=nbytes)
+    bit = np.arange(n, dtype=U64) * U64(width)
+    word = (bit >> U64(6)).astype(np.intp)
+    shift = bit & U64(63)
+    out = words[word] >> shift
+    # the next word's bits, shifted up by 64 - shift: in two steps, so that a value that
+    # starts on a word's first bit (shift 0) takes none (a shift by 64 is not defined)
+    out |= (words[word + 1] << U64(1)) << (U64(63) - shift)
+    return out & mask
+
+
 def encode(kind: int, epoch: int, step: int, ids: Optional[np.ndarray] = None) -> bytes:
-    """One record: uint32 ids where every id fits (4 bytes a sample), else int64 (8)."""
-    if ids is None or len(ids) == 0:
-        payload, width, count = b"", 4, 0
-    else:
-        ids = np.asarray(ids)
-        count = len(ids)
-        if int(ids.min()) >= 0 and int(ids.max()) <= UINT32_MAX:
-            payload, width = ids.astype("<u4", copy=False).tobytes(), 4
-        else:
-            payload, width = ids.astype("<i8", copy=False).tobytes(), 8
-        if len(payload) % 8:
-            payload += b"\0" * (8 - len(payload) % 8)
-    head = RECORD.pack(kind, width, 0, epoch, step, count, 0)[:-4]
-    crc = zlib.crc32(payload, zlib.crc32(head))
-    return head + struct.pack("<I", crc) + payload
+    """One step as a chunk of its own: a batch (its ids), a batch of unknown ids, or a restart."""
+    ids = np.asarray(ids if ids is not None and kind == BATCH else [], dtype=np.int64)
+    return encode_many([kind], [epoch], [step], [len(ids)], ids)
 
 
 def encode_many(kinds, epochs, steps, counts, ids) -> bytes:
-    """Several records at once (the writer's chunk): `ids` all the batches' ids end to end,
-    `counts` each batch's share; uint32 for the whole chunk where every id fits, else int64."""
-    ids = np.asarray(ids)
-    width = 4 if len(ids) == 0 or (int(ids.min()) >= 0 and int(ids.max()) <= UINT32_MAX) else 8
-    flat = ids.astype("<u4" if width == 4 else "<i8", copy=False).tobytes()
-    out, at = [], 0
-    pack, crc32 = RECORD.pack, zlib.crc32
-    for kind, epoch, step, count in zip(kinds, epochs, steps, counts):
-        size = width * count
-        payload = flat[at:at + size]
-        at += size
-        if size % 8:
-            payload += b"\0" * (8 - size % 8)
-        head = pack(kind, width, 0, epoch, step, count, 0)[:-4]
-        out += (head, struct.pack("<I", crc32(payload, crc32(head))), payload)
+    """Several steps at once (the writer's buffer): `kinds` BATCH, UNKNOWN or RESTART each,
+    `ids` all the batches' ids end to end, `counts` each batch's share (0 for the others).
+    One chunk for each stretch of consecutive steps of one epoch (a restart a chunk of its
+    own)."""
+    kinds = np.asarray(kinds, dtype=np.int64)
+    epochs = np.asarray(epochs, dtype=np.int64)
+    steps = np.asarray(steps, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
+    n = len(kinds)
+    if n == 0:
+        return b""
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    cut = np.ones(n + 1, dtype=bool)
+    cut[1:-1] = ((kinds[1:] == RESTART) | (kinds[:-1] == RESTART)
+                 | (epochs[1:] != epochs[:-1]) | (steps[1:] != steps[:-1] + 1))
+    bounds = np.flatnonzero(cut).tolist()
+    out: list[bytes] = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if kinds[a] == RESTART:
+            head = CHUNK.pack(CHUNK_RESTART, 0, 0, 0, int(epochs[a]), int(steps[a]), 0, 0, 0,
+                              0)[:-4]
+            out += (head, struct.pack("<I", zlib.crc32(head)))
+            continue
+        while a < b:  # (a stretch past a chunk's limits: several chunks)
+            end = min(b, a + MAX_CHUNK_BATCHES,
+                      max(a + 1, int(np.searchsorted(ends, starts[a] + MAX_CHUNK_IDS,
+                                                     side="right"))))
+            out.append(encode_chunk(kinds[a:end], int(epochs[a]), int(steps[a]),
+                                    counts[a:end], ids[starts[a]:ends[end - 1]]))
+            a = end
     return b"".join(out)
 
 
-def payload_size(width: int, count: int) -> int:
-    return (width * count + 7) // 8 * 8
+def encode_chunk(kinds: np.ndarray, epoch: int, step: int, sizes: np.ndarray,
+                 ids: np.ndarray) -> bytes:
+    """One chunk of batches (steps step, step + 1, ...; UNKNOWN ones with size 0)."""
+    count = len(kinds)
+    unknown = kinds == UNKNOWN
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    # a run: 2 or more ids, each one more than the one before
+    breaks = np.concatenate(([0], np.cumsum(np.diff(ids) != 1)))
+    run = sizes >= 2
+    run[run] = breaks[ends[run] - 1] == breaks[starts[run]]
+    if run.any():  # a run keeps its first id
+        inner = np.repeat(run, sizes)
+        inner[starts[run]] = False
+        stored = ids[~inner]
+    else:
+        stored = ids
+    flags, parts, base, width = 0, [], 0, 0
+    if len(stored):
+        low, high = int(stored.min()), int(stored.max())
+        width = (high - low).bit_length()
+        # from 0 where that costs no more than the base's 8 bytes: the ids as they are
+        if low >= 0 and (high.bit_length() - width) * len(stored) <= 64:
+            width, low = high.bit_length(), 0
+        else:
+            flags |= BASE
+            base = low
+            parts.append(struct.pack("<q", low))
+    if unknown.any():
+        flags |= UNKNOWNS
+        parts.append(np.packbits(unknown, bitorder="little").tobytes())
+    if run.any():
+        flags |= RUNS
+        parts.append(np.packbits(run, bitorder="little").tobytes())
+    known = sizes[~unknown]
+    size, size_width = 0, 0
+    if len(known) == 0 or (known == known[0]).all():
+        flags |= UNIFORM
+        size = int(known[0]) if len(known) else 0
+    else:
+        size_width = int(known.max()).bit_length()
+        parts.append(pack(known.astype(U64), size_width))
+    values = stored.view(U64) - U64(base % 2**64) if flags & BASE else stored.view(U64)
+    parts.append(pack(values, width))
+    payload = b"".join(parts)
+    head = CHUNK.pack(CHUNK_BATCHES, width, size_width, flags, epoch, step, count, size,
+                      len(payload), 0)[:-4]
+    return head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
+
+
+class Layout:
+    """A chunk's payload read up to its ids (no CRC check: decode() checks it): `base`,
+    `unknown`, `run`, `size` per batch (0 for an unknown batch), where each batch's stored
+    ids start (`start`), how many ids are stored, and where they lie in the file (`at`)."""
+
+    def __init__(self, data, chunk: np.ndarray) -> None:
+        (_, self.width, size_width, flags, _, _, count, size, at, length) = chunk.tolist()
+        end = at + length
+        self.base = 0
+        if flags & BASE:
+            (self.base,) = struct.unpack_from("<q", data, at)
+            at += 8
+        bitmap = (count + 7) // 8
+        self.unknown = np.zeros(count, dtype=bool)
+        self.run = np.zeros(count, dtype=bool)
+        for flag, bits in ((UNKNOWNS, self.unknown), (RUNS, self.run)):
+            if flags & flag:
+                bits[:] = np.unpackbits(np.frombuffer(data, np.uint8, bitmap, at), count=count,
+                                        bitorder="little").astype(bool)
+                at += bitmap
+        known = int(count - self.unknown.sum())
+        self.size = np.zeros(count, dtype=np.int64)
+        if flags & UNIFORM:
+            self.size[~self.unknown] = size
+        else:
+            self.size[~self.unknown] = unpack(data[at:end], known, size_width).astype(np.int64)
+            at += (known * size_width + 7) // 8
+        per = np.where(self.run, 1, self.size)
+        self.start = np.cumsum(per) - per
+        self.stored = int(per.sum())
+        self.at = at
+        if at + (self.stored * self.width + 7) // 8 != end:
+            raise ValueError("the chunk's parts do not add up to its length")
 
 
 def write_run_file(folder: str, run: dict) -> None:
@@ -118,10 +296,12 @@ def read_run_file(folder: str) -> Optional[dict]:
 
 
 class RankLineage:
-    """One rank's file, indexed on open (one pass over the record headers, not the ids).
-    `records`: kind, epoch, step, offset (of the ids), count, width per valid record, in the
-    file's order, superseded ones (before a restart) dropped. `torn`: bytes of a last record
-    cut short, skipped. `restarts`: the steps at which a resumed launch went on."""
+    """One rank's file, indexed on open from its chunk headers (no id decoded). A row per step,
+    in the file's order, superseded ones (before a restart) dropped: `kind` (BATCH, UNKNOWN),
+    `epoch`, `step`, `count` (its ids), `chunk` and `within` (its chunk, and its place there).
+    `chunks`: a row per valid chunk (kind, id width, size width, flags, epoch, first step,
+    batches, size, payload offset, payload length). `torn`: bytes of a last chunk cut short,
+    skipped. `restarts`: the steps at which a resumed launch went on."""
 
     def __init__(self, path: str, rank: int) -> None:
         self.path, self.rank = path, rank
@@ -131,36 +311,79 @@ class RankLineage:
                          else b"")
         if len(self.data) < FILE_HEADER.size or self.data[:8] != MAGIC:
             raise UsageError(f"{path} is not a lineage file (no {MAGIC.decode()} header)")
-        table, self.valid_end = walk(self.data)
+        check_version(path, self.data)
+        self.chunks, self.valid_end = walk(self.data)
         self.torn = len(self.data) - self.valid_end
-        restart = table[:, 0] == RESTART
-        self.restarts = table[restart, 2].tolist()
+        chunks = self.chunks
+        restart = chunks[:, 0] == CHUNK_RESTART
+        per = np.where(restart, 1, chunks[:, 6])
+        chunk = np.repeat(np.arange(len(chunks)), per)
+        first = np.cumsum(per) - per
+        within = np.arange(int(per.sum())) - first[chunk]
+        kind = np.where(restart, RESTART, BATCH)[chunk]
+        epoch, step = chunks[chunk, 4], chunks[chunk, 5] + within
+        count = chunks[chunk, 7]
+        # the few chunks whose batches differ in size or hold unknown ones (an epoch's last
+        # chunk, say): their layout read
+        odd = (chunks[:, 3] & UNKNOWNS) | (~chunks[:, 3] & UNIFORM)
+        for c in np.flatnonzero(~restart & (odd != 0)).tolist():
+            layout = self.layout(c)
+            rows = slice(int(first[c]), int(first[c] + per[c]))
+            kind[rows] = np.where(layout.unknown, UNKNOWN, BATCH)
+            count[rows] = layout.size
+        self.restarts = step[kind == RESTART].tolist()
         # a restart at S supersedes the earlier launches' steps >= S: each batch is kept
         # where its step is below every later restart's
-        cut = np.where(restart, table[:, 2], np.iinfo(np.int64).max)
+        cut = np.where(kind == RESTART, step, np.iinfo(np.int64).max)
         later = np.minimum.accumulate(cut[::-1])[::-1]
         later = np.append(later[1:], np.iinfo(np.int64).max)
-        table = table[~restart & (table[:, 2] < later)]
-        self.kind, self.epoch, self.step = table[:, 0], table[:, 1], table[:, 2]
-        self.offset, self.count, self.width = table[:, 3], table[:, 4], table[:, 5]
+        keep = (kind != RESTART) & (step < later)
+        self.kind, self.epoch, self.step, self.count = kind[keep], epoch[keep], step[keep], \
+            count[keep]
+        self.chunk, self.within = chunk[keep], within[keep]
+        self.decoded: dict[int, tuple[Layout, np.ndarray]] = {}
 
     @property
     def steps(self) -> int:
         return int(self.step[-1]) + 1 if len(self.step) else 0
 
+    def layout(self, chunk: int) -> Layout:
+        try:
+            return Layout(self.data, self.chunks[chunk])
+        except (ValueError, struct.error):
+            raise self.damaged(chunk, "does not add up to its length") from None
+
+    def damaged(self, chunk: int, how: str = "fails its CRC check") -> UsageError:
+        first, count = int(self.chunks[chunk, 5]), int(self.chunks[chunk, 6])
+        return UsageError(f"{self.path}: the chunk of steps {first}..{first + count - 1} {how} "
+                          "(the file was damaged after it was written)")
+
+    def decode(self, chunk: int) -> tuple[Layout, np.ndarray]:
+        """A chunk's layout and its stored ids (uint64, less the base), CRC checked; the last
+        one decoded is kept (a lookup's steps often share a chunk)."""
+        if chunk not in self.decoded:
+            at, length = int(self.chunks[chunk, 8]), int(self.chunks[chunk, 9])
+            view = memoryview(self.data)  # (no copy of the chunk)
+            (crc,) = struct.unpack_from("<I", view, at - 4)
+            if zlib.crc32(view[at:at + length], zlib.crc32(view[at - CHUNK.size:at - 4])) != crc:
+                raise self.damaged(chunk)
+            layout = self.layout(chunk)
+            self.decoded = {chunk: (layout, unpack(view[layout.at:at + length], layout.stored,
+                                                   layout.width))}
+        return self.decoded[chunk]
+
     def ids(self, row: int) -> list[int]:
-        start, count, width = int(self.offset[row]), int(self.count[row]), int(self.width[row])
-        head = self.data[start - RECORD.size:start - 4]
-        payload = self.data[start:start + payload_size(width, count)]
-        (crc,) = struct.unpack_from("<I", self.data, start - 4)
-        if zlib.crc32(payload, zlib.crc32(head)) != crc:
-            raise UsageError(f"{self.path}: the record of step {int(self.step[row])} fails its "
-                             "CRC check (the file was damaged after it was written)")
-        return np.frombuffer(payload, dtype="<u4" if width == 4 else "<i8",
-                             count=count).tolist()
+        layout, stored = self.decode(int(self.chunk[row]))
+        j = int(self.within[row])
+        size, start = int(layout.size[j]), int(layout.start[j])
+        if layout.run[j]:
+            values = stored[start] + np.arange(size, dtype=U64)
+        else:
+            values = stored[start:start + size]
+        return (values + U64(layout.base % 2**64)).view(np.int64).tolist()
 
     def row_of(self, step: int, epoch: Optional[int] = None) -> Optional[int]:
-        """The record of `step` (of the run; with `epoch`: the epoch's step-th batch)."""
+        """The row of `step` (of the run; with `epoch`: the epoch's step-th batch)."""
         if epoch is not None:
             in_epoch = np.flatnonzero(self.epoch == epoch)
             return int(in_epoch[step]) if step < len(in_epoch) else None
@@ -168,95 +391,89 @@ class RankLineage:
         return row if row < len(self.step) and self.step[row] == step else None
 
     def rows_with(self, sample: int) -> list[int]:
-        """The records that hold `sample`: a vectorised search of the whole file for its low
-        32 bits, then each hit checked to lie in a record's ids (not a header) and, for int64
-        ids, to be the whole id."""
-        if len(self.offset) == 0:
+        """The rows that hold `sample`: each chunk that can hold it (the sample within its
+        base and width) decoded and searched with numpy, a run by its first id and size."""
+        if not -2**63 <= sample < 2**63 or len(self.step) == 0:
             return []
-        words = np.frombuffer(self.data, dtype="<u4", count=self.valid_end // 4)
-        low = sample & 0xFFFFFFFF
-        hits = np.flatnonzero(words == np.uint32(low)) * 4
-        if len(hits) == 0:
-            return []
-        rows = np.searchsorted(self.offset, hits, side="right") - 1
         found = []
-        for at, row in zip(hits.tolist(), rows.tolist()):
-            if row < 0 or self.kind[row] != BATCH:
+        for c in np.unique(self.chunk).tolist():
+            if self.chunks[c, 0] != CHUNK_BATCHES:
                 continue
-            start, width = int(self.offset[row]), int(self.width[row])
-            if at >= start + width * int(self.count[row]):
+            layout = self.layout(c)
+            target = sample - layout.base
+            if not 0 <= target < 2**64 or (target >> layout.width and not layout.run.any()):
                 continue
-            if width == 4 and 0 <= sample <= UINT32_MAX:
-                found.append(row)
-            elif width == 8 and (at - start) % 8 == 0 and \
-                    struct.unpack_from("<q", self.data, at)[0] == sample:
-                found.append(row)
-        return sorted(set(found))
+            layout, stored = self.decode(c)
+            at = np.flatnonzero(stored == U64(target))
+            batch = np.searchsorted(layout.start, at, side="right") - 1
+            batch = batch[~layout.run[batch]]
+            runs = np.flatnonzero(layout.run)
+            first = stored[layout.start[runs]]
+            inside = runs[(first <= U64(target)) & (U64(target) - first < layout.size[runs])]
+            found += [(c, j) for j in np.union1d(batch, inside).tolist()]
+        # the rows of those batches, where not superseded: rows are in (chunk, place) order
+        key = self.chunk * (1 << 32) + self.within
+        rows = []
+        for c, j in found:
+            row = int(np.searchsorted(key, c * (1 << 32) + j))
+            if row < len(key) and key[row] == c * (1 << 32) + j:
+                rows.append(row)
+        return sorted(set(rows))
+
+
+def check_version(path: str, data) -> None:
+    """UsageError for a file of another format version than this sharddemo reads."""
+    (version,) = struct.unpack_from("<I", data, 8)
+    if version != VERSION:
+        raise UsageError(f"{path} is a lineage file of format {version}, written by "
+                         f"{'an earlier' if version < VERSION else 'a later'} sharddemo; this "
+                         f"one reads and writes format {VERSION}: read it with the sharddemo "
+                         "that wrote it, and give a new lineage folder to a new run")
 
 
 def walk(data) -> tuple[np.ndarray, int]:
-    """The records of a rank file, by their headers: a row (kind, epoch, step, offset of the
-    ids, count, width) each, and where the valid part ends. A record that does not fit in the file
-    (a crash cut it) ends the walk; so does a last record whose CRC fails.
-
-    Most records of a file have the same size (a loader's batches): from each record, the
-    next ones are guessed at that stride and checked all at once (numpy), and the walk goes
-    record by record only where the guess fails (an epoch's last batch, a restart)."""
+    """The chunks of a rank file, by their headers: a row each (kind, id width, size width,
+    flags, epoch, first step, batches, size, payload offset, payload length), and where the
+    valid part ends. A chunk whose header is not one (a crash tore it) or that does not fit in
+    the file ends the walk; so does a last chunk whose CRC fails (a crash tears the end only:
+    the chunks before it are checked when a lookup decodes them)."""
     end = len(data)
-    if end < FILE_HEADER.size + RECORD.size:
-        return np.empty((0, 6), dtype=np.int64), FILE_HEADER.size
-    usable = end // 8 * 8
-    bytes_ = np.frombuffer(data, dtype=np.uint8, count=usable)
-    words = bytes_.view("<u4")
-    longs = bytes_.view("<u8")
-    rows: list[np.ndarray] = []
     at = FILE_HEADER.size
-    unpack = RECORD.unpack_from
-    while at + RECORD.size <= end:
-        kind, width, _, epoch, step, count, _ = unpack(data, at)
-        size = RECORD.size + payload_size(width, count)
-        if kind > UNKNOWN or width not in (4, 8) or at + size > end:
+    rows = []
+    unpack_from = CHUNK.unpack_from
+    while at + CHUNK.size <= end:
+        kind, width, size_width, flags, epoch, step, count, size, length, _ = \
+            unpack_from(data, at)
+        if kind == CHUNK_BATCHES:
+            whole = (0 < count <= MAX_CHUNK_BATCHES and width <= 64 and size_width <= 32
+                     and not flags & ~FLAGS)
+        else:
+            whole = kind == CHUNK_RESTART and count == length == width == flags == 0
+        if not whole or at + CHUNK.size + length > end:
             break
-        rows.append(np.array([(kind, epoch, step, at + RECORD.size, count, width)],
-                             dtype=np.int64))
-        at += size
-        if kind != BATCH:
-            continue
-        # the same batch size again: records at at, at + size, ... with steps step + 1, ...
-        room = (end - at) // size
-        if room < 2:
-            continue
-        guess = at + size * np.arange(room, dtype=np.int64)
-        same = ((bytes_[guess] == kind) & (bytes_[guess + 1] == width)
-                & (words[guess // 4 + 1] == epoch)
-                & (longs[guess // 8 + 1] == step + 1 + np.arange(room, dtype=np.uint64))
-                & (words[guess // 4 + 4] == count))
-        taken = int(np.argmin(same)) if not same.all() else room
-        if taken:
-            block = np.empty((taken, 6), dtype=np.int64)
-            block[:] = (kind, epoch, 0, 0, count, width)
-            block[:, 2] = step + 1 + np.arange(taken)
-            block[:, 3] = guess[:taken] + RECORD.size
-            rows.append(block)
-            at += size * taken
-    table = np.concatenate(rows) if rows else np.empty((0, 6), dtype=np.int64)
-    if len(table):  # a crash tears the end only: the last record is checked whole
-        kind, epoch, step, start, count, width = table[-1].tolist()
-        head = data[start - RECORD.size:start - 4]
+        rows.append((kind, width, size_width, flags, epoch, step, count, size,
+                     at + CHUNK.size, length))
+        at += CHUNK.size + length
+    if rows:
+        start, length = rows[-1][8], rows[-1][9]
         (crc,) = struct.unpack_from("<I", data, start - 4)
-        if zlib.crc32(data[start:start + payload_size(width, count)], zlib.crc32(head)) != crc:
-            table = table[:-1]
-            at = start - RECORD.size
-    return table, at
+        if zlib.crc32(data[start:start + length],
+                      zlib.crc32(data[start - CHUNK.size:start - 4])) != crc:
+            rows.pop()
+            at = start - CHUNK.size
+    return np.array(rows, dtype=np.int64).reshape(-1, 10), at
 
 
 def valid_length(path: str) -> int:
-    """How much of a rank file is whole records (the writer cuts a torn tail before it
-    appends again)."""
+    """How much of a rank file is whole chunks (the writer cuts a torn tail before it
+    appends again); UsageError for a file of another format version (a resumed run does not
+    append format 2 chunks to it)."""
     with open(path, "rb") as handle:
         data = handle.read()
     if len(data) < FILE_HEADER.size:
         return 0
+    if data[:8] == MAGIC:
+        check_version(path, data)
     return walk(data)[1]
 
 
