@@ -99,6 +99,20 @@ def test_every_combination_where_accelerate_raises_is_a_finding_with_its_cause(
     assert how in got["line"], got
 
 
+def test_the_sweeps_own_examples_raise_inside_accelerate(fake_rank):
+    """The sweep above passes over a case where accelerate does not raise: its two examples
+    must raise (FACTS, "accelerate 1.16.0 raises where an epoch is empty": dispatch_batches,
+    drop_last and fewer samples than one global batch; 8 < W x 6, and 5 < the split global
+    batch 6), so the sweep cannot pass without checking anything."""
+    for case in ({"n": 8, "b": 6, "drop_last": True, "dispatch": True, "split": False},
+                 {"n": 5, "b": 6, "drop_last": True, "dispatch": True, "split": True}):
+        if case["split"] and case["b"] % fake_rank.world:
+            continue  # (accelerate refuses split_batches there before any pass)
+        got = fake_rank.ask(case)
+        assert "type" in got and got["line"] is not None, (case, got)
+        assert DISPATCH_CAUSE in got["line"], got
+
+
 # -- real ranks: accelerate's loader and sharddemo's walk of the same mode --------------------
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["W2", "W3"])
