@@ -8,6 +8,7 @@ each worker's loop received, logged by the loop itself."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -16,7 +17,7 @@ pytest.importorskip("ray.train.torch")
 
 import ray_loop  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 WORKERS = 2
 N, BATCH, EPOCHS = 10, 4, 2
@@ -102,3 +103,56 @@ def test_raise_stops_every_worker(ray_cluster, tmp_path):
         assert error.entry["epoch"] == 1 and not error.entry["ok"], error.entry
     # no worker got past epoch 1 to log its batches
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_a_loader_watched_in_the_driver_says_once_where_the_watch_belongs(ray_cluster,
+                                                                          tmp_path):
+    """watch() in the driver on a loader shipped to the workers in train_loop_config, which
+    prepare and iterate it: the watch does not travel (the workers get the plain loader), so
+    the driver warns once, as Ray pickles the loader (three times here), naming where watch()
+    goes. The workers train as unwatched: DistributedSampler(ds, 2, r, shuffle=True, seed=0)'s
+    batches after set_epoch(e); no report is written."""
+    from sharddemo import watch
+
+    data = TensorDataset(torch.arange(N))
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=BATCH, shuffle=True), report=str(report))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(tmp_path, ray_loop.shipped_loop, loader=loader, epochs=EPOCHS, log=str(tmp_path))
+    said = [str(w.message) for w in caught if "sharddemo.watch" in str(w.message)]
+    assert len(said) == 1, said
+    assert "inside train_loop_per_worker" in said[0] and "prepare_data_loader" in said[0]
+    for rank in range(WORKERS):
+        logged = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        sampler = DistributedSampler(data, WORKERS, rank, shuffle=True, seed=0)
+        for epoch in range(EPOCHS):
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            assert logged["batches"][epoch] == [order[i:i + BATCH]
+                                                for i in range(0, len(order), BATCH)]
+    assert not report.exists()
+
+
+def test_workers_that_each_read_everything_are_not_told_of_padding(ray_cluster, tmp_path):
+    """A DistributedSampler of the user's for 1 replica, which prepare_data_loader keeps: both
+    workers read all 10 samples in the order DistributedSampler(ds, 1, 0, shuffle=True,
+    seed=0) deals, which pads nothing (its own order is 10 long): 20 seen, 10 distinct,
+    replication, and neither the verdicts nor the printed line speak of padding."""
+    report = tmp_path / "w.jsonl"
+    run(tmp_path, ray_loop.watched_loop, n=N, batch=BATCH, epochs=1, report=str(report),
+        log=str(tmp_path), set_epoch=True, replicas=1)
+    sampler = DistributedSampler(TensorDataset(torch.arange(N)), 1, 0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    assert sorted(order) == list(range(N))  # no id added: no padding
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    for log in logs:
+        assert log["batches"] == [[order[i:i + BATCH] for i in range(0, N, BATCH)]]
+    [entry] = [json.loads(line) for line in report.read_text().splitlines()]
+    assert (entry["seen"], entry["unique"], entry["duplicated"]["reasons"]) == (
+        WORKERS * N, N, ["replication"])
+    failed = {v["verdict"]: v["detail"] for v in entry["verdicts"] if not v["ok"]}
+    assert "no-silent-replication" in failed and "no-unexplained-duplicates" in failed, failed
+    [line] = [text for log in logs for text in log["printed"] if text.startswith("sharddemo:")]
+    assert "FAIL" in line and "padding" not in line + " ".join(failed.values()), line

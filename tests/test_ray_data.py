@@ -85,6 +85,31 @@ def test_a_dataset_left_out_of_datasets_to_split_is_replication(ray_cluster, tmp
         assert "no-silent-replication" in failed, entry["verdicts"]
         assert entry["duplicated"]["reasons"] == ["replication"], entry["duplicated"]
         assert "datasets_to_split" in entry["reasons"]["replication"], entry["reasons"]
+    # Ray Data pads nothing: no line, verdict or reason speaks of padding
+    lines = [text for log in logs for text in log["printed"] if text.startswith("sharddemo:")]
+    assert len(lines) == EPOCHS and all("FAIL" in text for text in lines), lines
+    said = lines + [v["detail"] for e in entries for v in e["verdicts"]] + [
+        r for e in entries for r in e["reasons"].values()]
+    assert not [text for text in said if "padding" in text], said
+
+
+def test_the_short_last_batches_drop_last_drops_are_in_the_line(ray_cluster, tmp_path):
+    """11 rows on 2 workers, iter_torch_batches(batch_size=4, drop_last=True), one epoch: the
+    equal split gives each worker 5 rows and drops 1, and drop_last drops each worker's short
+    last batch of 1 (by hand: 11 = 2 x (4 + 1) + 1): 8 rows seen, 3 missing, more than the
+    split's 1; explained (up to 1 + 2 x 3), and the printed line names drop_last too."""
+    report = tmp_path / "w.jsonl"
+    run(tmp_path, split=True, report=str(report), per_epoch=False, drop_last=True, epochs=1)
+    logs = logged(tmp_path)
+    rows = [i for log in logs for batch in log["batches"][0] for i in batch]
+    assert [len(b) for log in logs for b in log["batches"][0]] == [BATCH] * WORKERS
+    missing = sorted(set(range(N)) - set(rows))
+    assert len(rows) == len(set(rows)) == 8 and len(missing) == 3, rows
+    [entry] = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["missing"] == {"count": 3, "ids": missing, "reason": "ray-equal-split"}
+    assert entry["ok"], entry["verdicts"]
+    [line] = [text for log in logs for text in log["printed"] if text.startswith("sharddemo:")]
+    assert "missing: 3 (" in line and "iter_torch_batches(drop_last=True)" in line, line
 
 
 def test_ray_data_batches_in_one_process_are_watched_pass_by_pass(ray_cluster, tmp_path):

@@ -1,8 +1,9 @@
 """Ray Data's equal split in the analysis (pure: no torch, no ray): the rows
 streaming_split(equal=True) drops are explained up to world_size - 1 (and a worker's short
 last batch each where iter_torch_batches(drop_last=True)), named in words; a dataset Ray hands
-whole to every worker is replication in Ray's words. The loader descriptions are those
-watching.raydata.describe_batches writes, as literals."""
+whole to every worker is replication in Ray's words, and padding is named only where the
+loader pads (Ray Data's batches pad nothing). The loader descriptions are those
+watching.raydata.describe_batches (and rank.describe.describe_loader) write, as literals."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_the_reasons_say_it_in_ray_s_words():
     unsplit = {"ray_data": {"iterator": "DataIteratorImpl", "split": "none", "world_size": None}}
     assert "datasets_to_split" in reason_sentence("replication", unsplit, 11)
     assert "datasets_to_split" not in reason_sentence("replication", {}, 11)
+
+
+def test_padding_is_named_only_where_the_loader_pads():
+    """No padding in Ray Data's batches, nor in a DistributedSampler whose own order adds no id
+    (sampler_padding 0: its total_size is N); a DistributedSampler that adds one, one that does
+    not say, and accelerate's fill may pad."""
+    from sharddemo.analysis.reasons import loader_pads
+
+    assert not loader_pads(ray("none"))
+    assert not loader_pads({"distributed_sampler": True, "sampler_padding": 0})
+    assert loader_pads({"distributed_sampler": True, "sampler_padding": 1})
+    assert loader_pads({"distributed_sampler": True})
+    assert loader_pads({"batch_sampler_shard": True, "even_batches": True})
+    assert "padding" not in reason_sentence("unexplained", ray("none"), 11)

@@ -149,6 +149,8 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
         return by_design_sentence(code, loader, n, missing, explained)
     if code == "ray-equal-split":
         return ray_split_sentence(loader, missing, explained)
+    if code == "unexplained" and not loader_pads(loader):
+        return "not explained: the loader does not pad"
     ray = loader.get("ray_data") or {}
     if code == "replication" and ray.get("split") == "none":
         return ("replication: Ray hands this dataset whole to every worker (a dataset left out "
@@ -197,6 +199,19 @@ def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
     if loader.get("distributed_sampler"):
         return "sampler-padding", "sample"
     return None, ""
+
+
+def loader_pads(loader: Optional[dict]) -> bool:
+    """Whether the loader's own objects add repeats to an epoch: a DistributedSampler whose
+    order is padded (its own total_size past N: N not a multiple of its num_replicas),
+    accelerate's fill, IterableDatasetShard's loop-around. False for a loader with none of
+    these (a plain DataLoader each rank reads whole, Ray Data's batches) and for a
+    DistributedSampler that pads nothing; True where unknown (no description)."""
+    if loader is None:
+        return True
+    code, _ = padding_mechanism(loader)
+    return code is not None and not (code == "sampler-padding"
+                                     and loader.get("sampler_padding") == 0)
 
 
 def is_double_split(loader: dict) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from sharddemo.analysis.modes import REPLICATED, SHARDED, expect, global_batch, mode_kind
-from sharddemo.analysis.reasons import REASON_LABEL, missing_ok, not_its_data
+from sharddemo.analysis.reasons import REASON_LABEL, loader_pads, missing_ok, not_its_data
 
 def replicated_ok(e: dict) -> bool:
     """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
@@ -169,9 +169,11 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
         if promised == "sharded":
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
+            repeats = f"{extra} repeat{'' if extra == 1 else 's'}"
+            # padding named only where the loader pads (not a loader every rank reads whole)
             add("no-unexplained-duplicates", k, ok, "" if ok else
-                f"{extra} repeat{'' if extra == 1 else 's'}, more than the loader's padding "
-                "explains")
+                f"{repeats}, more than the loader's padding explains" if loader_pads(loader)
+                else f"{repeats}, none explained: the loader does not pad")
         steps = [r["steps"] for r in e["ranks"]]
         add("equal-step-counts", k, e["steps_equal"],
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")

@@ -598,8 +598,12 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
             f"{each}, order changed: {order}")
     missing = entry["missing"]
     if not failed and missing and missing["count"] and missing["reason"] == "ray-equal-split":
-        # rows Ray's equal split drops by design: said, not an alarm
-        text += f", missing: {missing['count']:,} ({REASON_LABEL['ray-equal-split']})"
+        # rows Ray's equal split drops by design: said, not an alarm, in the reason's own
+        # sentence (with iter_torch_batches(drop_last=True) it names the short last batches
+        # too, which the bare label does not: the line would put them on the split)
+        said = (entry.get("reasons") or {}).get("ray-equal-split") or REASON_LABEL[
+            "ray-equal-split"]
+        text += f", missing: {missing['count']:,} ({said})"
     if not failed:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)

@@ -71,6 +71,13 @@ def describe_loader(loader) -> dict:
             info["drop_last"] = True
         if name == "DistributedSampler" or (hasattr(obj, "num_replicas") and hasattr(obj, "rank")):
             info["distributed_sampler"] = True
+            # how many ids it adds to its order, by its own numbers (total_size is
+            # num_replicas x num_samples): 0 where N is a multiple of num_replicas, or it cuts
+            # (drop_last); kept out where it does not say (a sampler of the user's)
+            try:
+                info["sampler_padding"] = max(int(obj.total_size) - len(obj.dataset), 0)
+            except (AttributeError, TypeError, ValueError):
+                pass
         if name == "BatchSamplerShard":
             info["batch_sampler_shard"] = True
         if name == "IterableDatasetShard":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import sys
 
 import torch
 
@@ -74,8 +75,13 @@ def _rebuild(cls, state: dict):
 
 def _as_plain(cls, *ours: str):
     """__reduce_ex__ of a watched object: it pickles (accelerate's save_state pickles a
-    sampler; a spawned worker, a dataset) as the plain object it was, without the watch."""
+    sampler; a spawned worker, a dataset) as the plain object it was, without the watch. A
+    watched loader pickled for another process (not copied in this one: copy.copy and
+    copy.deepcopy call this too) tells its watch, which says where it must be called."""
     def __reduce_ex__(self, protocol):
+        watch = self.__dict__.get("_sharddemo_watch")
+        if watch is not None and sys._getframe(1).f_globals.get("__name__") != "copy":
+            watch.pickled()
         state = {k: v for k, v in self.__dict__.items() if k not in ours}
         return _rebuild, (cls, state)
 

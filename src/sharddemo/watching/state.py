@@ -10,6 +10,7 @@ import datetime
 import atexit
 import json
 import os
+import sys
 import uuid
 import warnings
 from typing import Optional, Union
@@ -111,7 +112,7 @@ OPEN: list = []
 def close_open_watches() -> None:
     for state in list(OPEN):
         try:
-            if not state.passes:
+            if not state.passes and not state.shipped:  # (shipped: said where it was)
                 state.say_never_iterated()
             state.close_alone()
         except Exception as error:  # the process is ending: say it, never fail the exit
@@ -170,6 +171,9 @@ class WatchState:
         self.lineage = None  # watch(..., lineage=DIR): a watching.lineage.LineageWriter
         self.finished = False  # close() ran (or close_alone): nothing more is reported
         self.passes = 0  # passes begun, of any loader this watch is attached to
+        # pickled where no process group is up (Ray's driver shipping the loader to its
+        # workers): said once (pickled), and the watch, left behind, sees no pass
+        self.shipped = False
         # this rank's error reading id_field, said to every rank at the next exchange
         self.field_error: Optional[str] = None
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
@@ -268,6 +272,34 @@ class WatchState:
         self.before, self.again, self.steps_before = None, None, 0
         self.unknown_before = True
         self.restarts = [restart(self.epoch, None, None, self.ranks.num_processes)]
+
+    def pickled(self) -> None:
+        """The watched loader is being pickled for another process (hooks._as_plain): the
+        watch does not travel, so the process that unpickles it iterates the plain loader,
+        unchecked. Where this process is no rank of a torch.distributed group, the loop runs
+        elsewhere (Ray's driver shipping the loader to train_loop_per_worker, a script that
+        spawns its ranks): said once, with where watch() must be called. Never raises (it
+        runs inside the pickler)."""
+        try:
+            dist = torch.distributed
+            if self.shipped or (dist.is_available() and dist.is_initialized()):
+                return
+            self.shipped = True
+            ray = sys.modules.get("ray")
+            if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+                where = ("Ray's workers get the plain loader, unwatched, and this watch sees no "
+                         "epoch: call watch() inside train_loop_per_worker, on the loader "
+                         "ray.train.torch.prepare_data_loader returns (docs/frameworks.md, "
+                         "\"sharddemo.watch inside a TorchTrainer worker\")")
+            else:
+                where = ("the process that unpickles it gets the plain loader, unwatched: call "
+                         "watch() in the process whose loop iterates the loader, once its "
+                         "process group is up")
+            warnings.warn(f"sharddemo.watch: {self.name!r} is being pickled in a process that "
+                          f"is no rank of a torch.distributed group, and the watch does not "
+                          f"travel with it: {where}", RuntimeWarning, stacklevel=3)
+        except Exception:  # (a watch's own fault never stops the user's pickling)
+            pass
 
     def note_restart(self, **facts) -> None:
         """What the framework did at the open epoch's last restart, for its words
