@@ -3,6 +3,7 @@ exit code 2 and no traceback, before any rank is started."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,78 @@ def test_a_rank_process_ends_without_the_interpreter_teardown(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         cli.cli.main(["configs"])
     assert ended == [0] and exc.value.code == 0
+
+
+# -- the large-report warning, before any rank starts (issue 52, point 11) -----------------------
+
+ISSUE = ["--source", "iterable", "--modes", "replicated,prepared", "--num-processes", "3",
+         "--dataset-size", "1000003", "--batch-size", "8", "--epochs", "3", "--gather", "batch"]
+
+
+def stopped_at_the_launch(monkeypatch, module: str) -> list:
+    """The command's launch replaced by one that fails at once (no rank starts): what was on
+    stderr when it was called is what the command said before its launch."""
+    import sharddemo.commands.audit
+    import sharddemo.commands.compare
+    from sharddemo.errors import RunFailed
+
+    calls = []
+
+    def launch(*args, **kwargs):
+        calls.append(args)
+        raise RunFailed("stopped by the test at the launch")
+
+    target = {"compare": sharddemo.commands.compare, "audit": sharddemo.commands.audit}[module]
+    monkeypatch.setattr(target, "run_launch", launch)
+    return calls
+
+
+@pytest.mark.parametrize("fmt,output", [("json", None), ("table", "r.json"),
+                                        ("json", "r.json")])
+def test_a_large_report_is_announced_before_the_launch(tmp_path, monkeypatch, fmt, output):
+    """Issue 52's run, 3 epochs: every id of every batch and its gathers, hundreds of MB of
+    JSON. One Warning line before the launch, with the way out that applies (the count path;
+    --output where it would all be printed); then the launch (here it fails at once)."""
+    calls = stopped_at_the_launch(monkeypatch, "compare")
+    path = tmp_path / "r.json"
+    more = ["--output", str(path)] if output else []
+    result = invoke(["compare", *ISSUE, "--format", fmt, *more])
+    assert result.exit_code == 1 and len(calls) == 1
+    warning, error = result.stderr.splitlines()
+    assert error == "Error: stopped by the test at the launch"
+    what = (r"\(every id of 3 epoch\(s\) of 1,000,003 samples on 3 ranks, as each rank "
+            r"received it, each batch's gather too\)")
+    if output:
+        expected = rf"Warning: the report written to {re.escape(str(path))} will be about [\d,]+ MB {what}"
+    else:
+        expected = (rf"Warning: the JSON report will be about [\d,]+ MB {what}, all of it "
+                    r"printed: --output FILE writes it to the file and prints a summary")
+    assert re.fullmatch(expected + "; --gather count keeps it to a few hundred KB", warning), warning
+    # 3 x (the ids of 3 ranks' copies, their gathers, a duplicate entry per sample, the
+    # prepared loader's ids, its gathers and gather_for_metrics): well above 10 MB
+    assert int(re.search(r"about ([\d,]+) MB", warning).group(1).replace(",", "")) > 100
+
+
+@pytest.mark.parametrize("args", [
+    ["--format", "table"],  # the table prints an excerpt whatever N
+    ["--format", "json", "--gather", "count"],  # the count path lists at most 1,000 ids
+    ["--format", "json", "--dataset-size", "1000"],
+])
+def test_no_warning_where_nothing_large_is_printed_or_written(monkeypatch, args):
+    stopped_at_the_launch(monkeypatch, "compare")
+    given = dict(zip(ISSUE[::2], ISSUE[1::2]))
+    given.update(dict(zip(args[::2], args[1::2])))
+    result = invoke(["compare", *[w for pair in given.items() for w in pair]])
+    assert result.stderr == "Error: stopped by the test at the launch\n"
+
+
+def test_a_large_audit_report_is_announced_before_the_launch(monkeypatch):
+    """audit knows N from --dataset-size: 3 epochs of 5,000,000 ids gathered once per epoch
+    on 2 ranks."""
+    stopped_at_the_launch(monkeypatch, "audit")
+    result = invoke(["audit", "examples/good.py:make_loader", "--dataset-size", "5000000",
+                     "--epochs", "3", "--gather", "epoch", "--format", "json"])
+    warning = result.stderr.splitlines()[0]
+    assert warning.startswith("Warning: the JSON report will be about ") and (
+        "3 epoch(s) of 5,000,000 samples on 2 ranks" in warning), warning
+    assert warning.endswith("--gather count keeps it to a few hundred KB")

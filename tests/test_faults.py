@@ -326,6 +326,90 @@ def interrupt_running_command(tmp_path, sig, command, before=None):
     assert_nothing_left(token)
 
 
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie has ended: it only waits for its parent to read it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("command,killed", [("compare", "sharddemo"), ("audit", "launcher")])
+def test_a_killed_parent_takes_every_rank_with_it(command, killed):
+    """SIGKILL (a CI job's hard timeout, the OOM killer) to sharddemo alone leaves it no time
+    to end anything, and the ranks run in sessions of their own: the launcher and the ranks
+    must notice themselves. Every process the launch started (sharddemo's descendants, found
+    while the ranks walk) ends within 10 s (measured: 0.1 s). `launcher`: the launcher killed
+    while sharddemo is stopped (SIGSTOP), so that only the ranks themselves can end the ranks.
+    Issue 52's run: its 3 ranks still walking 12 minutes after sharddemo was killed."""
+    env, token = tagged_env()
+    # Walks far longer than the test: 2 x 10^7 samples gathered batch by batch, or an audit
+    # whose rank 1 stalls (tests/factories.py: stall_mid_epoch) under a process-group timeout
+    # of 600 s.
+    args = (["compare", "--source", "iterable", "--modes", "replicated,prepared",
+             "--dataset-size", "20000000", "--batch-size", "8", "--gather", "batch"]
+            if command == "compare" else ["audit", f"{FACTORIES}:stall_mid_epoch"])
+    proc = subprocess.Popen([sys.executable, "-m", "sharddemo", *args, "--timeout", "600"],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 90
+        ranks: list = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            time.sleep(0.2)
+            # the launcher is sharddemo's child; the ranks are the launcher's
+            ranks = [p for p in parent.children(recursive=True)
+                     if p.ppid() != proc.pid and "sharddemo" in p.cmdline()]
+        assert len(ranks) == 2, "the ranks did not start within 90 s"
+        time.sleep(3)  # past the ranks' start, into the walk
+        family = parent.children(recursive=True)
+        launcher = [p for p in family if p.ppid() == proc.pid]
+        assert len(family) >= 3 and len(launcher) == 1, family
+        if killed == "sharddemo":
+            proc.kill()
+            proc.wait()
+        else:
+            proc.send_signal(signal.SIGSTOP)
+            launcher[0].kill()
+        start = time.monotonic()
+        while any(_alive(p.pid) for p in family) and time.monotonic() - start < 10:
+            time.sleep(0.1)
+        left = [p.pid for p in family if _alive(p.pid)]
+        assert not left, f"still running 10 s after the {killed} was killed: {left}"
+    finally:
+        proc.kill()
+        proc.wait()
+        for p in survivors(token):
+            p.kill()
+    assert_nothing_left(token)
+
+
+def test_a_launcher_whose_parent_died_before_it_could_ask_stops_at_once():
+    """The race the parent-death signal leaves: the parent died between the fork and the
+    child's prctl, so the kernel has no parent to watch. The launcher (before it is exec'd)
+    and a rank (as it starts) each find that the sharddemo that started them is gone, and exit
+    1 without running: here the pid of a process that has ended."""
+    from sharddemo.lifeline import launcher_preexec
+
+    ended = subprocess.Popen([sys.executable, "-c", ""])
+    ended.wait()
+    gone = ended.pid
+    code = "print('ran')"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         preexec_fn=launcher_preexec(gone))
+    assert (ran.returncode, ran.stdout) == (1, "")
+    ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          preexec_fn=launcher_preexec(os.getpid()))
+    assert (ours.returncode, ours.stdout) == (0, "ran\n")
+    rank = [sys.executable, "-m", "sharddemo", "--help"]
+    for ancestor, expected in ((gone, 1), (os.getpid(), 0)):
+        env = dict(launch_env(), SHARDDEMO_PARENT_PID=str(ancestor))
+        proc = subprocess.run(rank, capture_output=True, text=True, env=env, cwd=ROOT)
+        assert proc.returncode == expected, proc.stderr
+        assert ("Usage:" in proc.stdout) == (expected == 0)
+
+
 def test_busy_default_port_is_not_used():
     with socket.socket() as other_job:
         other_job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -90,14 +90,23 @@ def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
 def test_compare_json_on_three_ranks(tmp_path):
     out = tmp_path / "report.json"
     proc = sharddemo(["compare", "--num-processes", "3", "--dataset-size", "10",
-                      "--batch-size", "3", "--format", "json", "--output", str(out)])
+                      "--batch-size", "3", "--format", "json"])
     printed = json.loads(proc.stdout)
+    proc = sharddemo(["compare", "--num-processes", "3", "--dataset-size", "10",
+                      "--batch-size", "3", "--format", "json", "--output", str(out)])
     written = json.loads(out.read_text())
-    assert printed == written
+    strip = lambda r: {k: v for k, v in r.items() if k != "timings"}
+    assert strip(printed) == strip(written)
     import jsonschema
 
     schema = json.loads((ROOT / "docs" / "report.schema.json").read_text())
     jsonschema.validate(written, schema)
+    # with --output, a summary is printed instead (docs/summary.schema.json)
+    summary = json.loads(proc.stdout)
+    jsonschema.validate(summary, json.loads((ROOT / "docs" / "summary.schema.json").read_text()))
+    assert summary["report"] == str(out) and summary["bytes"] == out.stat().st_size
+    assert {m: d["conclusion"] for m, d in summary["modes"].items()} == {
+        m: d["conclusion"] for m, d in written["modes"].items()}
     assert written["schema"] == "sharddemo.report/1"
     assert written["world_size"] == 3 and written["backend"] == "gloo"
     prepared = written["modes"]["prepared"]["epochs"][0]
@@ -123,11 +132,104 @@ def test_compare_table_default_shows_the_reference_finding():
 
 
 def test_compare_is_reproducible_byte_for_byte(tmp_path):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    for path in (a, b):
-        sharddemo(["compare", "--format", "json", "--output", str(path), "--seed", "5"])
-    strip = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "timings"}
-    assert strip(a) == strip(b)
+    """Twice the same seed: once printed (--format json), once written (--output)."""
+    out = tmp_path / "b.json"
+    printed = sharddemo(["compare", "--format", "json", "--seed", "5"]).stdout
+    sharddemo(["compare", "--format", "json", "--output", str(out), "--seed", "5"])
+    strip = lambda text: {k: v for k, v in json.loads(text).items() if k != "timings"}
+    assert strip(printed) == strip(out.read_text())
+
+
+# -- --output: the file first, whole; a summary printed in its place (issue 52, point 11)
+
+REPORT_SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
+@pytest.mark.parametrize("fmt,args", [
+    ("table", ["compare", "--modes", "pitfalls", "--dataset-size", "10", "--batch-size", "2",
+               "--no-shuffle", "--check"]),
+    ("markdown", ["audit", "examples/no_set_epoch.py:make_loader"]),
+])
+def test_output_writes_the_report_and_prints_a_summary_in_its_place(tmp_path, fmt, args):
+    """With --output the whole report goes to the file and stdout gets a few lines: the
+    header, each mode's conclusion, its verdicts and broken promises, and where the file is;
+    no rank's batches (--format json: test_compare_json_on_three_ranks)."""
+    import jsonschema
+
+    out = tmp_path / "report.json"
+    proc = sharddemo([*args, "--format", fmt, "--output", str(out)], check=False)
+    assert proc.returncode == 1, proc.stderr  # broken promises; a failed verdict
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    lines = proc.stdout.splitlines()
+    for data in report["modes"].values():
+        assert any(data["conclusion"] in line for line in lines)
+        for problem in data["broken_promises"]:
+            assert any(problem in line for line in lines)
+        for v in data.get("verdicts", []):
+            assert any(v["verdict"] in line and line.strip("- ").startswith(
+                "PASS" if all(w["ok"] for w in data["verdicts"] if w["verdict"] == v["verdict"])
+                else "FAIL") for line in lines)
+    assert str(out) in lines[-1] and f"{out.stat().st_size / 1024:,.0f} KB" in lines[-1]
+    # the header (markdown: and its title), a line per mode, verdict and broken promise, and
+    # where the file is: nothing per rank or epoch
+    expected = (2 if fmt == "table" else 3) + sum(
+        1 + len({v["verdict"] for v in data.get("verdicts", [])}) + len(data["broken_promises"])
+        for data in report["modes"].values())
+    assert len([line for line in lines if line.strip()]) == expected, proc.stdout
+    # no rank's batches: the table's `rank 0  2 step(s): [...]`, the markdown's table of them
+    assert "step(s): [" not in proc.stdout and "| epoch | rank |" not in proc.stdout
+
+
+def test_output_is_written_whole_before_anything_is_printed(tmp_path):
+    """stdout a pipe nobody reads (closed): printing fails, the file is there all the same.
+    Before issue 52 the report was printed first and the file never written."""
+    import os
+    import subprocess
+
+    import jsonschema
+
+    out = tmp_path / "report.json"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sharddemo", "compare", "--dataset-size",
+                               "10", "--batch-size", "3", "--output", str(out)], cwd=ROOT,
+                              env=launch_env(), stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=180)
+    finally:
+        os.close(write)
+    assert proc.returncode == 1  # click's answer to a broken pipe: exit 1, nothing said
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert list(report["modes"]) == ["prepared", "sampler", "replicated"]
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("args", [
+    # indented JSON (N <= 10,000), every batch gathered, the reference's three modes
+    ["--dataset-size", "3001", "--gather", "batch"],
+    # compact JSON, once per epoch; a replicated stream and a prepared one on 3 ranks
+    ["--dataset-size", "12001", "--gather", "epoch", "--source", "iterable", "--modes",
+     "replicated,prepared", "--num-processes", "3"],
+])
+def test_the_report_size_estimated_before_the_launch_is_the_files(tmp_path, args):
+    """The estimate the large-report warning is made from (reportsize), against the size of
+    the report the run really writes: within 10%."""
+    from sharddemo.options import RunOptions
+    from sharddemo.reportsize import compare_report_bytes
+
+    out = tmp_path / "report.json"
+    sharddemo(["compare", "--batch-size", "8", "--epochs", "1", *args, "--output", str(out)])
+    report = json.loads(out.read_text())
+    given = dict(zip(args[::2], args[1::2]))
+    opts = RunOptions(dataset_size=int(given["--dataset-size"]), batch_size=8, epochs=1,
+                      gather=given["--gather"], source=given.get("--source", "toy"),
+                      modes=tuple(given.get("--modes", "prepared,sampler,replicated")
+                                  .split(",")))
+    estimate = compare_report_bytes(opts, report["world_size"])
+    assert abs(estimate - out.stat().st_size) < 0.1 * out.stat().st_size, (
+        estimate, out.stat().st_size)
 
 
 def test_compare_pitfalls_fail_the_check():

@@ -66,8 +66,10 @@ def test_large_n_is_binned_and_marks_missing_samples(tmp_path):
 
 
 def test_terminal_grid_shows_the_split(small_report):
-    proc, _, _ = small_report
-    out = proc.stdout
+    from sharddemo.render import render
+
+    _, _, report = small_report
+    out = render(report, "table")  # what compare prints without --output
     assert "ids    0123456789" in out
     grids = [line.split()[1] for line in out.splitlines() if line.strip().startswith("rank   ")]
     assert len(grids) == 6  # 3 modes x 2 epochs

@@ -19,6 +19,7 @@ from sharddemo import __version__
 from sharddemo.errors import ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, AuditOptions,
                                ResumeOptions, RunOptions, audit_target, parse_modes)
+from sharddemo.reportsize import what_it_lists
 
 FORMATS = ("table", "json", "markdown")
 
@@ -273,21 +274,43 @@ def _settings(kw: dict):
 
 
 def _show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = None) -> bool:
-    """Print and write the report (and the picture); False when another machine does."""
+    """Write the report (and the picture), then print it; False when another machine does.
+
+    With --output the file is written first, whole or not at all, and a summary in `fmt`
+    is printed in place of the report: a report can be hundreds of MB (every id of every
+    batch), which a terminal takes longer to print than the ranks took to walk, and a
+    stdout that fails (a closed pipe) must not cost the file."""
     if not result:
         click.echo("This node ran its ranks; machine rank 0 prints and writes the report.")
         return False
-    from sharddemo.render import write_report
-    from sharddemo.render import render
+    from sharddemo.render import render, render_summary, write_report
 
-    click.echo(render(result, fmt), nl=False)
-    if output:
-        write_report(result, output)
+    size = write_report(result, output) if output else None
     if plot:
         from sharddemo.plot import plot_report
 
         plot_report(result, plot)
+    if output and size is not None:
+        click.echo(render_summary(result, fmt, output, size), nl=False)
+    else:
+        click.echo(render(result, fmt), nl=False)
     return True
+
+
+def _size_notice(what: Callable[[int], str], fmt: str, output: Optional[str],
+                 can_count: bool) -> Callable[[int, int], None]:
+    """What a command calls before its launch with the JSON report's estimated size and the
+    world size: one `Warning:` line on stderr where that report, printed or written to
+    --output, will be large (reportsize.size_warning), so that nobody waits on it unawares."""
+
+    def notice(size: int, world: int) -> None:
+        from sharddemo.reportsize import size_warning
+
+        line = size_warning(size, what=what(world), output=output, fmt=fmt, can_count=can_count)
+        if line:
+            click.echo(f"Warning: {line}", err=True)
+
+    return notice
 
 
 def _check_files(output: Optional[str], plot: Optional[str]) -> None:
@@ -306,6 +329,10 @@ def _progress(fmt: str) -> bool:
     return fmt != "json" and sys.stderr.isatty()
 
 
+OUTPUT_HELP = ("Write the whole JSON report here (whole or not at all), before anything is "
+               "printed, and print a summary in --format instead of the report: the header, "
+               "each mode's conclusion, verdicts and broken promises, and where the file is.")
+
 plot_option = click.option("--plot", type=click.Path(dir_okay=False),
                            help="Also draw the split to this PNG: a panel per mode, a row per "
                                 "epoch and rank (needs pip install 'sharddemo[plot]').")
@@ -320,8 +347,7 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @loader_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")
-@click.option("--output", type=click.Path(dir_okay=False),
-              help="Also write the JSON report here (whole or not at all).")
+@click.option("--output", type=click.Path(dir_okay=False), help=OUTPUT_HELP)
 @plot_option
 @click.option("--check", is_flag=True,
               help="Exit 1 when a mode breaks what it promises (missing samples, unequal steps, "
@@ -352,8 +378,10 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     _check_files(output, plot)
     from sharddemo.commands.compare import compare_run
 
+    what = lambda world: what_it_lists(opts.dataset_size, world, opts.epochs, opts.gather)
+    notice = _size_notice(what, fmt, output, can_count=not plot)
     result = compare_run(opts, settings, plot=bool(plot), max_memory=max_memory, debug=_debug(),
-                         progress=_progress(fmt))
+                         progress=_progress(fmt), size_notice=notice)
     if not _show(result, fmt, output, plot):
         return 0
     if check and result["broken_promises"]:
@@ -406,8 +434,7 @@ def _audit_options(kw: dict) -> AuditOptions:
 @launch_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")
-@click.option("--output", type=click.Path(dir_okay=False),
-              help="Also write the JSON report (with the verdicts) here, whole or not at all.")
+@click.option("--output", type=click.Path(dir_okay=False), help=OUTPUT_HELP)
 @declared(AuditOptions, "max_time", "keys")
 @plot_option
 @declared(ResumeOptions, "resume_at", "resume_strategy", "resume_num_processes")
@@ -442,18 +469,20 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     opts = _audit_options(kw)
     _check_files(output, plot)
     plan = ResumeOptions(resume_at, resume_strategy, resume_num_processes).plan(opts.epochs)
+    what = lambda world: what_it_lists(opts.dataset_size or 0, world, opts.epochs, opts.gather)
+    notice = _size_notice(what, fmt, output, can_count=not plot and plan is None)
     if plan is None:
         from sharddemo.commands.audit import audit_run
 
         result = audit_run(opts, settings, plot=bool(plot), keep_checkpoint=keep_checkpoint,
                            resume_num_processes=resume_num_processes, debug=_debug(),
-                           progress=_progress(fmt))
+                           progress=_progress(fmt), size_notice=notice)
     else:
         from sharddemo.commands.resume import resume_audit_run
 
         result = resume_audit_run(opts, plan, settings, plot=bool(plot),
                                   keep_checkpoint=keep_checkpoint, debug=_debug(),
-                                  progress=_progress(fmt))
+                                  progress=_progress(fmt), size_notice=notice)
     if not _show(result, fmt, output, plot):
         return 0
     failed = _failed_verdicts(result)
@@ -664,6 +693,15 @@ def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Option
 
 
 def main() -> None:
+    from sharddemo.options import PARENT_ENV
+
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent and parent.isdigit():
+        # A rank of a launch of `compare` / `audit`: it ends with that launch, however its
+        # parent dies; asked first, before the seconds of torch's import.
+        from sharddemo.lifeline import end_with_launch
+
+        end_with_launch(int(parent))
     cli()
 
 

@@ -1,7 +1,9 @@
 """Start the Accelerate script with `accelerate launch`, watch it, collect its trace.
 
 The ranks run in their own process session, so that a timeout, a failed rank or a Ctrl-C
-here takes all of them down; nothing is left running.
+here takes all of them down; nothing is left running. A SIGKILL here, which no code of ours
+outlives, takes them down too: the launcher and the ranks end with their parent
+(sharddemo.lifeline).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Callable, Optional
 
 from sharddemo.config import default_config_path, load_config
 from sharddemo.errors import RunFailed, UsageError
-from sharddemo.options import (EXPECT_ENV, NODE_ENV, PROGRESS_ENV, STATUS_ENV,
+from sharddemo.lifeline import launcher_preexec
+from sharddemo.options import (EXPECT_ENV, NODE_ENV, PARENT_ENV, PROGRESS_ENV, STATUS_ENV,
                                write_rank_options)
 from sharddemo.progress import SIZE, read_report
 
@@ -143,6 +146,7 @@ def run_launch(launch: Launch, *, timeout: float, debug: bool = False,
             env[EXPECT_ENV] = str(launch.num_processes)
         env[NODE_ENV] = str(launch.machine_rank)
         env[STATUS_ENV] = status_dir
+        env[PARENT_ENV] = str(os.getpid())
         if progress:
             env[PROGRESS_ENV] = "1"
         env["TMPDIR"] = scratch
@@ -160,8 +164,11 @@ def run_launch(launch: Launch, *, timeout: float, debug: bool = False,
                             expected=per_machine if launch.expect_world else 0)
         with open(out_path, "wb") as out, open(err_path, "wb") as err, \
                 _signals_raise(Interrupted):
+            # A SIGKILL here ends nothing below by itself: the launcher and the ranks watch
+            # for it (sharddemo.lifeline).
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+                                    env=env, start_new_session=True,
+                                    preexec_fn=launcher_preexec(os.getpid()))
             family = Family(proc)
             bar = ProgressBar(out_path) if progress else None
             try:

@@ -83,6 +83,12 @@ GATHER_STRATEGIES = ("auto", "batch", "epoch", "count")
 # `auto` takes the count path (rank/counting.py) from this many samples on. Here, torch-free, so the
 # command line can decide before any rank starts.
 COUNT_FROM = 1_000_000
+# `auto` below COUNT_FROM: up to this many steps per rank and epoch, every batch is gathered as
+# it comes. Beyond it, ids stay on the rank and are gathered once at the end of the epoch: a
+# small gather costs 0.3-1.5 ms on gloo here, more than a whole step of a toy loader
+# (docs/benchmarks.md). (rank.walk.choose_gather decides; the parent estimates the report's
+# size with it: reportsize.)
+PER_BATCH_GATHER_LIMIT = 100
 
 
 def counted(gather: str, n: Optional[int]) -> bool:
@@ -126,6 +132,9 @@ NODE_ENV = "SHARDDEMO_MACHINE_RANK"
 PROGRESS_ENV = "SHARDDEMO_PROGRESS"
 # Set by `sharddemo compare` / `audit`: where each rank leaves its status (rank/session.py).
 STATUS_ENV = "SHARDDEMO_STATUS_DIR"
+# Set by `sharddemo compare` / `audit` for their launch: their own pid, which each rank checks
+# is still its ancestor as it starts (sharddemo.lifeline).
+PARENT_ENV = "SHARDDEMO_PARENT_PID"
 
 
 def parse_modes(text: str, source: str = "toy") -> tuple[str, ...]:

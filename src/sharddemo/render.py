@@ -372,7 +372,93 @@ def render(report: dict, fmt: str) -> str:
     return RENDERERS[fmt](report)
 
 
-def write_report(report: dict, path: str) -> None:
+def write_report(report: dict, path: str) -> int:
+    """The JSON report to `path`, whole or not at all; returns its size in bytes."""
     from sharddemo.fileio import write_atomic
 
-    write_atomic(path, render_json(report))
+    data = render_json(report).encode("utf-8")
+    write_atomic(path, data)
+    return len(data)
+
+
+# -- the summary printed instead of the report where --output FILE holds it
+
+SUMMARY_SCHEMA = "sharddemo.summary/1"
+
+
+def file_size(size: int) -> str:
+    """`25 KB`, `2.7 MB`, `1,024.0 MB` (of 2^10 and 2^20 bytes, as --max-memory counts)."""
+    if size < 2**20:
+        return f"{max(size, 1) / 2**10:,.0f} KB" if size >= 512 else f"{size} bytes"
+    return f"{size / 2**20:,.1f} MB"
+
+
+def summary_json(report: dict, path: str, size: int) -> dict:
+    """What `--format json --output FILE` prints (docs/summary.schema.json): where the report
+    is, each mode's conclusion, broken promises and verdicts, the resume demo's rows."""
+    modes = {}
+    for mode, data in report["modes"].items():
+        entry = {"conclusion": data["conclusion"], "broken_promises": data["broken_promises"]}
+        if "verdicts" in data:
+            entry["verdicts"] = verdict_summary(data["verdicts"])
+        modes[mode] = entry
+    out = {"schema": SUMMARY_SCHEMA, "report": path, "bytes": size,
+           "command": _command(report), "world_size": report["world_size"],
+           "dataset_size": report["dataset_size"], "epochs": report["epochs"],
+           "modes": modes, "broken_promises": report["broken_promises"]}
+    if report.get("resume"):
+        out["resume"] = [{"workers": r["workers"], "stop": f"{r['at']['epoch']}:{r['at']['step']}",
+                          "strategy": r["strategy"], "resume_exact": r["resume_exact"]}
+                         for r in report["resume"]]
+    return out
+
+
+def verdict_summary(verdicts: list) -> list[dict]:
+    """One entry per verdict, as verdict_lines words it: held or not, the epochs where it
+    failed and the first failure's detail."""
+    out: list[dict] = []
+    for v in verdicts:
+        if not out or all(o["verdict"] != v["verdict"] for o in out):
+            out.append({"verdict": v["verdict"], "ok": True, "failed_epochs": [],
+                        "detail": None})
+        entry = next(o for o in out if o["verdict"] == v["verdict"])
+        if not v["ok"]:
+            entry["ok"] = False
+            entry["failed_epochs"].append(v["epoch"])
+            entry["detail"] = entry["detail"] or v["detail"]
+    return out
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The report in a few lines: the header, each mode's conclusion, its broken promises and
+    verdicts, the resume demo's rows."""
+    lines = [f"sharddemo {_command(report)}: " + header(report)[0]]
+    if len(report.get("nodes", {})) > 1:
+        lines.append("ranks by node: " + placement_line(report))
+    if report.get("resume"):
+        lines += ["resume: " + line for line in resume_demo_lines(report["resume"])[:-1]]
+    for mode, data in report["modes"].items():
+        lines.append(f"{mode}: {data['conclusion']}")
+        lines += [f"  {line}" for line in verdict_lines(data.get("verdicts", []))]
+        lines += [f"  !! {problem}" for problem in data["broken_promises"]]
+    return lines
+
+
+def render_summary(report: dict, fmt: str, path: str, size: int) -> str:
+    """What `--output FILE` prints in place of the report, in `fmt`: a few lines and where
+    the whole report is (the report itself can be hundreds of MB: every id of every batch)."""
+    if fmt == "json":
+        return json.dumps(summary_json(report, path, size), indent=2) + "\n"
+    where = f"the whole report (JSON): {path}, {file_size(size)}"
+    if fmt == "markdown":
+        out = [f"# sharddemo {_command(report)}", "", header(report)[0], ""]
+        if len(report.get("nodes", {})) > 1:
+            out += [f"Ranks by node: {placement_line(report)}", ""]
+        if report.get("resume"):
+            out += [f"- resume: {line}" for line in resume_demo_lines(report["resume"])[:-1]]
+        for mode, data in report["modes"].items():
+            out.append(f"- **{mode}**: {data['conclusion']}")
+            out += [f"  - {line}" for line in verdict_lines(data.get("verdicts", []))]
+            out += [f"  - broken: {problem}" for problem in data["broken_promises"]]
+        return "\n".join([*out, "", f"The whole report (JSON): `{path}`, {file_size(size)}."]) + "\n"
+    return "\n".join([*summary_lines(report), where]) + "\n"

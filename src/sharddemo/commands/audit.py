@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from typing import Optional
+from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
 from sharddemo.targets import read_keys
@@ -28,9 +28,11 @@ def audit_launch(settings: LaunchSettings, opts: AuditOptions, command: str = "a
 def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *,
               plot: bool = False, keep_checkpoint: Optional[str] = None,
               resume_num_processes: Optional[str] = None, debug: bool = False,
-              progress: bool = False) -> dict:
+              progress: bool = False,
+              size_notice: Optional[Callable[[int, int], None]] = None) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts.
-    Refuses what the CLI refuses (options.check_audit) before any rank starts."""
+    Refuses what the CLI refuses (options.check_audit) before any rank starts. `size_notice`:
+    as compare_run's."""
     from sharddemo.targets import precheck_target
 
     opts = check_audit(opts, plot=plot, keep_checkpoint=keep_checkpoint,
@@ -38,6 +40,7 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
     precheck_target(opts.target, opts.framework)
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
     launch = audit_launch(settings, opts)
+    notice_size(size_notice, opts, launch)
     trace = run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time,
                        progress=progress)
     keys = number_trace_keys(trace, opts, known)
@@ -47,6 +50,16 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
     else:
         refuse_ids_outside(report, opts.id_field)
     return report
+
+
+def notice_size(size_notice: Optional[Callable[[int, int], None]], opts: AuditOptions,
+                launch) -> None:
+    """Tell `size_notice` how large the audit's JSON report will be (reportsize), on the node
+    that writes it."""
+    if size_notice is not None and launch.machine_rank == 0:
+        from sharddemo.reportsize import audit_report_bytes
+
+        size_notice(audit_report_bytes(opts, launch.num_processes), launch.num_processes)
 
 
 def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):

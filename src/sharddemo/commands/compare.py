@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from sharddemo.analysis import build_report
 from sharddemo.commands import report_of, run_args
@@ -12,9 +12,12 @@ from sharddemo.options import RunOptions, check_compare
 
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *,
                 plot: bool = False, max_memory: Optional[str] = None, debug: bool = False,
-                progress: bool = False) -> dict:
+                progress: bool = False,
+                size_notice: Optional[Callable[[int, int], None]] = None) -> dict:
     """`sharddemo compare`: every mode in one launch (or the resume demo's three), then the
-    report. Refuses what the CLI refuses (options.check_compare) before any rank starts."""
+    report. Refuses what the CLI refuses (options.check_compare) before any rank starts.
+    `size_notice(bytes, world)`: told, before the launch, how large the JSON report will be
+    (reportsize) on the node that writes it."""
     check_compare(opts, world=settings.num_processes, plot=plot, max_memory=max_memory)
     if opts.modes == ("resume",):
         from sharddemo.commands.resume import resume_demo_run
@@ -22,6 +25,10 @@ def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *
         return resume_demo_run(opts, settings, debug=debug)
     launch = make_launch(settings, {"run": opts.to_dict()}, run_args(opts),
                          check=opts.check_world)
+    if size_notice is not None and launch.machine_rank == 0:
+        from sharddemo.reportsize import compare_report_bytes
+
+        size_notice(compare_report_bytes(opts, launch.num_processes), launch.num_processes)
     return report_of(launch, run_launch(launch, timeout=opts.timeout, debug=debug,
                                         progress=progress))
 

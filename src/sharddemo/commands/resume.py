@@ -4,11 +4,11 @@ stop and save, run uninterrupted, and load and resume; then the comparison
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys
 from sharddemo.commands import report_of, run_args
-from sharddemo.commands.audit import audit_launch, refuse_ids_outside
+from sharddemo.commands.audit import audit_launch, notice_size, refuse_ids_outside
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
 from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, check_audit
@@ -17,7 +17,8 @@ from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, check_
 def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                      settings: LaunchSettings = LaunchSettings(), *, plot: bool = False,
                      keep_checkpoint: Optional[str] = None, debug: bool = False,
-                     progress: bool = False) -> dict:
+                     progress: bool = False,
+                     size_notice: Optional[Callable[[int, int], None]] = None) -> dict:
     """`sharddemo audit --resume-at`: the uninterrupted audit, a launch that stops and saves,
     and for each stop of the chain a fresh launch (on its own world size) that loads and
     resumes; the uninterrupted run again on each other world size the chain ran on; the audit
@@ -47,6 +48,8 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
     def phase(where: LaunchSettings, name: str, index: int, **more) -> Optional[dict]:
         launch = audit_launch(where, phase_opts, "resume-rank", plan=dataclasses.asdict(plan),
                               phase=name, checkpoint=checkpoint, launch=index, **more)
+        if index == 0:  # before the first launch: the report is the uninterrupted run's
+            notice_size(size_notice, reference_opts, launch)
         launch.display_args += ["--resume-at", plan.text(), "--resume-strategy", plan.strategy]
         return run_launch(launch, timeout=opts.timeout, debug=debug, max_time=opts.max_time)
 

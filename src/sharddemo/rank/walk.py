@@ -43,11 +43,6 @@ from sharddemo.rank.ids import ReadIds, read_values, unshift
 from sharddemo.rank.recorder import Recorder, epoch_record
 from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
 
-# Up to this many steps per rank and epoch, every batch is gathered as it comes. Beyond it,
-# ids stay on the rank and are gathered once at the end of the epoch: a small gather costs
-# 0.3-1.5 ms on gloo here, more than a whole step of a toy loader (docs/benchmarks.md).
-PER_BATCH_GATHER_LIMIT = 100
-
 
 Progress = Callable[..., None]  # (step, total, samples, scope): see progress_reporter
 
@@ -62,7 +57,7 @@ def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -
     loader for several epochs choose once, before the first: every strategy reports an epoch
     right (only its cost and how much it lists differ), so a loader whose length changes
     between epochs is still reported right."""
-    from sharddemo.options import COUNT_FROM
+    from sharddemo.options import COUNT_FROM, PER_BATCH_GATHER_LIMIT
 
     if strategy == "batch" or strategy == "epoch":
         return strategy
