@@ -12,7 +12,8 @@ from torch.utils.data import TensorDataset
 
 def watched_loop(config: dict) -> None:
     """A Ray Train loop as a user writes one: prepare_data_loader, set_epoch each epoch, the
-    loader watched. Each worker logs the ids its loop received, per epoch."""
+    loader watched (with config["lineage"], a lineage folder, where given). Each worker logs
+    the ids its loop received, per epoch."""
     import ray.train
     import ray.train.torch
     from torch.utils.data import DataLoader
@@ -23,7 +24,7 @@ def watched_loop(config: dict) -> None:
     data = TensorDataset(torch.arange(config["n"]))
     loader = watch(ray.train.torch.prepare_data_loader(
         DataLoader(data, batch_size=config["batch"], shuffle=True)), report=config["report"],
-        on_violation=config.get("on_violation", "warn"))
+        on_violation=config.get("on_violation", "warn"), lineage=config.get("lineage"))
     got = []
     for epoch in range(config["epochs"]):
         if config["set_epoch"]:

@@ -102,3 +102,25 @@ def test_raise_stops_every_worker(ray_cluster, tmp_path):
         assert error.entry["epoch"] == 1 and not error.entry["ok"], error.entry
     # no worker got past epoch 1 to log its batches
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_lineage_in_workers_holds_every_step_of_the_last_epoch(ray_cluster, tmp_path):
+    """lineage= inside Ray Train's workers, 24 samples, batches of 4, 2 epochs (3 steps an
+    epoch a worker, by hand): a worker ends without the interpreter's exit handlers, so each
+    epoch is written at its end; the lineage holds every step each worker's loop logged, the
+    last epoch's included."""
+    from sharddemo.lineage import Lineage
+
+    folder = tmp_path / "lineage"
+    run(tmp_path, ray_loop.watched_loop, n=24, batch=BATCH, epochs=EPOCHS,
+        report=str(tmp_path / "w.jsonl"), log=str(tmp_path), set_epoch=True,
+        lineage=str(folder))
+    lineage = Lineage(str(folder))
+    assert lineage.ranks() == [0, 1]
+    for rank in range(WORKERS):
+        batches = json.loads((tmp_path / f"rank{rank}.json").read_text())["batches"]
+        expected = [[epoch, ids] for epoch, got in enumerate(batches) for ids in got]
+        assert len(expected) == 6
+        written = [[b["epoch"], b["ids"]] for k in range(len(expected))
+                   for b in lineage.at_step(k, rank)]
+        assert written == expected, rank
