@@ -14,8 +14,9 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 def watched_loop(config: dict) -> None:
     """A Ray Train loop as a user writes one: prepare_data_loader, set_epoch each epoch, the
-    loader watched. Each worker logs the ids its loop received, per epoch, and the lines the
-    watch printed there (the rank-0 worker's)."""
+    loader watched (with config["lineage"], a lineage folder, where given). Each worker logs
+    the ids its loop received, per epoch, and the lines the watch printed there (the rank-0
+    worker's)."""
     import ray.train
     import ray.train.torch
     from torch.utils.data import DataLoader
@@ -30,7 +31,8 @@ def watched_loop(config: dict) -> None:
                if config.get("replicas") else None)
     loader = watch(ray.train.torch.prepare_data_loader(
         DataLoader(data, batch_size=config["batch"], shuffle=sampler is None, sampler=sampler)),
-        report=config["report"], on_violation=config.get("on_violation", "warn"))
+        report=config["report"], on_violation=config.get("on_violation", "warn"),
+        lineage=config.get("lineage"))
     got = []
     with contextlib.redirect_stdout(io.StringIO()) as printed:  # the watch's lines
         for epoch in range(config["epochs"]):

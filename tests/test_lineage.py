@@ -185,8 +185,8 @@ def test_a_resume_continues_the_steps_and_a_torn_tail_is_skipped(tmp_path, monke
     assert [b["epoch"] for b in got] == [0] * 5 + [1] * 5
     result = lineage_cli(folder, "--step", 10)
     assert result.exit_code == 2
-    assert result.output.splitlines()[-1] == ("Error: --step 10 is past the end (rank 0 "
-                                              "received steps 0..9)")
+    assert result.output.splitlines()[-1] == ("Error: no rank's written lineage has --step "
+                                              "10 (rank 0: written up to step 9)")
     # the torn record was cut before launch 2 appended: nothing is skipped now
     assert "Warning" not in lineage_cli(folder, "--step", 0).output
 
@@ -266,12 +266,12 @@ def test_bad_input_is_one_clear_line(tmp_path, monkeypatch):
             ((tmp_path, "--step", 0), f"Error: {tmp_path} is not a lineage folder (no "
              "lineage.json of schema sharddemo.lineage/1): give the folder passed to "
              "watch(..., lineage=DIR)"),
-            ((folder, "--step", 2), "Error: --step 2 is past the end (rank 0 received "
-             "steps 0..1)"),
-            ((folder, "--step", 0, "--rank", 1), "Error: --rank 1 does not exist: this run "
-             "has ranks 0..1, with lineage files of ranks [0]"),
+            ((folder, "--step", 2), "Error: no rank's written lineage has --step 2 (rank 0: "
+             "written up to step 1; rank 1: no lineage file)"),
+            ((folder, "--step", 0, "--rank", 1), "Error: rank 1 wrote no lineage file (the "
+             "run had ranks 0..1); ranks with a lineage file: 0"),
             ((folder, "--step", 0, "--rank", 5), "Error: --rank 5 does not exist: this run "
-             "has ranks 0..1, with lineage files of ranks [0]"),
+             "had ranks 0..1; ranks with a lineage file: 0"),
             ((folder,), "Error: give one of --step K or --id ID")]:
         result = lineage_cli(*args)
         assert (result.exit_code, result.output.splitlines()) == (2, [line])
@@ -296,9 +296,54 @@ def test_a_step_never_reads_ids_on_a_device_back_to_the_host(tmp_path, monkeypat
             break
     writer = loader.__dict__["_sharddemo_watch"].lineage
     assert len(writer.pending) == 40
-    with pytest.raises(NotImplementedError, match="meta"):
-        writer.flush()  # the chunk's copy: what the steps never do
+    with pytest.warns(RuntimeWarning, match=r"steps 0\.\.39 could not be written "
+                      r"\(NotImplementedError: .*meta"):
+        writer.flush()  # the chunk's copy: what the steps never do (its fault only warns)
     assert writer.pending == []
+
+
+def test_a_resume_on_fewer_ranks_supersedes_the_dropped_ranks_later_steps(tmp_path,
+                                                                          monkeypatch):
+    """The writer alone, its ranks one after the other (RANK, WORLD_SIZE set): launch 0 on 3
+    ranks writes steps 0..2 on each rank (the checkpoint at step 2, step 2 written before the
+    crash); launch 1 resumes on 2 ranks from step 2. Rank 2's step 2 was superseded by the
+    resume, as ranks 0 and 1's are by their restart records: the reader shows the resumed
+    steps of ranks 0 and 1 and says where rank 2's lineage ends. Ids by hand."""
+    from types import SimpleNamespace
+
+    from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
+
+    folder = str(tmp_path / "lineage")
+    check_lineage_folder(folder)  # (what watch() does: the folder made)
+    state = SimpleNamespace(accelerator=None, n=200, name="train", epoch=0)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        writer = LineageWriter(folder, state)
+        for step in range(3):  # rank r, step k: ids 10r + 2k, 10r + 2k + 1
+            writer.append(step // 2, torch.tensor([10 * rank + 2 * step,
+                                                   10 * rank + 2 * step + 1]))
+        writer.close()
+        if rank == 0:
+            place = {"run_id": writer.run_id, "step": 2}  # the checkpoint after 2 steps
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    state.epoch = 1
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        writer = LineageWriter(folder, state)
+        writer.resume(place)
+        writer.append(1, torch.tensor([100 + rank]))
+        writer.close()
+    got = cli_json(folder, "--step", 2)
+    assert [(b["rank"], b["ids"]) for b in got["batches"]] == [(0, [100]), (1, [101])]
+    assert [m["note"] for m in got["not_written"]] == [
+        "rank 2: its lineage ends before step 2 (written up to step 1)"]
+    assert cli_json(folder, "--step", 1)["batches"][2]["ids"] == [22, 23]
+    assert cli_json(folder, "--id", 24)["received"] == []  # rank 2's superseded step 2
+    assert cli_json(folder, "--id", 4)["received"] == []  # rank 0's, superseded likewise
+    run = json.loads((tmp_path / "lineage" / "lineage.json").read_text())
+    assert [(launch["first_step"], launch["world_size"]) for launch in run["launches"]] == [
+        (0, 3), (2, 2)]
 
 
 # -- real ranks --------------------------------------------------------------------------------
@@ -503,3 +548,176 @@ def test_lightning_lineage_across_a_resumed_fit(tmp_path):
     from sharddemo.lineage import Lineage
 
     assert Lineage(str(folder)).rank(0).restarts == [13]  # the checkpoint's step
+
+
+# -- issue 52: a resume on more ranks, a crash, a folder removed, a process that ends with
+# os._exit (tests/lineage_loop.py: N = 40 unless said, batches of 4, each rank logs the ids its
+# loop received, step by step, beside the lineage)
+
+LOOP = "tests/lineage_loop.py"
+
+
+def logged(log, launch: int, rank: int) -> list[list]:
+    """The [epoch, ids] of each step the loop received, as it logged them."""
+    path = log / f"launch{launch}_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def lineage_steps(folder, rank: int, steps) -> list[list]:
+    """[epoch, ids] of each step in `steps` of `rank`, read back with the command."""
+    out = []
+    for k in steps:
+        (batch,) = cli_json(folder, "--step", k, "--rank", rank)["batches"]
+        assert batch["step"] == k
+        out.append([batch["epoch"], batch["ids"]])
+    return out
+
+
+def test_real_ranks_a_crash_then_a_resume_on_more_ranks(tmp_path):
+    """Launch 0, 2 gloo ranks: save_state after 3 steps, then a crash (os._exit) after step 5
+    of epoch 0: what is written is the 3 steps the checkpoint flushed (steps 0..2), and the
+    reader says "written up to step 2", not that the ranks received no more. Launch 1, 3 gloo
+    ranks, resumes from that checkpoint (its steps counted on from 3, the checkpoint's) and
+    walks the rest of epoch 0 and epoch 1: rank 2's file, new, is read with the others, from
+    step 3 on; every rank's every step and every id's every receipt is what the loops logged."""
+    folder, log, checkpoint = tmp_path / "lineage", tmp_path / "log", tmp_path / "ckpt"
+    log.mkdir()
+    common = [LOOP, "--lineage", str(folder), "--log", str(log)]
+    proc = accelerate_launch([*common, "--launch", "0", "--save-at", "3", "--checkpoint",
+                              str(checkpoint), "--crash-at", "5"], check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    before = {rank: logged(log, 0, rank) for rank in range(2)}
+    assert [len(before[rank]) for rank in range(2)] == [5, 5]  # steps 0..4 received
+    for rank in range(2):
+        assert lineage_steps(folder, rank, range(3)) == before[rank][:3]
+    # the steps 3 and 4 the ranks trained after the checkpoint were never written
+    result = lineage_cli(folder, "--step", 3)
+    assert (result.exit_code, result.output) == (2, "Error: no rank's written lineage has "
+                                                    "--step 3 (rank 0: written up to step 2; "
+                                                    "rank 1: written up to step 2)\n")
+    unwritten = before[0][3][1][0]  # an id rank 0 received at step 3, after the checkpoint
+    result = lineage_cli(folder, "--id", unwritten)
+    assert (result.exit_code, result.output) == (0, f"id {unwritten}: not in the written "
+                                                    "lineage (written: rank 0 up to step 2, "
+                                                    "rank 1 up to step 2)\n")
+    result = lineage_cli(folder, "--id", 40)  # N = 40: ids 0..39
+    assert (result.exit_code, result.output) == (2, "Error: --id 40 is outside the dataset: "
+                                                    "its ids are 0..39 (dataset_size 40 in "
+                                                    "lineage.json)\n")
+
+    # launch 1: 3 ranks; the 2 ranks' 3 steps took 6 batches of 4: 2 a rank on 3 ranks
+    proc = accelerate_launch([*common, "--launch", "1", "--resume-from", str(checkpoint),
+                              "--skip", "2"], nproc=3, check=False)
+    assert ended_or_aborted_at_teardown(proc), proc.stderr
+    after = {rank: logged(log, 1, rank) for rank in range(3)}
+    expected = {0: before[0][:3] + after[0], 1: before[1][:3] + after[1], 2: after[2]}
+    assert len(after[2]) > 1
+    for rank in range(3):
+        first = 3 if rank == 2 else 0  # rank 2 joined at the resume, at the checkpoint's step
+        assert lineage_steps(folder, rank, range(first, 3 + len(after[rank]))) == \
+            expected[rank], rank
+    assert [b["rank"] for b in cli_json(folder, "--step", 3)["batches"]] == [0, 1, 2]
+    result = lineage_cli(folder, "--step", 1)
+    assert result.exit_code == 0
+    assert result.output.splitlines()[2] == ("rank 2: its lineage begins at step 3 (it joined "
+                                             "the run at a resume there)")
+    result = lineage_cli(folder, "--step", 1, "--rank", 2)
+    assert (result.exit_code, result.output) == (2, "Error: no rank's written lineage has "
+                                                    "--step 1 (rank 2: begins at step 3)\n")
+    # every id's receipts: the (epoch, step, rank) of each logged batch that holds it
+    for sample in range(40):
+        receipts = sorted(({"epoch": epoch, "step": step + (3 if rank == 2 else 0),
+                            "rank": rank}
+                           for rank in range(3)
+                           for step, (epoch, ids) in enumerate(expected[rank])
+                           for _ in range(ids.count(sample))),
+                          key=lambda hit: (hit["step"], hit["rank"]))
+        assert cli_json(folder, "--id", sample)["received"] == receipts, sample
+    run = json.loads((folder / "lineage.json").read_text())
+    assert [(launch["first_step"], launch["world_size"]) for launch in run["launches"]] == [
+        (0, 2), (3, 3)]
+
+
+def test_real_ranks_ending_with_os_exit_keep_every_step_written(tmp_path):
+    """2 gloo ranks, accelerate's even_batches=False over 36 samples in batches of 4: 9 batches
+    an epoch, rank 0 takes 5, rank 1 takes 4 (by hand: batch j to rank j mod 2), 2 epochs;
+    then each process ends with os._exit, as Ray Train's workers do (no close(), no exit
+    handler). Every step the loops logged is in the lineage (each epoch written at its end),
+    and a step past rank 1's end names that rank's end."""
+    folder, log = tmp_path / "lineage", tmp_path / "log"
+    log.mkdir()
+    proc = accelerate_launch([LOOP, "--lineage", str(folder), "--log", str(log), "--n", "36",
+                              "--uneven", "--end", "os-exit"], check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    received = {rank: logged(log, 0, rank) for rank in range(2)}
+    assert [len(received[rank]) for rank in range(2)] == [10, 8]  # 5 + 5, 4 + 4 by hand
+    for rank in range(2):
+        assert lineage_steps(folder, rank, range(len(received[rank]))) == received[rank]
+    result = lineage_cli(folder, "--step", 8)
+    assert (result.exit_code, result.output.splitlines()[1:]) == (
+        0, ["rank 1: its lineage ends before step 8 (written up to step 7)"])
+    got = cli_json(folder, "--step", 8)
+    assert [b["ids"] for b in got["batches"]] == [received[0][8][1]]
+    assert got["not_written"] == [{"rank": 1, "first_step": 0, "last_step": 7, "note": (
+        "rank 1: its lineage ends before step 8 (written up to step 7)")}]
+    # epoch 1's fifth batch (--step 4 --epoch 1): rank 0's only
+    result = lineage_cli(folder, "--step", 4, "--epoch", 1)
+    assert result.output.splitlines()[1] == ("rank 1: its lineage holds 4 batches of epoch 1 "
+                                             "(written up to step 7)")
+    result = lineage_cli(folder, "--step", 10)
+    assert (result.exit_code, result.output) == (2, "Error: no rank's written lineage has "
+                                                    "--step 10 (rank 0: written up to step 9; "
+                                                    "rank 1: written up to step 7)\n")
+
+
+def test_real_ranks_a_lineage_folder_gone_warns_once_per_rank_and_training_goes_on(tmp_path):
+    """2 gloo ranks: after watch() made the lineage folder, rank 0 removes it and puts a file
+    in its place, before the first batch. Each rank warns once that its lineage could not be
+    opened; both loops take every step (40 samples, batches of 4, 2 epochs: 5 steps an epoch
+    a rank, by hand), the report is written, and no rank raises."""
+    folder, log = tmp_path / "lineage", tmp_path / "log"
+    log.mkdir()
+    proc = accelerate_launch([LOOP, "--lineage", str(folder), "--log", str(log),
+                              "--remove-lineage"], check=False)
+    assert ended_or_aborted_at_teardown(proc) and "Traceback" not in proc.stderr, proc.stderr
+    assert [len(logged(log, 0, rank)) for rank in range(2)] == [10, 10]
+    for rank in range(2):
+        warned = [line for line in proc.stderr.splitlines()
+                  if f"[rank {rank}/2] sharddemo.watch: lineage" in line]
+        assert len(warned) == 1, proc.stderr
+        assert warned[0].endswith(
+            f"RuntimeWarning: [rank {rank}/2] sharddemo.watch: lineage '{folder}': this rank's "
+            "lineage could not be opened (NotADirectoryError: [Errno 20] Not a directory: "
+            f"'{folder / ('lineage.json.tmp' if rank == 0 else 'rank1.lineage')}'); this "
+            "rank's lineage ends before step 0; training goes on"), warned[0]
+    entries = [json.loads(line) for line in (log / "watch.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["ok"]) for e in entries] == [(0, True), (1, True)]
+
+
+def test_a_lineage_write_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path,
+                                                                            monkeypatch):
+    """One process, 20 samples in batches of 4 (5 steps an epoch), 3 epochs; the folder is
+    removed after epoch 0 was written at its end. Epoch 1's write, at its end, fails: one
+    warning naming its steps (5..9, by hand); epoch 2 writes nothing more and warns no more,
+    and the loop receives every batch."""
+    import shutil
+    import warnings
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    folder = tmp_path / "lineage"
+    loader = watch(DataLoader(TensorDataset(torch.arange(20)), batch_size=4), report=None,
+                   lineage=str(folder))
+    assert len(list(loader)) == 5
+    assert cli_json(folder, "--step", 4)["batches"][0]["ids"] == [16, 17, 18, 19]
+    shutil.rmtree(folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [len(list(loader)) for _ in range(2)] == [5, 5]
+        loader.close()
+        flush_all()
+    lines = [str(w.message) for w in caught if "lineage" in str(w.message)]
+    assert lines == [f"[rank 0/1] sharddemo.watch: lineage '{folder}': steps 5..9 could not "
+                     "be written (FileNotFoundError: [Errno 2] No such file or directory: "
+                     f"'{folder / 'rank0.lineage'}'); this rank's lineage ends before step 5; "
+                     "training goes on"]

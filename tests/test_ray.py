@@ -156,3 +156,25 @@ def test_workers_that_each_read_everything_are_not_told_of_padding(ray_cluster, 
     assert "no-silent-replication" in failed and "no-unexplained-duplicates" in failed, failed
     [line] = [text for log in logs for text in log["printed"] if text.startswith("sharddemo:")]
     assert "FAIL" in line and "padding" not in line + " ".join(failed.values()), line
+
+
+def test_lineage_in_workers_holds_every_step_of_the_last_epoch(ray_cluster, tmp_path):
+    """lineage= inside Ray Train's workers, 24 samples, batches of 4, 2 epochs (3 steps an
+    epoch a worker, by hand): a worker ends without the interpreter's exit handlers, so each
+    epoch is written at its end; the lineage holds every step each worker's loop logged, the
+    last epoch's included."""
+    from sharddemo.lineage import Lineage
+
+    folder = tmp_path / "lineage"
+    run(tmp_path, ray_loop.watched_loop, n=24, batch=BATCH, epochs=EPOCHS,
+        report=str(tmp_path / "w.jsonl"), log=str(tmp_path), set_epoch=True,
+        lineage=str(folder))
+    lineage = Lineage(str(folder))
+    assert lineage.ranks() == [0, 1]
+    for rank in range(WORKERS):
+        batches = json.loads((tmp_path / f"rank{rank}.json").read_text())["batches"]
+        expected = [[epoch, ids] for epoch, got in enumerate(batches) for ids in got]
+        assert len(expected) == 6
+        written = [[b["epoch"], b["ids"]] for k in range(len(expected))
+                   for b in lineage.at_step(k, rank)]
+        assert written == expected, rank

@@ -647,8 +647,8 @@ def check(report: str) -> int:
               "resumes; with --epoch: the epoch's K-th batch) whose samples to print.")
 @click.option("--rank", type=int, help="Only this rank [default: every rank].")
 @click.option("--epoch", type=int, help="Count --step from the first batch of this epoch.")
-@click.option("--id", "sample", type=int, help="Print every (epoch, step, rank) at which this "
-              "sample was received.")
+@click.option("--id", "sample", type=int, help="Print every (epoch, step, rank) at which the "
+              "written lineage holds this sample.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
               show_default=True)
 def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Optional[int],
@@ -656,11 +656,16 @@ def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Option
     """Which samples each rank received at a step, or where a sample was received.
 
     DIR is the folder a watched run wrote with watch(..., lineage=DIR) (docs/watch.md, "The
-    batch behind a step"). Give --step K, or --id ID. A last record cut short by a crash is
-    skipped with a warning.
+    batch behind a step"). Give --step K, or --id ID. It says what is written: after a crash a
+    rank's lineage may end before the steps it trained (the last unwritten chunk), and a rank
+    whose written lineage has no step K is named with where its lineage ends ("written up to
+    step J"). Exit 2, with one Error: line, where no rank's written lineage has step K, and
+    for an id outside the dataset (0..N-1). A last record cut short by a crash is skipped
+    with a warning.
 
     Example:
 
+    \b
         sharddemo lineage runs/lineage --step 48112
         sharddemo lineage runs/lineage --id 1234 --format json
     """
@@ -674,18 +679,32 @@ def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Option
         raise UsageError("--rank and --epoch go with --step, not --id")
     found = Lineage(folder)
     if step is not None:
-        batches = found.at_step(step, rank, epoch)
-        result = {"step": step, "epoch": epoch, "batches": batches}
+        batches, missing = found.lookup(step, rank, epoch)
+        result = {"step": step, "epoch": epoch, "batches": batches, "not_written": missing}
         lines = [f"rank {b['rank']} epoch {b['epoch']} step {b['step']}: "
                  + ("ids not known (the watch could not attribute this batch)"
                     if b["ids"] is None else
                     f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
                  for b in batches]
+        lines = [line for _, line in sorted(
+            [(b["rank"], line) for b, line in zip(batches, lines)]
+            + [(m["rank"], m["note"]) for m in missing], key=lambda pair: pair[0])]
     else:
         hits = found.where(sample)
-        result = {"id": sample, "received": hits}
+        outside = found.outside(sample)
+        if outside and not hits:
+            raise UsageError(outside)
+        written = [{"rank": r, "last_step": ends[1] if ends else None}
+                   for r in found.ranks() for ends in [found.written(r)]]
+        result = {"id": sample, "received": hits, "written": written}
+        ends = ", ".join(f"rank {w['rank']} up to step {w['last_step']}"
+                         if w["last_step"] is not None else f"rank {w['rank']} nothing"
+                         for w in written)
         lines = ([f"epoch {h['epoch']} step {h['step']} rank {h['rank']}" for h in hits]
-                 or [f"id {sample}: never received in this lineage"])
+                 or [f"id {sample}: not in the written lineage (written: {ends})"])
+        if outside:  # held all the same: ids the watch found outside the dataset
+            click.echo(f"Warning: id {outside[len('--id '):]}, yet the lineage holds it (an "
+                       "id_field that gave ids outside the dataset)", err=True)
     for r, size in found.torn().items():
         click.echo(f"Warning: rank{r}.lineage ends in a record cut short ({size} bytes, a "
                    "crash while it was written): skipped", err=True)

@@ -479,7 +479,9 @@ def valid_length(path: str) -> int:
 
 class Lineage:
     """A lineage folder: its run file and every rank's file (UsageError for a folder that is
-    not one)."""
+    not one). The ranks are those whose file is in the folder (a resume on more ranks adds
+    files); what the reader says is what is written, which after a crash may end before what
+    a rank received."""
 
     def __init__(self, folder: str) -> None:
         if not os.path.isdir(folder):
@@ -490,36 +492,79 @@ class Lineage:
         if self.run is None:
             raise UsageError(f"{folder} is not a lineage folder (no {RUN_FILE} of schema "
                              f"{SCHEMA}): give the folder passed to watch(..., lineage=DIR)")
-        self.world_size = int(self.run.get("world_size", 1))
+        self.world_size = int(self.run.get("world_size") or 1)  # (the first launch's)
+        # each launch's first step and world size, in order (a run file without them: one)
+        self.launches = [(int(launch.get("first_step") or 0),
+                          int(launch.get("world_size") or self.world_size))
+                         for launch in self.run.get("launches") or [{}]]
         self.loaded: dict[int, RankLineage] = {}
+        self.ends: dict[int, int] = {}  # rank: the first step of a later launch without it
 
     def ranks(self) -> list[int]:
-        return [r for r in range(self.world_size) if os.path.exists(rank_file(self.folder, r))]
+        """The ranks with a file in the folder, in order."""
+        found = []
+        for name in os.listdir(self.folder):
+            head, _, tail = name.partition("rank")
+            if not head and tail.endswith(".lineage") and tail[:-8].isdigit():
+                found.append(int(tail[:-8]))
+        return sorted(found)
+
+    def run_ranks(self) -> int:
+        """How many ranks the run had at most, over its launches."""
+        return max(world for _, world in self.launches)
 
     def rank(self, rank: int) -> RankLineage:
         if rank not in self.loaded:
-            if not 0 <= rank < self.world_size or not os.path.exists(
-                    rank_file(self.folder, rank)):
-                raise UsageError(f"--rank {rank} does not exist: this run has ranks "
-                                 f"0..{self.world_size - 1}, with lineage files of ranks "
-                                 f"{self.ranks()}")
+            if not os.path.exists(rank_file(self.folder, rank)):
+                files = ", ".join(map(str, self.ranks())) or "none"
+                had = self.run_ranks()
+                why = (f"rank {rank} wrote no lineage file (the run had ranks 0..{had - 1})"
+                       if 0 <= rank < had else
+                       f"--rank {rank} does not exist: this run had ranks 0..{had - 1}")
+                raise UsageError(f"{why}; ranks with a lineage file: {files}")
             self.loaded[rank] = RankLineage(rank_file(self.folder, rank), rank)
+            # a rank that a later launch (a resume on fewer ranks) did not have: its steps
+            # from that launch's first step on were superseded by the resume, as the other
+            # ranks' are by their restart records
+            last = max((i for i, (_, world) in enumerate(self.launches) if rank < world),
+                       default=None)
+            if last is not None and last + 1 < len(self.launches):
+                self.ends[rank] = min(first for first, _ in self.launches[last + 1:])
         return self.loaded[rank]
 
-    def at_step(self, step: int, rank: Optional[int] = None,
-                epoch: Optional[int] = None) -> list[dict]:
+    def visible(self, rank: int, row: Optional[int]) -> bool:
+        return row is not None and int(self.rank(rank).step[row]) < self.ends.get(
+            rank, np.iinfo(np.int64).max)
+
+    def written(self, rank: int) -> Optional[tuple[int, int]]:
+        """The first and the last step of `rank`'s written lineage (None: nothing written)."""
+        steps = self.rank(rank).step
+        steps = steps[steps < self.ends.get(rank, np.iinfo(np.int64).max)]
+        return (int(steps[0]), int(steps[-1])) if len(steps) else None
+
+    def lookup(self, step: int, rank: Optional[int] = None,
+               epoch: Optional[int] = None) -> tuple[list[dict], list[dict]]:
         """What each rank (or `rank`) received at `step` (with `epoch`: the epoch's step-th
-        batch); UsageError where no rank received that step."""
+        batch), and, for each rank whose written lineage has no such step, why not: a dict
+        with the rank, its first and last written step (None where nothing is) and a `note`.
+        UsageError where no rank's written lineage has it."""
         if step < 0:
             raise UsageError(f"--step must be 0 or more, got {step}")
-        out, ends = [], []
-        for r in ([rank] if rank is not None else self.ranks()):
+        out, missing, short = [], [], []
+        ranks = [rank] if rank is not None else sorted(
+            set(self.ranks()) | set(range(self.run_ranks())))
+        for r in ranks:
+            if rank is None and not os.path.exists(rank_file(self.folder, r)):
+                missing.append({"rank": r, "first_step": None, "last_step": None,
+                                "note": f"rank {r}: no lineage file"})
+                short.append(f"rank {r}: no lineage file")
+                continue
             lineage = self.rank(r)
             row = lineage.row_of(step, epoch)
-            if row is None:
-                ends.append(f"rank {r} received steps 0..{lineage.steps - 1}"
-                            if epoch is None else
-                            f"rank {r} received {int((lineage.epoch == epoch).sum())} in epoch {epoch}")
+            if not self.visible(r, row):
+                entry, brief = self.gap(r, step, epoch)
+                missing.append(entry)
+                short.append(brief)
                 continue
             kind = int(lineage.kind[row])
             out.append({"rank": r, "epoch": int(lineage.epoch[row]),
@@ -527,17 +572,63 @@ class Lineage:
                         "ids": lineage.ids(row) if kind == BATCH else None})
         if not out:
             where = f" of epoch {epoch}" if epoch is not None else ""
-            raise UsageError(f"--step {step}{where} is past the end ({'; '.join(ends)})")
-        return out
+            raise UsageError(f"no rank's written lineage has --step {step}{where} ("
+                             + "; ".join(short) + ")")
+        return out, missing
+
+    def gap(self, rank: int, step: int, epoch: Optional[int]) -> tuple[dict, str]:
+        """Why `rank`'s written lineage has no `step` (of `epoch`), in words, long (a line of
+        its own) and short (for a list)."""
+        written = self.written(rank)
+        first, last = written or (None, None)
+        if written is None:
+            note = short = f"rank {rank}: nothing written"
+        elif epoch is not None:
+            lineage = self.rank(rank)
+            held = int(((lineage.epoch == epoch) & (lineage.step <= last)).sum())
+            short = f"rank {rank}: {held} batches of epoch {epoch}, written up to step {last}"
+            note = (f"rank {rank}: its lineage holds {held} batches of epoch {epoch} "
+                    f"(written up to step {last})")
+        elif step > last:
+            short = f"rank {rank}: written up to step {last}"
+            note = f"rank {rank}: its lineage ends before step {step} (written up to step {last})"
+        elif step < first:
+            joined = " (it joined the run at a resume there)" if any(
+                at == first and i and rank >= self.launches[i - 1][1]
+                for i, (at, _) in enumerate(self.launches)) else ""
+            short = f"rank {rank}: begins at step {first}"
+            note = f"rank {rank}: its lineage begins at step {first}{joined}"
+        else:
+            short = f"rank {rank}: written for steps {first}..{last}, with gaps"
+            note = f"rank {rank}: step {step} is not in its lineage (written: steps " \
+                   f"{first}..{last}, with gaps)"
+        return {"rank": rank, "first_step": first, "last_step": last, "note": note}, short
+
+    def at_step(self, step: int, rank: Optional[int] = None,
+                epoch: Optional[int] = None) -> list[dict]:
+        """What each rank (or `rank`) received at `step` (lookup's batches); UsageError where
+        no rank's written lineage has that step."""
+        return self.lookup(step, rank, epoch)[0]
 
     def where(self, sample: int) -> list[dict]:
-        """Every (epoch, step, rank) at which `sample` was received, by step then rank."""
+        """Every (epoch, step, rank) at which the written lineage has `sample`, by step then
+        rank."""
         out = []
         for r in self.ranks():
             lineage = self.rank(r)
             out += [{"epoch": int(lineage.epoch[row]), "step": int(lineage.step[row]),
-                     "rank": r} for row in lineage.rows_with(sample)]
+                     "rank": r} for row in lineage.rows_with(sample) if self.visible(r, row)]
         return sorted(out, key=lambda hit: (hit["step"], hit["rank"]))
+
+    def outside(self, sample: int) -> Optional[str]:
+        """Why `sample` is not an id of the dataset (None: it may be one)."""
+        size = self.run.get("dataset_size")
+        if sample < 0:
+            return f"--id {sample} is outside the dataset: ids are 0 or more"
+        if size is not None and sample >= int(size):
+            return (f"--id {sample} is outside the dataset: its ids are 0..{int(size) - 1} "
+                    f"(dataset_size {int(size)} in {RUN_FILE})")
+        return None
 
     def torn(self) -> dict[int, int]:
         return {r: self.loaded[r].torn for r in sorted(self.loaded) if self.loaded[r].torn}

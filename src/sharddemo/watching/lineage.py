@@ -5,10 +5,16 @@ writes the run file.
 
 A step never waits for a device: the batch's ids (a tensor, on a GPU perhaps) are kept as
 they are, and every FLUSH_BATCHES batches or FLUSH_IDS ids they are joined on their device,
-copied to the host once, encoded and appended with one write. The buffer is also written at an
-epoch's change, when the watch's state is saved for a checkpoint, and at the process's exit.
-What was written stays readable after a crash; a record cut short is skipped by the reader,
-and cut off by the writer before a resumed run appends.
+copied to the host once, encoded and appended with one write. The buffer is also written at
+each epoch's end and at the watch's close() (state.py calls flush(): a process that ends with
+os._exit, as Ray Train's workers do, runs no exit handler), at an epoch's change, when the
+watch's state is saved for a checkpoint, and at the process's exit. What was written stays
+readable after a crash; a record cut short is skipped by the reader, and cut off by the writer
+before a resumed run appends.
+
+The lineage is the watch's own output: a fault in writing it (the folder removed, a full disk)
+is one RuntimeWarning on the rank it happens on, after which that rank writes no more of it;
+the training goes on. Only a folder that holds another run's lineage is refused (ValueError).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ OPEN: "weakref.WeakSet[LineageWriter]" = weakref.WeakSet()
 @atexit.register
 def flush_all() -> None:
     for writer in list(OPEN):
-        writer.flush()
+        writer.flush()  # (a fault warns: never an error at the interpreter's exit)
 
 
 class LineageWriter:
@@ -84,6 +90,8 @@ class LineageWriter:
         self.pending: list = []  # (epoch, step, ids or None)
         self.pending_ids = 0
         self.path: Optional[str] = None
+        self.rank, self.world = 0, 1  # (set at open)
+        self.broken = False  # a write failed (warned once): this rank writes no more
 
     # -- the checkpoint: the steps go on after a resume
     def place(self) -> dict:
@@ -102,8 +110,11 @@ class LineageWriter:
 
     # -- the steps
     def append(self, epoch: int, ids: Optional[torch.Tensor]) -> None:
-        if self.path is None:
+        if self.path is None and not self.broken:
             self.open()
+        if self.broken:  # (the steps are still counted: a checkpoint carries the count)
+            self.step += 1
+            return
         if self.pending and self.pending[-1][0] != epoch:
             self.flush()  # (an epoch's end: its last steps on disk)
         if ids is not None:
@@ -113,17 +124,31 @@ class LineageWriter:
         self.pending.append((epoch, self.step, ids))
         self.step += 1
         if len(self.pending) >= FLUSH_BATCHES or self.pending_ids >= FLUSH_IDS:
-            try:
-                self.flush()
-            except Exception as error:  # (a full disk): never a failure of the training
-                warnings.warn(f"sharddemo.watch: lineage {self.folder!r}: steps up to "
-                              f"{self.step - 1} could not be written ({type(error).__name__}: "
-                              f"{error}); training goes on", RuntimeWarning, stacklevel=3)
+            self.flush()
 
     def flush(self) -> None:
-        if not self.pending or self.path is None:
+        """Write the buffered batches (a fault warns, see fault())."""
+        if not self.pending or self.path is None or self.broken:
             return
         pending, self.pending, self.pending_ids = self.pending, [], 0
+        try:
+            self.write(pending)
+        except Exception as error:  # (a folder removed, a full disk, ids on a lost device)
+            self.fault(f"steps {pending[0][1]}..{pending[-1][1]} could not be written",
+                       pending[0][1], error)
+
+    def fault(self, what: str, first: int, error: Exception) -> None:
+        """A write of the lineage failed: one warning on this rank, and no more writes (what
+        is on disk stays readable: the reader says where this rank's lineage ends)."""
+        self.broken = True
+        self.pending, self.pending_ids = [], 0
+        OPEN.discard(self)
+        warnings.warn(f"[rank {self.rank}/{self.world}] sharddemo.watch: lineage "
+                      f"{self.folder!r}: {what} ({type(error).__name__}: {error}); this "
+                      f"rank's lineage ends before step {first}; training goes on",
+                      RuntimeWarning, stacklevel=2)
+
+    def write(self, pending: list) -> None:
         known = [ids for _, _, ids in pending if ids is not None and ids.numel()]
         flat = np.empty(0, dtype=np.int64)
         if known:  # one copy to the host for the whole buffer
@@ -148,6 +173,7 @@ class LineageWriter:
         from sharddemo.watching.state import run_stamp
 
         rank, world = rank_and_world(self.state.accelerator)
+        self.rank, self.world = rank, world
         path = rank_file(self.folder, rank)
         run = read_run_file(self.folder)
         if self.continues is not None:
@@ -166,11 +192,28 @@ class LineageWriter:
                                  "this run does not resume it from a checkpoint; give a new "
                                  "folder, or remove that one")
             self.run_id = run_stamp()["run_id"] if rank == 0 else None
+        try:
+            self.open_files(path, run)
+        except Exception as error:  # (the folder removed, or a file in its place)
+            self.fault("this rank's lineage could not be opened", self.step, error)
+            return
+        self.path = path
+        OPEN.add(self)
+        if self.resumed_at is not None:
+            self.write_restart()
+
+    def open_files(self, path: str, run: Optional[dict]) -> None:
+        """The run file (rank 0, a new run) and this rank's file, cut to its whole records."""
+        from sharddemo.watching.state import run_stamp
+
+        rank, world = self.rank, self.world
         if rank == 0 and run is None:
             write_run_file(self.folder, {
                 "run_id": self.run_id, "started": run_stamp()["run_started"],
                 "world_size": world, "dataset_size": self.state.n,
-                "loader": self.state.name})
+                "loader": self.state.name,
+                "launches": [{"first_step": self.step, "world_size": world,
+                              "started": run_stamp()["run_started"]}]})
         if os.path.exists(path) and os.path.getsize(path) > 0:
             end = valid_length(path)
             with open(path, "r+b") as handle:
@@ -182,10 +225,6 @@ class LineageWriter:
         else:
             with open(path, "wb") as handle:
                 handle.write(file_header(rank))
-        self.path = path
-        OPEN.add(self)
-        if self.resumed_at is not None:
-            self.write_restart()
 
     def close(self) -> None:
         """Write what is buffered; the process's exit does it too."""
@@ -193,7 +232,26 @@ class LineageWriter:
         OPEN.discard(self)
 
     def write_restart(self) -> None:
-        epoch = int(self.state.epoch)
-        with open(self.path, "ab") as handle:
-            handle.write(encode(RESTART, epoch, self.step))
+        """The restart record in this rank's file; rank 0 also adds the launch (its first
+        step, its world size) to the run file's `launches`, so that the reader knows the
+        ranks of each launch (a resume on more ranks, or on fewer)."""
+        from sharddemo.watching.state import run_stamp
+
         self.resumed_at = None
+        if self.broken:
+            return
+        try:
+            with open(self.path, "ab") as handle:
+                handle.write(encode(RESTART, int(self.state.epoch), self.step))
+            run = read_run_file(self.folder) if self.rank == 0 else None
+            launch = {"first_step": self.step, "world_size": self.world,
+                      "started": run_stamp()["run_started"]}
+            launches = (run or {}).get("launches") or [
+                {"first_step": 0, "world_size": (run or {}).get("world_size")}]
+            if run is not None and launches[-1] != launch:  # (open wrote it: a new run file)
+                write_run_file(self.folder, {
+                    **{k: v for k, v in run.items() if k not in ("schema", "format")},
+                    "launches": [*launches, launch]})
+        except Exception as error:  # (the folder removed, a full disk)
+            self.fault(f"the restart at step {self.step} could not be written", self.step,
+                       error)

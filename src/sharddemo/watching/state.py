@@ -378,6 +378,13 @@ class WatchState:
         if not self.closed:
             self.end_epoch(loader, partial=partial)
 
+    def flush_lineage(self) -> None:
+        """What the loop has received, on disk in the lineage (watch(..., lineage=DIR)) at each
+        epoch's end and at close(): a process may end without its exit handlers (Ray Train's
+        workers end with os._exit), so the buffer is not left for them. A fault warns."""
+        if self.lineage is not None:
+            self.lineage.flush()
+
     def open_steps(self) -> int:
         """Steps of the open epoch on this rank (0: none open)."""
         return self.recorder.steps + len(self.noted) if self.recorder is not None else 0
@@ -398,6 +405,7 @@ class WatchState:
         the verdicts a part of an epoch supports. Then the watch is done; a second call does
         nothing. Returns the partial epoch's entry on the main process, else None."""
 
+        self.flush_lineage()
         if self.finished:
             return None
         if self.ranks is None:
@@ -451,6 +459,7 @@ class WatchState:
         """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
         an exception leaving a `with` block): the main process reports its own part of the
         open epoch, marked "ranks": "main-only", with no collective; the others say nothing."""
+        self.flush_lineage()
         if self.finished:
             return None
         self.finished = True
@@ -851,6 +860,7 @@ class WatchState:
         limit_train_batches): the entry says so and judges only what a part can show."""
         from sharddemo.rank.collect import exchange_ints
 
+        self.flush_lineage()
         self.note_batches()
         if self.edge_rest:
             self.edge_rest = False
