@@ -17,6 +17,7 @@ save after an epoch's last step resumes with the next epoch, skipping 0. `--unwa
 same loop without the watch (a checkpoint saved before the watch was added);
 `--resume-in-place` resumes a save after an epoch's last step at that epoch and step, as a loop
 that stores only (epoch, step) does: skip_first_batches skips the whole epoch, an empty pass.
+`--no-skip` resumes without skip_first_batches (a loop that forgets it): the epoch starts over.
 
 Each rank writes what it received, batch by batch, to `--ids`/launch<K>_rank<r>.json: a list of
 [epoch, ids]."""
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--resume-in-place", action="store_true",
                         help="a save after an epoch's last step resumes at that epoch, "
                              "skipping all of it (an empty pass), not with the next epoch")
+    parser.add_argument("--no-skip", action="store_true",
+                        help="resume without skip_first_batches: the epoch starts over")
     parser.add_argument("--sampler", action="store_true",
                         help="a DistributedSampler (seed 0, set_epoch each epoch), not prepared")
     args = parser.parse_args()
@@ -95,7 +98,7 @@ def main() -> None:
             if sampler is not None:
                 sampler.set_epoch(epoch)
             batches = loader
-            if epoch == first and args.resume_from:
+            if epoch == first and args.resume_from and not args.no_skip:
                 batches = accelerator.skip_first_batches(loader, skip)
             taken = skip if epoch == first else 0
             for (ids,) in batches:

@@ -678,3 +678,28 @@ def test_a_seeded_resume_in_a_later_epoch_names_the_prepared_random_sampler(tmp_
     assert not verdict["ok"]
     assert "accelerate's prepared RandomSampler takes no epoch" in verdict["detail"]
     assert "no common seed" not in verdict["detail"]
+
+
+@pytest.mark.parametrize("world,args,cause", [
+    (3, [], "the restart changed the number of ranks (2 -> 3)"),
+    (2, ["--no-skip"], "the resumed loop skipped none of the 3 steps taken before the stop")])
+def test_a_seeded_resume_that_repeats_names_what_the_restart_did(tmp_path, world, args, cause):
+    """The new-user trial: seeded launches (set_seed 0 in both) that deal the same order, saved
+    at epoch 0 step 3 and resumed on 3 ranks (skip_first_batches(3) counts batches of the new
+    size) or on 2 without skip_first_batches: samples repeat, and the FAIL names what the
+    restart did, not an order the launches did not share (before: "the launches did not deal
+    the same order"). The repeats: the ids both launches' loops logged in epoch 0."""
+    chain = Chain(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    chain.launch(2, "--save-at", "0:3", "--checkpoint", ckpt, "--seed", "0")
+    chain.launch(world, "--resume-from", ckpt, "--epochs", "1", "--seed", "0", *args)
+    [entry] = [e for e in entries(chain.report) if not e.get("partial")]
+    before, after = set(chain.received(1, 0)), set(chain.received(2, 0))
+    # never received in either launch (2 -> 3: skip_first_batches(3) skipped 3 x 3 x 4 = 36
+    # slots of the new order where 24 samples came before the stop)
+    assert entry["resume"]["skipped"]["count"] == 80 - len(before | after)
+    if world == 2:  # every sample of the first 3 steps came again
+        assert entry["resume"]["repeated"]["count"] == len(before & after) == 24
+    (verdict,) = [v for v in entry["verdicts"] if v["verdict"] == "resume-exact"]
+    assert not verdict["ok"] and cause in verdict["detail"], verdict["detail"]
+    assert "did not deal the same order" not in verdict["detail"]

@@ -227,3 +227,22 @@ def test_an_unsplit_stream_stopped_at_step_20_fails_replication(tmp_path):
     failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
     assert "no-silent-replication" in failed and not entry["ok"]
     assert "(partial)" in lines and "FAIL" in lines
+
+
+def test_a_replicated_loader_stopped_at_step_20_fails_replication_not_repeats(tmp_path):
+    """The new-user trial: a plain shuffled DataLoader every rank reads whole (not prepared,
+    unseeded: each rank its own order), stopped at step 20. No rank received a sample twice;
+    the samples both ranks received (their logs) are replication, named as such (before:
+    no-silent-replication held and "N repeats, none explained" was the only FAIL)."""
+    got, ids, lines = stopped(tmp_path, "--loader", "replicated", "--end", "close")
+    [entry] = got
+    assert all(len(set(mine)) == len(mine) for mine in ids)  # no rank repeats itself
+    both = set(ids[0]) & set(ids[1])
+    assert both  # (two orders of 1,000, 160 each: about 26 shared; by hand)
+    seen = len(ids[0]) + len(ids[1])
+    assert (entry["seen"], entry["unique"]) == (seen, len(set(ids[0]) | set(ids[1])))
+    failed = {v["verdict"]: v["detail"] for v in entry["verdicts"] if not v["ok"]}
+    assert failed["no-silent-replication"] == (
+        f"{len(both):,} of the {seen:,} deliveries are samples another rank received too: "
+        "the loader is not sharded")
+    assert "replication" in entry["duplicated"]["reasons"], entry["duplicated"]

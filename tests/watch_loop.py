@@ -16,7 +16,8 @@ rank writes the error its loop raised and the batches its loop received before i
 lack it): the ranks learn it together at the next exchange.
 
 `stop`: a loop that stops mid-epoch at `--stop-at` (what every max_steps loop does), over a
-prepared map-style loader (`--loader prepared`: N = 1000, batch 8) or a stream every rank reads
+prepared map-style loader (`--loader prepared`: N = 1000, batch 8), the same loader not prepared
+(`--loader replicated`: every rank reads it whole, unseeded, in an order of its own) or a stream every rank reads
 whole (`--loader stream`, with id_field), then ends the watched run as `--end` says: `close`
 (loader.close() on every rank), `with` (the loader used as a context manager), `exit` (no close:
 the process ends, and the watch's exit handler writes what the main process has) or `raise` (an
@@ -217,6 +218,9 @@ def stop(args, accelerator) -> None:
     if args.loader == "stream":
         loader = watch(DataLoader(Stream(), batch_size=8), accelerator, report=args.report,
                        id_field="id")
+    elif args.loader == "replicated":  # every rank reads the 1,000 whole, in its own order
+        loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=8,
+                                  shuffle=True), accelerator, report=args.report)
     else:
         loader = watch(DataLoader(TensorDataset(torch.arange(1000)), batch_size=8,
                                   shuffle=True), accelerator, report=args.report)
@@ -434,7 +438,8 @@ def main() -> None:
                                          "bad-field", "cases"])
     parser.add_argument("--cases", default="dup,replacement,shuffle,shuffle-no-set-epoch")
     parser.add_argument("--some", action="store_true")
-    parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf"],
+    parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf",
+                                             "replicated"],
                         default="prepared")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--check-every", type=check_every, default="auto")

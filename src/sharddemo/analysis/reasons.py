@@ -214,6 +214,16 @@ def loader_pads(loader: Optional[dict]) -> bool:
                                      and loader.get("sampler_padding") == 0)
 
 
+def shards(loader: dict) -> bool:
+    """Whether anything in the loader deals each rank a share: a DistributedSampler,
+    accelerate's BatchSamplerShard, IterableDatasetShard or dispatcher, a prepared loader, or
+    Ray Data's equal split of a dataset."""
+    return bool(loader.get("distributed_sampler") or loader.get("batch_sampler_shard")
+                or loader.get("iterable_shard") or loader.get("dispatcher")
+                or loader.get("prepared")
+                or (loader.get("ray_data") or {}).get("split") == "equal")
+
+
 def is_double_split(loader: dict) -> bool:
     """A DistributedSampler inside a loader that accelerate shards again."""
     return bool(loader.get("distributed_sampler") and loader.get("prepared")
@@ -253,10 +263,17 @@ def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind:
         if dispatched_from_other_workers(loader, view.worker_sets()):
             return "worker-replication", False
         return "replication", kind == REPLICATED
-    if view.ranks_disagree(n) and (code is not None or loader.get("seedable_sampler")):
-        # A loader that shards, each rank's slice clean, yet slices overlap: the ranks dealt
-        # from different orders (no common seed, or a permutation drawn before the sync).
-        return "ranks-disagree", False
+    if view.ranks_disagree(n):
+        if code is not None or loader.get("seedable_sampler"):
+            # A loader that shards, each rank's slice clean, yet slices overlap: the ranks
+            # dealt from different orders (no common seed, or a permutation drawn before the
+            # sync).
+            return "ranks-disagree", False
+        if not shards(loader):
+            # nothing in the loader shards, and the ranks' clean slices overlap: each rank
+            # walks the dataset on its own, in an order of its own (a part of an epoch of an
+            # unseeded loader that every rank reads whole): replication, not repeats
+            return "replication", kind == REPLICATED
     return code or "unexplained", False
 
 

@@ -169,7 +169,7 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
         if promised == "sharded":
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
-            repeats = f"{extra} repeat{'' if extra == 1 else 's'}"
+            repeats = f"{extra:,} repeat{'' if extra == 1 else 's'}"
             # padding named only where the loader pads (not a loader every rank reads whole)
             add("no-unexplained-duplicates", k, ok, "" if ok else
                 f"{repeats}, more than the loader's padding explains" if loader_pads(loader)
@@ -179,8 +179,12 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
         if promised == "sharded":
             ok = w == 1 or not copies_across_ranks(e)
+            same = e["seen"] == w * e["unique"] and all(
+                r["samples"] == e["unique"] for r in e["ranks"])
             add("no-silent-replication", k, ok, "" if ok else
-                f"all {w} ranks received the same samples: the loader is not sharded")
+                f"all {w} ranks received the same samples: the loader is not sharded" if same
+                else f"{e['seen'] - e['unique']:,} of the {e['seen']:,} deliveries are samples "
+                "another rank received too: the loader is not sharded")
         else:
             ok = replicated_ok(e)
             short = [r["rank"] for r in e["ranks"] if r["samples"] < max(x["samples"] for x in e["ranks"])]

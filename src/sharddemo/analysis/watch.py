@@ -119,7 +119,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 if loader_share(description, n) == n else None)
         resume = resume_check(before, present, epoch, restarts, again, fill,
                               fill_by=fill_source(description), partial=partial,
-                              cause=restart_cause(description, epoch))
+                              cause=restart_cause(description, epoch,
+                                                  (restarts or [{}])[-1]))
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -290,10 +291,23 @@ def prepared_random_sampler(description: dict) -> bool:
             and "StatefulDataLoader" not in classes)
 
 
-def restart_cause(description: dict, epoch: int) -> str:
-    """Why a resumed epoch repeats or skips samples, from what the loader is (resume_check's
-    `cause`): the mechanism the loader's own objects have, never a cause the script may not
-    have (a seed it set, a set_epoch it calls)."""
+def restart_cause(description: dict, epoch: int, last: Optional[dict] = None) -> str:
+    """Why a resumed epoch repeats or skips samples (resume_check's `cause`), from what the
+    restart did (`last`: the epoch's last restart) and what the loader is: never a cause the
+    script may not have (a seed it set, a set_epoch it calls). A changed number of ranks, or a
+    loop that skipped nothing of the steps taken before the stop, comes first: either alone
+    repeats samples, whatever the order."""
+    last = last or {}
+    saved_on, resumed_on = last.get("saved_on"), last.get("resumed_on")
+    if saved_on and resumed_on and saved_on != resumed_on:
+        return (f"the restart changed the number of ranks ({saved_on} -> {resumed_on}): a "
+                "position counted in batches of one world size is other samples at another; "
+                "docs/resume.md")
+    stateful = "StatefulDataLoader" in (description.get("classes") or [])
+    if last.get("step") and not last.get("skipped_batches") and not stateful:
+        return (f"the resumed loop skipped none of the {last['step']} steps taken before the "
+                "stop (skip_first_batches, or a loader that keeps its own state, restores the "
+                "position); docs/resume.md")
     if prepared_random_sampler(description):
         if epoch == 0:
             return ("accelerate's prepared RandomSampler draws each launch's order from its "
