@@ -4,7 +4,7 @@
     python benchmarks/lineage_lookup.py --record            # and into docs/benchmarks.md
 
 A synthetic lineage of N samples: one epoch of a permutation of 0..N-1, dealt to W ranks in
-batches of B, written with the format's own encoder (sharddemo.lineage.encode_many, a chunk of
+batches of B, written with the format's own encoder (sharddemo.lineage_format.encode_many, a chunk of
 256 batches at a time, as the watch's writer calls it) straight from numpy: no training loop,
 no torch, so that 10^8 samples can be made on 2 cores. Then, each in a fresh process (`sharddemo lineage`, as a user runs it,
 the Python start included) and with the files in the page cache: a lookup by step (every rank
@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from sharddemo.lineage import BATCH, encode_many, file_header, rank_file, write_run_file
+from sharddemo.lineage import write_run_file
+from sharddemo.lineage_format import BATCH, encode_many, file_header, rank_file
 
 CHUNK = 256  # batches a chunk: the writer's FLUSH_BATCHES
 

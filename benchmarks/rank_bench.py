@@ -65,7 +65,7 @@ def bare_epoch(accelerator, plan) -> None:
 
 
 def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
-    from sharddemo.rank.counting import FLUSH_IDS
+    from sharddemo.rank.counting.counters import FLUSH_IDS
 
     out: dict = {"flush_ids": FLUSH_IDS}
     for mode in ("prepared", "sampler"):

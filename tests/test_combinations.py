@@ -47,8 +47,8 @@ def ids_record(epoch: int, ranks: list[list[list[int]]], gather: str) -> dict:
 def counted_record(epoch: int, ranks: list[list[list[int]]], n: int) -> dict:
     """The record a counting Recorder returns on the main rank, with its collectives done
     in this process: each rank's counter encoded (counting.encode), the codes summed (the
-    reduce), and counting._summarise on the sum."""
-    from sharddemo.rank.counting import _summarise, encode
+    reduce), and counting.summarise on the sum."""
+    from sharddemo.rank.counting import encode, summarise
 
     world = len(ranks)
     codes, shift, rows = None, None, []
@@ -77,7 +77,7 @@ def counted_record(epoch: int, ranks: list[list[list[int]]], n: int) -> dict:
                      "out_of_range_total": len(ids) - len(inside),
                      "order_hash": xxhash.xxh3_128(np.asarray(ids, dtype=np.int64)).hexdigest(),
                      "ascending": ids == sorted(ids), "remainder": None})
-    record = _summarise(epoch, codes[:n], shift, rows)
+    record = summarise(epoch, codes[:n], shift, rows)
     record["coverage"]["for_metrics"] = None
     return record
 

@@ -180,7 +180,7 @@ def test_the_walk_counts_across_flushes_shifts_and_an_oversized_batch(monkeypatc
             recorder.add(batch)
         return recorder.finish(0)
 
-    monkeypatch.setattr(counting, "FLUSH_IDS", 8)
+    monkeypatch.setattr(counting.counters, "FLUSH_IDS", 8)
     accelerator = Accelerator(cpu=True)
     # (values, shift): the ids are values - shift
     batches = [([1, 2], 1), ([3, 4, 5], 1), ([3, 9], 0), ([5, 6, 7, 8, 10, 11, 12, 13, 14], 0),
@@ -280,7 +280,7 @@ def test_the_id_path_lists_runs_other_batches_and_another_ranks_equal_batches_al
 
 
 def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
-    """Ids that live on a device are counted there (rank.counting._DeviceRunning: no copy to
+    """Ids that live on a device are counted there (rank.counting.DeviceRunning: no copy to
     the host and no sync per step). Run here on the CPU over the batches worked by hand in the
     test above: the same record, field for field, but for the order hash, which is the
     device's own; that one is the same however the ids fall into flushes, and changes when
@@ -294,10 +294,10 @@ def test_the_device_counter_gives_the_same_record_as_the_host(monkeypatch):
     accelerator = Accelerator(cpu=True)
 
     def walk(batches, n, where, flush):
-        monkeypatch.setattr(counting, "FLUSH_IDS", flush)
+        monkeypatch.setattr(counting.counters, "FLUSH_IDS", flush)
         recorder = Recorder(accelerator, lambda batch, tag: batch, how="count", n=n)
         if where == "device":
-            recorder.log.state = counting._DeviceRunning(torch.device("cpu"), n)
+            recorder.log.state = counting.DeviceRunning(torch.device("cpu"), n)
         for values, shift in batches:
             recorder.add((torch.tensor(values), shift))
         return recorder.finish(0)
@@ -337,7 +337,7 @@ def test_the_two_bit_counter_counts_what_the_libraries_deal(monkeypatch, case):
     from sharddemo.rank import counting
     from sharddemo.record import LIST_CAP
 
-    monkeypatch.setattr(counting, "FLUSH_IDS", 512)
+    monkeypatch.setattr(counting.counters, "FLUSH_IDS", 512)
     n = 5000
     if case == "stream":
         ids = list(DistributedSampler(range(n), num_replicas=3, rank=1, shuffle=False))
@@ -412,10 +412,10 @@ def test_the_count_path_tells_an_order_with_a_fill_from_a_shuffle(monkeypatch, w
     from sharddemo.rank import counting
     from sharddemo.rank.recorder import Recorder
 
-    monkeypatch.setattr(counting, "FLUSH_IDS", flush)
+    monkeypatch.setattr(counting.counters, "FLUSH_IDS", flush)
     recorder = Recorder(Accelerator(cpu=True), lambda batch, tag: batch, how="count", n=9)
     if where == "device":
-        recorder.log.state = counting._DeviceRunning(torch.device("cpu"), 9)
+        recorder.log.state = counting.DeviceRunning(torch.device("cpu"), 9)
     elif where == "bits":
         recorder.log = counting.BitCounts(9, 3, False)
     for batch in batches:

@@ -22,7 +22,7 @@ HEAVY = {"torch", "accelerate", "transformers", "lightning", "pytorch_lightning"
          "webdataset", "torchdata", "ray"}
 SHARED = {"sharddemo.options", "sharddemo.record", "sharddemo.errors", "sharddemo.fileio",
           "sharddemo.sizes", "sharddemo.extras", "sharddemo.config", "sharddemo.targets",
-          "sharddemo.progress", "sharddemo.lifeline"}
+          "sharddemo.progress", "sharddemo.lifeline", "sharddemo.lineage_format"}
 PARENT_ONLY = ("sharddemo.cli", "sharddemo.commands", "sharddemo.launch", "sharddemo.render",
                "sharddemo.plot", "sharddemo.testing", "sharddemo.check")
 # where the parent side may import the rank side or the watch, lazily (inside a function)

@@ -1,4 +1,4 @@
-"""The lineage file's encoding (sharddemo.lineage, format 2), in one process: one chunk's bytes
+"""The lineage file's encoding (lineage_format.py, format 2), in one process: one chunk's bytes
 worked out by hand; then properties over random runs (hypothesis): whatever batches a rank's
 loop receives (sizes 0 to 70, ids up to 2^40 and across the whole int64 range, runs, shuffled
 ranges, repeats, batches of unknown ids, epoch changes, restarts from a checkpoint), what is
@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sharddemo.errors import UsageError
-from sharddemo.lineage import (BATCH, RESTART, UNKNOWN, Lineage, RankLineage, encode,
-                               encode_many, file_header, rank_file, valid_length)
+from sharddemo.lineage import Lineage, RankLineage
+from sharddemo.lineage_format import (BATCH, RESTART, UNKNOWN, encode, encode_many, file_header,
+                                      rank_file, valid_length)
 
 FAST = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -263,7 +264,7 @@ def test_packing_is_bit_by_bit_at_every_width():
     """pack() against the format's definition, bit by bit: value i's bit b is bit i*width + b
     of the stream, bit j of the stream bit j % 8 of byte j // 8; every width 1..64, lengths
     around a group of 8."""
-    from sharddemo.lineage import pack, unpack
+    from sharddemo.lineage_format import pack, unpack
 
     rng = np.random.default_rng(0)
     for width in range(1, 65):
@@ -274,3 +275,21 @@ def test_packing_is_bit_by_bit_at_every_width():
             stream = bytes(sum(bits[j + i] << i for i in range(8)) for j in range(0, len(bits), 8))
             assert pack(np.array(values, dtype=np.uint64), width) == stream, (width, n)
             assert unpack(stream, n, width).tolist() == values, (width, n)
+
+
+def test_the_reader_module_still_gives_the_format_names():
+    """The format moved to sharddemo.lineage_format; `from sharddemo.lineage import encode, ...`
+    (scripts written before the move) still gives the same objects. The names are the ones
+    sharddemo.lineage offered before the move, written out here."""
+    import sharddemo.lineage as reader
+    import sharddemo.lineage_format as fmt
+
+    names = ["BASE", "BATCH", "CHUNK", "CHUNK_BATCHES", "CHUNK_RESTART", "FILE_HEADER", "FLAGS",
+             "MAGIC", "MAX_CHUNK_BATCHES", "MAX_CHUNK_IDS", "RESTART", "RUN_FILE", "RUNS",
+             "SCHEMA", "U64", "UNIFORM", "UNKNOWN", "UNKNOWNS", "VERSION", "Layout",
+             "check_version", "encode", "encode_chunk", "encode_many", "file_header", "pack",
+             "rank_file", "unpack", "valid_length", "walk"]
+    assert all(getattr(reader, name) is getattr(fmt, name) for name in names)
+    assert set(names) <= set(reader.__all__)
+    for name in ("Lineage", "RankLineage", "read_run_file", "write_run_file"):
+        assert name in reader.__all__ and callable(getattr(reader, name))

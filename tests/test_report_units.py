@@ -259,12 +259,12 @@ def test_counted_summary_above_15_ranks_worked_by_hand():
     twice and nobody else did (1 + 256 = 257); ids 2-4 came nowhere (0)."""
     import numpy as np
 
-    from sharddemo.rank.counting import _summarise
+    from sharddemo.rank.counting import summarise
 
     code = np.array([17, 257, 0, 0, 0], dtype=np.uint16)
     ranks = [{"rank": r, "samples": 3 if r == 0 else 1, "repeats": [[1, 2]] if r == 0 else [],
               "repeats_total": 1 if r == 0 else 0, "out_of_range": []} for r in range(17)]
-    record = _summarise(0, code, 256, ranks)
+    record = summarise(0, code, 256, ranks)
     cov = record["coverage"]
     assert cov["missing"] == [2, 3, 4] and cov["missing_count"] == 3
     assert cov["duplicates"] == [(0, 17), (1, 2)] and cov["duplicate_count"] == 2
@@ -311,12 +311,12 @@ def test_counted_summary_above_255_ranks_worked_by_hand():
     (2 + 2 x 65536 = 131074); id 2 came nowhere (0)."""
     import numpy as np
 
-    from sharddemo.rank.counting import _summarise
+    from sharddemo.rank.counting import summarise
 
     code = np.array([300, 131074, 0], dtype=np.uint32)
     ranks = [{"rank": r, "samples": 3 if r < 2 else 1, "repeats": [[1, 2]] if r < 2 else [],
               "repeats_total": 1 if r < 2 else 0, "out_of_range": []} for r in range(300)]
-    cov = _summarise(0, code, 65536, ranks)["coverage"]
+    cov = summarise(0, code, 65536, ranks)["coverage"]
     assert cov["missing"] == [2] and cov["ranks_per_sample"] == [0, 2, 300]
     assert cov["duplicates"] == [(0, 300), (1, 4)] and cov["repeated_within_a_rank"] == 1
     assert cov["most_copies"] == 300
@@ -327,18 +327,18 @@ def test_most_copies_counts_a_ranks_own_repeats_worked_by_hand():
     (1 + 16) + 1 = 18; 4 copies, more than the 2 ranks holding it. Id 1: rank 1 once (1)."""
     import numpy as np
 
-    from sharddemo.rank.counting import _summarise
+    from sharddemo.rank.counting import summarise
 
     code = np.array([18, 1], dtype=np.uint8)
     ranks = [{"rank": 0, "samples": 3, "repeats": [[0, 3]], "repeats_total": 1,
               "out_of_range": []},
              {"rank": 1, "samples": 2, "repeats": [], "repeats_total": 0, "out_of_range": []}]
-    cov = _summarise(0, code, 16, ranks)["coverage"]
+    cov = summarise(0, code, 16, ranks)["coverage"]
     assert cov["duplicates"] == [(0, 4)]
     assert cov["most_copies"] == 4 and cov["most_copies_exact"] is True
     # A rank that repeated more ids than it lists (1,001 against 1,000): only a lower bound.
     ranks[0]["repeats_total"] = 1001
-    cov = _summarise(0, code, 16, ranks)["coverage"]
+    cov = summarise(0, code, 16, ranks)["coverage"]
     assert cov["most_copies"] == 4 and cov["most_copies_exact"] is False
 
 
@@ -359,7 +359,7 @@ def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
     import numpy as np
     from hypothesis import given, settings
 
-    from sharddemo.rank.counting import _summarise, encode
+    from sharddemo.rank.counting import encode, summarise
 
     @settings(max_examples=300, deadline=None)
     @given(_per_rank_counts())
@@ -371,7 +371,7 @@ def test_counted_summary_is_the_plain_count_of_what_each_rank_received():
         ranks = [{"rank": r, "samples": sum(c), "out_of_range": [],
                   "repeats": [[i, k] for i, k in enumerate(c) if k > 1],
                   "repeats_total": sum(k > 1 for k in c)} for r, c in enumerate(per_rank)]
-        cov = _summarise(0, total, shift, ranks)["coverage"]
+        cov = summarise(0, total, shift, ranks)["coverage"]
         copies = [sum(c[i] for c in per_rank) for i in range(n)]
         holders = [sum(c[i] > 0 for c in per_rank) for i in range(n)]
         assert cov["missing"] == [i for i in range(n) if copies[i] == 0]

@@ -100,7 +100,7 @@ def test_a_step_never_reads_ids_on_a_device_back_to_the_host(monkeypatch):
 
     from sharddemo.rank import counting
 
-    monkeypatch.setattr(counting, "FLUSH_IDS", 64)
+    monkeypatch.setattr(counting.counters, "FLUSH_IDS", 64)
     data = TensorDataset(torch.arange(1000))
     loader = watch(DataLoader(data, batch_size=16,
                               collate_fn=lambda items: [t.to("meta")
@@ -112,7 +112,7 @@ def test_a_step_never_reads_ids_on_a_device_back_to_the_host(monkeypatch):
             break
     log = loader.__dict__["_sharddemo_watch"].recorder.log
     assert log.steps == 40 and log.samples == 640
-    assert type(log.state) is counting._DeviceRunning and log.state.device.type == "meta"
+    assert type(log.state) is counting.DeviceRunning and log.state.device.type == "meta"
     with pytest.raises(NotImplementedError, match="meta"):
         log.state.to_host(log.counts)  # the end's read: what the steps never do
 

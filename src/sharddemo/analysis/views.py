@@ -283,7 +283,7 @@ def in_order(batches: list) -> bool:
     """A rank's ids in order: they never decrease, but for one fall back inside its last batch:
     the fill or padding that wraps an unshuffled walk back to its first ids there
     (accelerate's even_batches fill, IterableDatasetShard's, a DistributedSampler's padding)
-    and nowhere else. The count path's rank answers the same (rank.counting._Running)."""
+    and nowhere else. The count path's rank answers the same (rank.counting.Running)."""
     ids = [i for batch in batches for i in batch]
     last = len(batches[-1]) if batches else 0
     falls = [k + 1 for k, (a, b) in enumerate(zip(ids, ids[1:])) if b < a][:2]
@@ -491,7 +491,7 @@ class CountedEpoch(EpochView):
         return steps, total
 
     def for_metrics(self, n: int, share: int):
-        """Found on the main rank where the counts are (counting._for_metrics)."""
+        """Found on the main rank where the counts are (rank.counting.for_metrics)."""
         got = self.cov.get("for_metrics")
         return (None, None, None) if got is None else (None, got["count"], got["exact"])
 

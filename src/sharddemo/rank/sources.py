@@ -256,7 +256,7 @@ def batch_values(batch: Any) -> tuple[torch.Tensor, int]:
     """A batch from any built-in source -> (values, shift): a 1-D int64 tensor on the CPU
     whose entries are the batch's 0-based ids + shift. The toy sources hold id + 1 (shift 1),
     the HF sources an `id` column (shift 0). The walk takes the shift off where it is cheap:
-    the count path once per flush of counting.FLUSH_IDS ids rather than once per batch
+    the count path once per flush of counting.counters.FLUSH_IDS ids rather than once per batch
     (rank.ids.ReadIds)."""
     if isinstance(batch, dict):
         return batch["id"].reshape(-1).to("cpu", torch.int64), 0

@@ -1,7 +1,7 @@
 """The watch's lineage writer (`watch(..., lineage=DIR)`): each rank appends the ids of every
 batch its loop receives to its own file, DIR/rank{r}.lineage, in the format of
-sharddemo.lineage (the torch-free reader). No collective: every rank writes its own file; rank 0
-writes the run file.
+sharddemo.lineage_format (read by sharddemo.lineage, torch-free). No collective: every rank
+writes its own file; rank 0 writes the run file.
 
 A step never waits for a device: the batch's ids (a tensor, on a GPU perhaps) are kept as
 they are, and every FLUSH_BATCHES batches or FLUSH_IDS ids they are joined on their device,
@@ -28,9 +28,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sharddemo.lineage import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, encode_many,
-                               file_header, rank_file, read_run_file, valid_length,
-                               write_run_file)
+from sharddemo.lineage import read_run_file, write_run_file
+from sharddemo.lineage_format import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, encode_many,
+                                      file_header, rank_file, valid_length)
 
 FLUSH_BATCHES = 256
 FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
