@@ -624,6 +624,11 @@ def test_real_ranks_a_crash_then_a_resume_on_more_ranks(tmp_path):
     result = lineage_cli(folder, "--step", 1, "--rank", 2)
     assert (result.exit_code, result.output) == (2, "Error: no rank's written lineage has "
                                                     "--step 1 (rank 2: begins at step 3)\n")
+    # epoch 0's first batch is the run's step 0: ranks 0 and 1 had it, rank 2 (joined at step
+    # 3) did not (the trial: its step 3 was given as epoch 0's step 0)
+    got = cli_json(folder, "--epoch", 0, "--step", 0)["batches"]
+    assert [(b["rank"], b["step"], b["ids"]) for b in got] == [
+        (0, 0, expected[0][0][1]), (1, 0, expected[1][0][1])]
     # every id's receipts: the (epoch, step, rank) of each logged batch that holds it
     for sample in range(40):
         receipts = sorted(({"epoch": epoch, "step": step + (3 if rank == 2 else 0),

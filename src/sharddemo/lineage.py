@@ -263,6 +263,9 @@ class Lineage:
         out, missing, short = [], [], []
         ranks = [rank] if rank is not None else sorted(
             set(self.ranks()) | set(range(self.run_ranks())))
+        # the epoch's step-th batch is the run's step epoch_start + step on every rank (a rank
+        # that joined the run mid-epoch at a resume has no batch before the step it joined at)
+        start = self.epoch_start(epoch) if epoch is not None else 0
         for r in ranks:
             if rank is None and not os.path.exists(rank_file(self.folder, r)):
                 missing.append({"rank": r, "first_step": None, "last_step": None,
@@ -270,9 +273,14 @@ class Lineage:
                 short.append(f"rank {r}: no lineage file")
                 continue
             lineage = self.rank(r)
-            row = lineage.row_of(step, epoch)
+            row = lineage.row_of(start + step) if start is not None else None
+            if row is not None and epoch is not None and int(lineage.epoch[row]) != epoch:
+                row = None  # (past the epoch's end on this rank)
             if not self.visible(r, row):
-                entry, brief = self.gap(r, step, epoch)
+                # (in the run's steps where the epoch is known: a rank that joined later, or
+                # ended sooner, is said so in steps it has)
+                entry, brief = (self.gap(r, start + step, None) if start is not None
+                                else self.gap(r, step, epoch))
                 missing.append(entry)
                 short.append(brief)
                 continue
@@ -286,6 +294,18 @@ class Lineage:
                              + "; ".join(short) + ")")
         return out, missing
 
+    def epoch_start(self, epoch: int) -> Optional[int]:
+        """The run's step at which `epoch` began: its first written step on any rank (None
+        where no rank's written lineage has the epoch)."""
+        firsts = []
+        for r in self.ranks():
+            lineage = self.rank(r)
+            rows = np.flatnonzero(lineage.epoch == epoch)
+            rows = [row for row in rows.tolist() if self.visible(r, row)]
+            if rows:
+                firsts.append(int(lineage.step[rows[0]]))
+        return min(firsts) if firsts else None
+
     def gap(self, rank: int, step: int, epoch: Optional[int]) -> tuple[dict, str]:
         """Why `rank`'s written lineage has no `step` (of `epoch`), in words, long (a line of
         its own) and short (for a list)."""
@@ -296,8 +316,9 @@ class Lineage:
         elif epoch is not None:
             lineage = self.rank(rank)
             held = int(((lineage.epoch == epoch) & (lineage.step <= last)).sum())
-            short = f"rank {rank}: {held} batches of epoch {epoch}, written up to step {last}"
-            note = (f"rank {rank}: its lineage holds {held} batches of epoch {epoch} "
+            batches = f"{held} batch{'' if held == 1 else 'es'}"
+            short = f"rank {rank}: {batches} of epoch {epoch}, written up to step {last}"
+            note = (f"rank {rank}: its lineage holds {batches} of epoch {epoch} "
                     f"(written up to step {last})")
         elif step > last:
             short = f"rank {rank}: written up to step {last}"
