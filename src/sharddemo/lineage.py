@@ -277,9 +277,11 @@ class Lineage:
             if row is not None and epoch is not None and int(lineage.epoch[row]) != epoch:
                 row = None  # (past the epoch's end on this rank)
             if not self.visible(r, row):
-                # (in the run's steps where the epoch is known: a rank that joined later, or
-                # ended sooner, is said so in steps it has)
-                entry, brief = (self.gap(r, start + step, None) if start is not None
+                # (a rank that joined the run after that step, at a resume: said in the run's
+                # steps, where its lineage begins)
+                written = self.written(r)
+                later = start is not None and written is not None and start + step < written[0]
+                entry, brief = (self.gap(r, start + step, None) if later
                                 else self.gap(r, step, epoch))
                 missing.append(entry)
                 short.append(brief)
