@@ -19,7 +19,7 @@ import time
 import torch
 
 from sharddemo.rank.sources import ToyDataset
-from sharddemo.rank.loaders import build_loader
+from sharddemo.rank.loaders import build_mode_loader
 from sharddemo.options import RunOptions
 from sharddemo.rank.sources import batch_values
 from sharddemo.rank.session import make_accelerator
@@ -70,7 +70,7 @@ def overhead(accelerator, n: int, b: int, repeats: int) -> dict:
     out: dict = {"flush_ids": FLUSH_IDS}
     for mode in ("prepared", "sampler"):
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
-        plan = build_loader(mode, accelerator, ToyDataset(n), opts)
+        plan = build_mode_loader(mode, accelerator, ToyDataset(n), opts)
         # as compare's trace_mode does; with no workers it tags nothing (rank.tagging.tag_batches), so
         # the bare and the traced loop walk the very same loader
         assert not tag_batches(plan.loader, record_indices=False)
@@ -121,7 +121,7 @@ def sharding(accelerator, n: int, b: int, repeats: int) -> dict:
     out = {}
     for mode in ("replicated", "sampler", "prepared"):
         opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
-        plan = build_loader(mode, accelerator, CostlyDataset(n), opts)
+        plan = build_mode_loader(mode, accelerator, CostlyDataset(n), opts)
         times = [timed(accelerator, lambda: bare_epoch(accelerator, plan)) for _ in range(repeats)]
         out[mode] = {"epoch_s": statistics.median(times)}
     for mode in ("sampler", "prepared"):
@@ -163,7 +163,7 @@ def gather(accelerator, repeats: int) -> dict:
     # One epoch of ids (N = 1e6, B = 512, 2 ranks): gathered every batch, or once at the end.
     n, b = 1_000_000, 512
     opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
-    plan = build_loader("sampler", accelerator, ToyDataset(n), opts)
+    plan = build_mode_loader("sampler", accelerator, ToyDataset(n), opts)
     every = statistics.median(timed(accelerator, lambda: trace_epoch(accelerator, plan, 0, "batch"))
                               for _ in range(repeats))
     once = statistics.median(timed(accelerator, lambda: trace_epoch(accelerator, plan, 0, "epoch"))
@@ -178,7 +178,7 @@ def bare(accelerator, n: int, b: int, mode: str = "sampler") -> dict:
     from sharddemo.rank.session import peak_rss_mb
 
     opts = RunOptions(dataset_size=n, batch_size=b, epochs=1)
-    plan = build_loader(mode, accelerator, ToyDataset(n), opts)
+    plan = build_mode_loader(mode, accelerator, ToyDataset(n), opts)
     seconds = timed(accelerator, lambda: bare_epoch(accelerator, plan))
     return {"epoch_s": seconds, "peak_rss_mb": peak_rss_mb(accelerator)}
 

@@ -7,7 +7,7 @@ samples, batches of 4096, the loaders `compare` builds for each mode.
     python benchmarks/stream_walk.py --record --rows A.jsonl B.jsonl   # points run apart
 
 Each (source, W, N) is one `accelerate launch` of this file on W CPU ranks (gloo). Every rank
-builds the mode's loader as `compare` does (the source, set_seed, rank.loaders.build_loader,
+builds the mode's loader as `compare` does (the source, set_seed, rank.loaders.build_mode_loader,
 rank.tagging.tag_batches; the gather strategy chosen once, outside the timing), then walks
 one epoch at a time, alternated ABBA: bare (`for batch in loader: batch["id"].to(device)`, the
 loop of a training script with nothing recorded) and by sharddemo's own epoch loop
@@ -44,7 +44,7 @@ def rank_main(source: str, n: int, modes: list[str], pairs: int, out: str) -> No
     from rank_bench import timed_cpu
 
     from sharddemo.options import RunOptions
-    from sharddemo.rank.loaders import build_loader
+    from sharddemo.rank.loaders import build_mode_loader
     from sharddemo.rank.session import make_accelerator
     from sharddemo.rank.sources import batch_values, build_source
     from sharddemo.rank.tagging import tag_batches
@@ -58,7 +58,7 @@ def rank_main(source: str, n: int, modes: list[str], pairs: int, out: str) -> No
     result: dict = {}
     for mode in modes:
         set_seed(opts.seed)
-        plan = build_loader(mode, accelerator, dataset, opts)
+        plan = build_mode_loader(mode, accelerator, dataset, opts)
         tag_batches(plan.loader, record_indices=False)
         walker = EpochWalker(accelerator, plan.loader,
                              lambda batch, tag: batch_values(batch), n=n)

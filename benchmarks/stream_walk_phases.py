@@ -38,7 +38,7 @@ def rank_main(mode: str, n: int, pairs: int) -> None:
     from sharddemo.options import RunOptions
     from sharddemo.rank import recorder as recmod
     from sharddemo.rank import walk as walkmod
-    from sharddemo.rank.loaders import build_loader
+    from sharddemo.rank.loaders import build_mode_loader
     from sharddemo.rank.session import make_accelerator
     from sharddemo.rank.sources import batch_values, build_source
     from sharddemo.rank.tagging import tag_batches
@@ -48,7 +48,7 @@ def rank_main(mode: str, n: int, pairs: int) -> None:
                       shuffle=False, modes=(mode,)).validate()
     dataset = build_source("iterable", n, opts.shards)
     set_seed(opts.seed)
-    plan = build_loader(mode, accelerator, dataset, opts)
+    plan = build_mode_loader(mode, accelerator, dataset, opts)
     tag_batches(plan.loader, record_indices=False)
     walker = walkmod.EpochWalker(accelerator, plan.loader,
                                  lambda batch, tag: batch_values(batch), n=n)

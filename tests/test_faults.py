@@ -502,7 +502,6 @@ def test_failures_are_classified_by_what_the_ranks_say_not_by_words():
 def test_a_port_taken_before_the_launcher_binds_it_is_retried_once(tmp_path, monkeypatch):
     """free_port() picks a port; another job can take it before torchrun binds it. The first
     launch here is a stand-in that fails as torchrun does then; the retry is the real one."""
-    from sharddemo import launch as launch_module
     from sharddemo.commands.compare import compare_run
     from sharddemo.options import RunOptions
 
@@ -517,7 +516,7 @@ fi
 exec {sys.executable} "$@"
 """)
     fake.chmod(0o755)
-    monkeypatch.setattr(launch_module.sys, "executable", str(fake))
+    monkeypatch.setattr(sys, "executable", str(fake))  # the launcher run_launch starts
     monkeypatch.chdir(ROOT)
     report = compare_run(RunOptions(epochs=1, modes=("sampler",)).validate())
     assert marker.exists() and report["modes"]["sampler"]["epochs"][0]["seen"] == 8

@@ -70,9 +70,9 @@ def test_the_silent_one_process_trap_is_refused():
     ({}, False),                                         # a plain `sharddemo run`: world size 1 is fine
     ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_PORT": "1"}, False),  # torchrun with one process
 ])
-def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
+def test_check_not_alone_from_the_launchers_environment(monkeypatch, env, alone):
     from sharddemo.errors import UsageError
-    from sharddemo.rank.session import check_world
+    from sharddemo.rank.session import check_not_alone
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE",
                 "ACCELERATE_MIXED_PRECISION"):
@@ -81,10 +81,10 @@ def test_check_world_from_the_launchers_environment(monkeypatch, env, alone):
         monkeypatch.setenv(key, value)
     if alone:
         with pytest.raises(UsageError, match="but this process is alone .world size 1."):
-            check_world(1)
+            check_not_alone(1)
     else:
-        check_world(1)
-    check_world(3)  # three real ranks always pass
+        check_not_alone(1)
+    check_not_alone(3)  # three real ranks always pass
 
 
 def test_compare_json_on_three_ranks(tmp_path):

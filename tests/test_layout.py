@@ -1,10 +1,11 @@
 """The layout of docs/architecture.md holds for every file of src/ (lazy imports inside
 functions included): each folder is one side, imports run one way, no cycle.
 
-- the parent and the shared code (the top level of `sharddemo`, commands/, integrations/)
-  never import torch or a library built on it; they reach the rank side or the watch only
-  lazily, and only where a process becomes a rank (the CLI's rank commands, `--version`) or
-  where a user asks for the watch (integrations' lazy re-export);
+- the parent and the shared code (the top level of `sharddemo`, commands/, launch/, options/,
+  integrations/) never import torch or a library built on it; they reach the rank side or the
+  watch only lazily, and only in one module, where a process becomes a rank
+  (commands/ranks.py: the rank commands, `--version`'s question to torch, a failing rank's
+  word), or where a user asks for the watch (integrations' lazy re-export);
 - the shared, torch-free modules (options, record, errors, ...) import no side at all;
 - rank/ never imports the analysis, the watch or the parent; the analysis never imports
   torch, rank/ or the watch; the watch may import rank/ and the analysis, never the parent.
@@ -20,13 +21,17 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # torch and the libraries that import it when imported
 HEAVY = {"torch", "accelerate", "transformers", "lightning", "pytorch_lightning", "datasets",
          "webdataset", "torchdata", "ray"}
-SHARED = {"sharddemo.options", "sharddemo.record", "sharddemo.errors", "sharddemo.fileio",
+SHARED = {"sharddemo.options", "sharddemo.options.declare", "sharddemo.options.modes",
+          "sharddemo.options.gather", "sharddemo.options.run", "sharddemo.options.audit",
+          "sharddemo.options.resume", "sharddemo.options.refusals", "sharddemo.options.handoff",
+          "sharddemo.record", "sharddemo.errors", "sharddemo.fileio",
           "sharddemo.sizes", "sharddemo.extras", "sharddemo.config", "sharddemo.targets",
           "sharddemo.progress", "sharddemo.lifeline", "sharddemo.lineage_format"}
 PARENT_ONLY = ("sharddemo.cli", "sharddemo.commands", "sharddemo.launch", "sharddemo.render",
                "sharddemo.plot", "sharddemo.testing", "sharddemo.check")
-# where the parent side may import the rank side or the watch, lazily (inside a function)
-LAZY_DOORS = {"sharddemo.cli"}
+# the one module of the parent side that may import the rank side or the watch, lazily (inside
+# a function): the CLI reaches the ranks only through it
+LAZY_DOORS = {"sharddemo.commands.ranks"}
 
 
 def _modules() -> dict[str, Path]:
@@ -64,8 +69,9 @@ def _imports() -> dict[str, dict[str, bool]]:
 
 
 SIDES = ("rank", "watching", "analysis")
-# the parent's folders; the parent is also every module at the top of the package
-PARENT_FOLDERS = ("commands", "integrations")
+# the parent's folders; the parent is also every module at the top of the package (options/
+# holds shared modules: SHARED names them)
+PARENT_FOLDERS = ("commands", "integrations", "launch", "options")
 
 
 def _side(module: str) -> str:
@@ -96,6 +102,8 @@ def test_a_module_in_a_folder_the_layout_does_not_name_has_no_side():
     module the parent's."""
     assert _side("sharddemo.cli") == "parent" and _side("sharddemo") == "parent"
     assert _side("sharddemo.commands.audit") == "parent"
+    assert _side("sharddemo.launch.watchdog") == "parent"
+    assert _side("sharddemo.options.run") == "parent"
     assert _side("sharddemo.rank.frameworks.lightning") == "rank"
     assert _side("sharddemo.analysis") == "analysis"
     assert _side("sharddemo.newfolder.thing") == "unknown"
@@ -131,7 +139,7 @@ def test_the_parent_side_never_imports_torch_even_lazily():
         assert not heavy, f"{module} imports {heavy}: that belongs under rank/ or watching/"
 
 
-def test_the_parent_reaches_the_ranks_and_the_watch_only_lazily_and_only_through_the_cli():
+def test_the_parent_reaches_the_ranks_and_the_watch_only_lazily_and_only_through_one_door():
     for module, targets in _imports().items():
         if _side(module) != "parent":
             continue

@@ -11,7 +11,7 @@ from sim import SimAccelerator, walk
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from sharddemo.rank.sources import ToyDataset
-from sharddemo.rank.loaders import build_loader
+from sharddemo.rank.loaders import build_mode_loader
 from sharddemo.options import RunOptions
 from test_frameworks import fresh_accelerate_state  # noqa: F401
 
@@ -21,7 +21,7 @@ GRID = [(8, 4, 2), (10, 3, 2), (9, 4, 2), (1, 4, 2), (2, 4, 3), (6, 4, 2), (10, 
 
 def per_rank(mode: str, n: int, b: int, w: int, epochs: int = 2, **opts) -> list:
     options = RunOptions(dataset_size=n, batch_size=b, epochs=epochs, **opts)
-    return [walk(build_loader(mode, SimAccelerator(w, r), ToyDataset(n), options), epochs)
+    return [walk(build_mode_loader(mode, SimAccelerator(w, r), ToyDataset(n), options), epochs)
             for r in range(w)]
 
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from conftest import CPU_CONFIG, accelerate_launch
 
-from sharddemo.commands.audit import audit_launch
+from sharddemo.commands.launches import audit_launch
 from sharddemo.launch import LaunchSettings, run_launch
 from sharddemo.options import AuditOptions, ResumePlan
 

@@ -24,7 +24,7 @@ from oracle import Case, all_ranks
 from sim import SimAccelerator, walk
 
 from sharddemo.errors import UsageError
-from sharddemo.rank.loaders import build_loader
+from sharddemo.rank.loaders import build_mode_loader
 from sharddemo.options import RunOptions
 from sharddemo.analysis import build_report
 from sharddemo.rank.sources import build_source
@@ -41,7 +41,7 @@ def sharddemo_side(case: Case) -> tuple[list, dict]:
         import torch
 
         torch.manual_seed(case.seed)  # what set_seed does in trace_mode
-        plan = build_loader(case.mode, SimAccelerator(case.world, r),
+        plan = build_mode_loader(case.mode, SimAccelerator(case.world, r),
                             build_source(case.source, case.n), opts)
         per_rank.append(walk(plan, case.epochs))
         plans.append(plan)
@@ -165,7 +165,7 @@ def test_invalid_split_batches_refused_as_the_library_refuses(b, world):
                           num_processes=world, split_batches=True)
     opts = RunOptions(batch_size=b, split_batches=True).validate()
     with pytest.raises(UsageError, match=f"batch size must divide by {world}"):
-        opts.check_world(world)
+        opts.check_split_batches(world)
 
 
 def test_double_split_literal():

@@ -1,5 +1,6 @@
-"""`sharddemo check REPORT.jsonl`: a watch report (docs/watch.md) as a gate for CI. No torch:
-it reads the JSON lines that `sharddemo.watch` appended and says which entries failed.
+"""A watch report (docs/watch.md) read as a gate for CI, for `sharddemo check REPORT.jsonl`
+(commands/check.py) and for a gate of your own. No torch: it reads the JSON lines that
+`sharddemo.watch` appended and says which entries failed.
 
     result = check_report("sharddemo-watch.jsonl")
     result.failed     # the entries whose "ok" is false, in the file's order
@@ -106,12 +107,3 @@ def entry_line(entry: dict) -> str:
     said = "; ".join(f"{v.get('verdict', '?')}: {v.get('detail', '')}".rstrip(": ")
                      for v in failed)
     return f"FAIL {where}: {said or 'not ok'}"
-
-
-def summary(result: CheckResult) -> str:
-    total = len(result.entries)
-    if result.ok:
-        return (f"sharddemo check: {result.path}: every entry held ({total} "
-                f"{'entry' if total == 1 else 'entries'})")
-    return (f"{len(result.failed)} of {total} {'entry' if total == 1 else 'entries'} of "
-            f"{result.path} failed")

@@ -1,4 +1,6 @@
-"""The `sharddemo` command: parse options, call the library, render. Nothing else.
+"""The `sharddemo` command (click): its options, built from the fields options declares
+(declared), one error policy (SafeGroup), and one call per command to its module in
+sharddemo.commands, which does the work. Nothing else.
 
 Heavy imports (torch, accelerate) happen inside the commands that need them, so `--help`
 and input errors answer at once.
@@ -15,11 +17,10 @@ from typing import Any, Callable, Optional
 
 import click
 
-from sharddemo import __version__
+from sharddemo.commands.output import error
 from sharddemo.errors import ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, AuditOptions,
                                ResumeOptions, RunOptions, audit_target, parse_modes)
-from sharddemo.reportsize import what_it_lists
 
 FORMATS = ("table", "json", "markdown")
 
@@ -49,37 +50,33 @@ class SafeGroup(click.Group):
             hint = ""
             if exc.ctx is not None:
                 hint = f" (see '{exc.ctx.command_path} --help')"
-            _error(exc.format_message() + hint)
+            error(exc.format_message() + hint)
             code = 2
         except (click.Abort, KeyboardInterrupt) as exc:
             # click turns KeyboardInterrupt into Abort; the signal is on the original.
             signum = getattr(exc, "signum", None) or getattr(exc.__cause__, "signum", signal.SIGINT)
             name = signal.Signals(signum).name
-            _error(f"interrupted by {name}; all ranks were stopped and no report was written")
+            error(f"interrupted by {name}; all ranks were stopped and no report was written")
             code = 128 + signum
         except ShardDemoError as exc:
-            from sharddemo.errors import UsageError as _Usage
-
             if _in_rank():
-                # Every failing rank says so before it exits: the launcher stops the others
-                # as soon as one exits, so a rank that waited for another to speak could be
-                # killed with nothing said. `compare` groups ranks with the same message.
-                from sharddemo.rank.session import failure_kind, rank_fail
+                # Every failing rank says so before it exits (commands.ranks).
+                from sharddemo.commands.ranks import report_rank_failure
 
-                rank_fail(str(exc), failure_kind(exc, usage=isinstance(exc, _Usage)))
+                report_rank_failure(str(exc), exc, usage=isinstance(exc, UsageError))
             else:
-                _error(str(exc))
+                error(str(exc))
             if _debug():
                 traceback.print_exc()
             code = exc.exit_code
         except Exception as exc:  # a bug or an unexpected library error: still one line
             message = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if _in_rank():
-                from sharddemo.rank.session import failure_kind, rank_fail
+                from sharddemo.commands.ranks import report_rank_failure
 
-                rank_fail(message, failure_kind(exc))
+                report_rank_failure(message, exc)
             else:
-                _error(message + " (run with --debug for the traceback)")
+                error(message + " (run with --debug for the traceback)")
             if _debug():
                 traceback.print_exc()
             code = 1
@@ -104,13 +101,10 @@ def _end_rank(code: int) -> None:
     os._exit(code)
 
 
-def _error(message: str) -> None:
-    click.echo(f"Error: {message}", err=True)
-
-
 def declared(cls, *names: str) -> Callable[[Callable], Callable]:
-    """The click options of the fields `names` of an options dataclass, as options.py declares
-    them (options.option): flag, help, default, type, choices. Nothing is declared twice."""
+    """The click options of the fields `names` of an options dataclass, as sharddemo.options
+    declares them (options.option): flag, help, default, type, choices. Nothing is declared
+    twice."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
 
     def decorate(func: Callable) -> Callable:
@@ -145,31 +139,18 @@ loader_options = declared(RunOptions, "dataset_size", "batch_size", "epochs", "s
 
 
 def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
+    """`run`'s and `compare`'s options from click's values, each refused alone (validate)."""
     given = {f.name: kw[f.name] for f in dataclasses.fields(RunOptions) if f.name in kw}
     return RunOptions(**given, modes=parse_modes(modes, kw["source"])).validate()
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """`sharddemo --version`: its own version, the libraries it runs on, and what a launch
-    here would use (CUDA -> NCCL; otherwise CPU ranks on gloo)."""
+    """`sharddemo --version` (commands.version), before any command."""
     if not value or ctx.resilient_parsing:
         return
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
+    from sharddemo.commands.version import print_version
 
-    def ver(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    from sharddemo.rank.session import distributed_here
-
-    torch_version, here = distributed_here()
-    click.echo(f"sharddemo {__version__}")
-    click.echo(f"python {platform.python_version()} | torch {torch_version} | accelerate "
-               f"{ver('accelerate')} | datasets {ver('datasets')} | click {ver('click')}")
-    click.echo(f"distributed type here: {here}")
+    print_version()
     ctx.exit()
 
 
@@ -213,32 +194,9 @@ def run(modes: str, device: str, trace_out: Optional[str], quiet: bool,
 
         accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run --mode all
     """
-    allow_alone = False
-    if options_file:
-        from sharddemo.options import read_rank_options
+    from sharddemo.commands.ranks import run_command
 
-        given = read_rank_options(options_file)
-        opts, allow_alone = given["run"], bool(given.get("allow_alone"))
-    else:
-        opts = _options(modes, kw)
-    if "resume" in opts.modes:
-        raise UsageError("mode resume stops and restarts launches, which only compare can do: "
-                         "sharddemo compare --modes resume --dataset-size 40")
-    if trace_out:
-        _check_output(trace_out, "--trace-out")
-    from sharddemo.rank.run import run_trace
-
-    run_trace(opts, device=device, trace_out=trace_out, allow_alone=allow_alone,
-              say=None if quiet else (lambda line: click.echo(line)))
-
-
-def _check_output(path: str, flag: str) -> None:
-    from sharddemo.fileio import check_writable
-
-    try:
-        check_writable(path)
-    except OSError as exc:
-        raise UsageError(f"{flag} {path} cannot be written ({exc}); pick another path") from None
+    run_command(options_file, lambda: _options(modes, kw), device, trace_out, quiet)
 
 
 def launch_options(func: Callable) -> Callable:
@@ -265,68 +223,13 @@ def launch_options(func: Callable) -> Callable:
 
 
 def _settings(kw: dict):
+    """How to launch (launch.LaunchSettings) from click's values, taken out of `kw`."""
     from sharddemo.launch import LaunchSettings
 
     return LaunchSettings(config_file=kw.pop("config_file"), num_processes=kw.pop("num_processes"),
                           main_process_port=kw.pop("main_process_port"),
                           num_machines=kw.pop("num_machines"), machine_rank=kw.pop("machine_rank"),
                           main_process_ip=kw.pop("main_process_ip"))
-
-
-def _show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = None) -> bool:
-    """Write the report (and the picture), then print it; False when another machine does.
-
-    With --output the file is written first, whole or not at all, and a summary in `fmt`
-    is printed in place of the report: a report can be hundreds of MB (every id of every
-    batch), which a terminal takes longer to print than the ranks took to walk, and a
-    stdout that fails (a closed pipe) must not cost the file."""
-    if not result:
-        click.echo("This node ran its ranks; machine rank 0 prints and writes the report.")
-        return False
-    from sharddemo.render import render, render_summary, write_report
-
-    size = write_report(result, output) if output else None
-    if plot:
-        from sharddemo.plot import plot_report
-
-        plot_report(result, plot)
-    if output and size is not None:
-        click.echo(render_summary(result, fmt, output, size), nl=False)
-    else:
-        click.echo(render(result, fmt), nl=False)
-    return True
-
-
-def _size_notice(what: Callable[[int], str], fmt: str, output: Optional[str],
-                 can_count: bool) -> Callable[[int, int], None]:
-    """What a command calls before its launch with the JSON report's estimated size and the
-    world size: one `Warning:` line on stderr where that report, printed or written to
-    --output, will be large (reportsize.size_warning), so that nobody waits on it unawares."""
-
-    def notice(size: int, world: int) -> None:
-        from sharddemo.reportsize import size_warning
-
-        line = size_warning(size, what=what(world), output=output, fmt=fmt, can_count=can_count)
-        if line:
-            click.echo(f"Warning: {line}", err=True)
-
-    return notice
-
-
-def _check_files(output: Optional[str], plot: Optional[str]) -> None:
-    """Refuse now, before any rank starts, what could not be written later."""
-    if output:
-        _check_output(output, "--output")
-    if plot:
-        _check_output(plot, "--plot")
-        from sharddemo.plot import check_plot_available
-
-        check_plot_available()
-
-
-def _progress(fmt: str) -> bool:
-    """A progress bar only for people: a terminal, and not the JSON format."""
-    return fmt != "json" and sys.stderr.isatty()
 
 
 OUTPUT_HELP = ("Write the whole JSON report here (whole or not at all), before anything is "
@@ -375,19 +278,10 @@ def compare(modes: str, fmt: str, output: Optional[str], plot: Optional[str], ch
     opts = _options(modes, kw)
     if "resume" in opts.modes:
         _refuse_resume_options()
-    _check_files(output, plot)
-    from sharddemo.commands.compare import compare_run
+    from sharddemo.commands.compare import compare_command
 
-    what = lambda world: what_it_lists(opts.dataset_size, world, opts.epochs, opts.gather)
-    notice = _size_notice(what, fmt, output, can_count=not plot)
-    result = compare_run(opts, settings, plot=bool(plot), max_memory=max_memory, debug=_debug(),
-                         progress=_progress(fmt), size_notice=notice)
-    if not _show(result, fmt, output, plot):
-        return 0
-    if check and result["broken_promises"]:
-        _error("broken promise(s): " + "; ".join(result["broken_promises"]))
-        return 1
-    return 0
+    return compare_command(opts, settings, fmt=fmt, output=output, plot=plot, check=check,
+                           max_memory=max_memory, debug=_debug())
 
 
 def _refuse_resume_options() -> None:
@@ -424,6 +318,8 @@ def audit_options(func: Callable) -> Callable:
 
 
 def _audit_options(kw: dict) -> AuditOptions:
+    """`audit`'s options from click's values (what to audit: exactly one of FACTORY, --trainer
+    and --lightning, taken out of `kw`), each refused alone (validate)."""
     target, framework = audit_target(kw.pop("factory"), kw.pop("trainer"), kw.pop("lightning"))
     given = {f.name: kw[f.name] for f in dataclasses.fields(AuditOptions) if f.name in kw}
     return AuditOptions(target=target, framework=framework, **given).validate()
@@ -467,39 +363,12 @@ def audit(fmt: str, output: Optional[str], plot: Optional[str], resume_at: Optio
     """
     settings = _settings(kw)
     opts = _audit_options(kw)
-    _check_files(output, plot)
-    plan = ResumeOptions(resume_at, resume_strategy, resume_num_processes).plan(opts.epochs)
-    what = lambda world: what_it_lists(opts.dataset_size or 0, world, opts.epochs, opts.gather)
-    notice = _size_notice(what, fmt, output, can_count=not plot and plan is None)
-    if plan is None:
-        from sharddemo.commands.audit import audit_run
+    from sharddemo.commands.audit import audit_command
 
-        result = audit_run(opts, settings, plot=bool(plot), keep_checkpoint=keep_checkpoint,
-                           resume_num_processes=resume_num_processes, debug=_debug(),
-                           progress=_progress(fmt), size_notice=notice)
-    else:
-        from sharddemo.commands.resume import resume_audit_run
-
-        result = resume_audit_run(opts, plan, settings, plot=bool(plot),
-                                  keep_checkpoint=keep_checkpoint, debug=_debug(),
-                                  progress=_progress(fmt), size_notice=notice)
-    if not _show(result, fmt, output, plot):
-        return 0
-    failed = _failed_verdicts(result)
-    if failed:
-        _error("verdict(s) failed: " + "; ".join(failed))
-        return 1
-    return 0
-
-
-def _failed_verdicts(report: dict) -> list[str]:
-    """`name (epochs 0, 1)` for each failed verdict, in order."""
-    failed: dict[str, list[int]] = {}
-    for data in report["modes"].values():
-        for v in data.get("verdicts", []):
-            if not v["ok"]:
-                failed.setdefault(v["verdict"], []).append(v["epoch"])
-    return [f"{name} (epoch {', '.join(map(str, epochs))})" for name, epochs in failed.items()]
+    return audit_command(opts, settings,
+                         ResumeOptions(resume_at, resume_strategy, resume_num_processes),
+                         fmt=fmt, output=output, plot=plot, keep_checkpoint=keep_checkpoint,
+                         debug=_debug())
 
 
 # The rank commands: `compare` and `audit` start them through accelerate launch and hand them
@@ -523,42 +392,34 @@ def rank_command(name: str) -> Callable[[Callable], Callable]:
 
 
 @rank_command("resume-demo-rank")
-def resume_demo_rank_command(options_file: str, device: str, trace_out: Optional[str],
-                             quiet: bool) -> None:
+def resume_demo_rank(options_file: str, device: str, trace_out: Optional[str],
+                     quiet: bool) -> None:
     """The rank side of `sharddemo compare --modes resume`, started through accelerate launch
     with the options file its parent wrote (phase, checkpoint, the run's options)."""
-    from sharddemo.options import read_rank_options
-    from sharddemo.rank.resume import demo_rank
+    from sharddemo.commands.ranks import resume_demo_rank_command
 
-    given = read_rank_options(options_file)
-    demo_rank(given["run"], given["phase"], given["checkpoint"], device=device,
-              trace_out=trace_out, stateful=given["stateful"])
+    resume_demo_rank_command(options_file, device, trace_out)
 
 
 @rank_command("resume-rank")
-def resume_rank_command(options_file: str, device: str, trace_out: Optional[str],
-                        quiet: bool) -> None:
+def resume_rank(options_file: str, device: str, trace_out: Optional[str],
+                quiet: bool) -> None:
     """The rank side of `sharddemo audit --resume-at` (one launch of the chain: from the start
     to the first stop, or from a saved stop to the next stop or the end), started through
     accelerate launch with its options file."""
-    from sharddemo.options import read_rank_options
-    from sharddemo.rank.resume import resume_rank
+    from sharddemo.commands.ranks import resume_rank_command
 
-    given = read_rank_options(options_file)
-    resume_rank(given["audit"], given["plan"], given["phase"], given["checkpoint"],
-                index=given.get("launch", 0), resume_from=given.get("resume_from"),
-                final_epoch=given.get("final_epoch"), device=device, trace_out=trace_out)
+    resume_rank_command(options_file, device, trace_out)
 
 
 @rank_command("audit-rank")
-def audit_rank_command(options_file: str, device: str, trace_out: Optional[str],
-                       quiet: bool) -> None:
+def audit_rank(options_file: str, device: str, trace_out: Optional[str],
+               quiet: bool) -> None:
     """The rank side of `audit` (started by `sharddemo audit` through accelerate launch with
     its options file)."""
-    from sharddemo.options import read_rank_options
-    from sharddemo.rank.audit import audit_rank
+    from sharddemo.commands.ranks import audit_rank_command
 
-    audit_rank(read_rank_options(options_file)["audit"], device=device, trace_out=trace_out)
+    audit_rank_command(options_file, device, trace_out)
 
 
 @cli.command()
@@ -579,13 +440,9 @@ def trap(num_processes: int, dataset_size: int, batch_size: int) -> None:
 
         sharddemo trap --num-processes 2
     """
-    from sharddemo.commands.compare import trap_run
+    from sharddemo.commands.trap import trap_command
 
-    if num_processes < 2:
-        raise UsageError(f"--num-processes must be at least 2 to show the trap, got {num_processes}")
-    opts = RunOptions(dataset_size=dataset_size, batch_size=batch_size, epochs=1,
-                      modes=("prepared",)).validate()
-    click.echo(trap_run(opts, num_processes), nl=False)
+    trap_command(num_processes, dataset_size, batch_size)
 
 
 @cli.command()
@@ -602,15 +459,9 @@ def configs(name: Optional[str]) -> None:
 
         accelerate launch --config_file "$(sharddemo configs --path cpu2.yaml)" -m sharddemo run
     """
-    from sharddemo.config import shipped_config_path, shipped_configs
+    from sharddemo.commands.configs import configs_command
 
-    if name is not None:
-        click.echo(shipped_config_path(name))
-        return
-    shipped = shipped_configs()
-    width = max(len(n) for n in shipped)
-    for config_name, first_line in shipped.items():
-        click.echo(f"{config_name:<{width}}  {first_line}")
+    configs_command(name)
 
 
 @cli.command()
@@ -627,18 +478,9 @@ def check(report: str) -> int:
 
         sharddemo check runs/sharddemo-watch.jsonl
     """
-    from sharddemo.check import check_report, entry_line, summary
+    from sharddemo.commands.check import check_command
 
-    result = check_report(report)
-    for warning in result.warnings:
-        click.echo(f"Warning: {warning}", err=True)
-    for entry in result.failed:
-        click.echo(entry_line(entry))
-    if result.failed:
-        _error(summary(result))
-        return 1
-    click.echo(summary(result))
-    return 0
+    return check_command(report)
 
 
 @cli.command()
@@ -669,46 +511,9 @@ def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Option
         sharddemo lineage runs/lineage --step 48112
         sharddemo lineage runs/lineage --id 1234 --format json
     """
-    import json
+    from sharddemo.commands.lineage import lineage_command
 
-    from sharddemo.lineage import Lineage
-
-    if (step is None) == (sample is None):
-        raise UsageError("give one of --step K or --id ID")
-    if sample is not None and (rank is not None or epoch is not None):
-        raise UsageError("--rank and --epoch go with --step, not --id")
-    found = Lineage(folder)
-    if step is not None:
-        batches, missing = found.lookup(step, rank, epoch)
-        result = {"step": step, "epoch": epoch, "batches": batches, "not_written": missing}
-        lines = [f"rank {b['rank']} epoch {b['epoch']} step {b['step']}: "
-                 + ("ids not known (the watch could not attribute this batch)"
-                    if b["ids"] is None else
-                    f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
-                 for b in batches]
-        lines = [line for _, line in sorted(
-            [(b["rank"], line) for b, line in zip(batches, lines)]
-            + [(m["rank"], m["note"]) for m in missing], key=lambda pair: pair[0])]
-    else:
-        hits = found.where(sample)
-        outside = found.outside(sample)
-        if outside and not hits:
-            raise UsageError(outside)
-        written = [{"rank": r, "last_step": ends[1] if ends else None}
-                   for r in found.ranks() for ends in [found.written(r)]]
-        result = {"id": sample, "received": hits, "written": written}
-        ends = ", ".join(f"rank {w['rank']} up to step {w['last_step']}"
-                         if w["last_step"] is not None else f"rank {w['rank']} nothing"
-                         for w in written)
-        lines = ([f"epoch {h['epoch']} step {h['step']} rank {h['rank']}" for h in hits]
-                 or [f"id {sample}: not in the written lineage (written: {ends})"])
-        if outside:  # held all the same: ids the watch found outside the dataset
-            click.echo(f"Warning: id {outside[len('--id '):]}, yet the lineage holds it (an "
-                       "id_field that gave ids outside the dataset)", err=True)
-    for r, size in found.torn().items():
-        click.echo(f"Warning: rank{r}.lineage ends in a record cut short ({size} bytes, a "
-                   "crash while it was written): skipped", err=True)
-    click.echo(json.dumps(result) if fmt == "json" else "\n".join(lines))
+    lineage_command(folder, step, rank, epoch, sample, fmt)
 
 
 def main() -> None:

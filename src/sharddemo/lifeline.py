@@ -12,7 +12,7 @@ caught too: the child then finds that sharddemo is no longer among its ancestors
 Elsewhere (macOS, Windows: no prctl) nothing is set; a killed parent there leaves its launch
 to end on its own (docs/reliability.md).
 
-Torch-free, importing nothing of sharddemo's: the parent (launch.py) and the ranks (the CLI's
+Torch-free, importing nothing of sharddemo's: the parent (launch/run.py) and the ranks (the CLI's
 entry, before torch is imported) both use it.
 """
 

@@ -6,7 +6,7 @@ one entry per duplicated sample. At 10^6 samples that is hundreds of MB, which a
 takes longer to print than the ranks took to walk. The table and markdown print a bounded
 excerpt whatever N; the count path (`--gather count`, `auto` from 1,000,000 samples) lists at
 most 1,000 ids per list. So only a JSON report of an id path can be large, and the CLI says so
-before the launch (cli._size_notice).
+before the launch (commands.output.large_report_notice).
 
 The model below counts the characters json.dumps writes for the big lists (compact above 10,000
 samples, indented below: render.render_json), fitted on real reports of compare (2 and 3 ranks,

@@ -2,27 +2,56 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
-from sharddemo.targets import read_keys
-from sharddemo.commands import report_of
+from sharddemo.commands.launches import audit_launch, notice_size, refuse_ids_outside, report_of
+from sharddemo.commands.output import (check_files, error, large_report_notice, show,
+                                       wants_progress)
 from sharddemo.errors import UsageError
-from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import AuditOptions, check_audit
+from sharddemo.launch import LaunchSettings, run_launch
+from sharddemo.options import AuditOptions, ResumeOptions, check_audit
+from sharddemo.targets import read_keys
 
 
-def audit_launch(settings: LaunchSettings, opts: AuditOptions, command: str = "audit-rank",
-                 **more):
-    """A launch of the audit's rank command with these options (and `more` beside them in the
-    options file: a resume's plan, phase and checkpoint)."""
-    if opts.keys is not None:  # the ranks read it too, wherever they run
-        opts = dataclasses.replace(opts, keys=os.path.abspath(opts.keys))
-    return make_launch(settings, {"audit": dataclasses.asdict(opts), **more},
-                       opts.command_line(), command=command)
+def audit_command(opts: AuditOptions, settings: LaunchSettings, resume: ResumeOptions, *,
+                  fmt: str, output: Optional[str], plot: Optional[str],
+                  keep_checkpoint: Optional[str], debug: bool) -> int:
+    """`sharddemo audit` from the command line: the files checked, the launches (the resume
+    audit's with --resume-at), the report printed; exit 1 where a verdict failed."""
+    from sharddemo.reportsize import what_it_lists
+
+    check_files(output, plot)
+    plan = resume.plan(opts.epochs)
+    what = lambda world: what_it_lists(opts.dataset_size or 0, world, opts.epochs, opts.gather)
+    notice = large_report_notice(what, fmt, output, can_count=not plot and plan is None)
+    if plan is None:
+        result = audit_run(opts, settings, plot=bool(plot), keep_checkpoint=keep_checkpoint,
+                           resume_num_processes=resume.resume_num_processes, debug=debug,
+                           progress=wants_progress(fmt), size_notice=notice)
+    else:
+        from sharddemo.commands.resume import resume_audit_run
+
+        result = resume_audit_run(opts, plan, settings, plot=bool(plot),
+                                  keep_checkpoint=keep_checkpoint, debug=debug,
+                                  progress=wants_progress(fmt), size_notice=notice)
+    if not show(result, fmt, output, plot):
+        return 0
+    failed = failed_verdicts(result)
+    if failed:
+        error("verdict(s) failed: " + "; ".join(failed))
+        return 1
+    return 0
+
+
+def failed_verdicts(report: dict) -> list[str]:
+    """`name (epochs 0, 1)` for each failed verdict, in order."""
+    failed: dict[str, list[int]] = {}
+    for data in report["modes"].values():
+        for v in data.get("verdicts", []):
+            if not v["ok"]:
+                failed.setdefault(v["verdict"], []).append(v["epoch"])
+    return [f"{name} (epoch {', '.join(map(str, epochs))})" for name, epochs in failed.items()]
 
 
 def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *,
@@ -50,16 +79,6 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
     else:
         refuse_ids_outside(report, opts.id_field)
     return report
-
-
-def notice_size(size_notice: Optional[Callable[[int, int], None]], opts: AuditOptions,
-                launch) -> None:
-    """Tell `size_notice` how large the audit's JSON report will be (reportsize), on the node
-    that writes it."""
-    if size_notice is not None and launch.machine_rank == 0:
-        from sharddemo.reportsize import audit_report_bytes
-
-        size_notice(audit_report_bytes(opts, launch.num_processes), launch.num_processes)
 
 
 def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
@@ -109,22 +128,3 @@ def refuse_keys_outside(report: dict, where: Optional[str]) -> None:
                else "pass --keys FILE listing every sample's key")
         raise UsageError(f"the loader delivered {len(outside)} key(s) that {where} does "
                          f"not hold ({like}); {fix}")
-
-
-def refuse_ids_outside(report: dict, id_field: Optional[str]) -> None:
-    """One Error line where an audited loader delivered ids outside 0..N-1: the ids are then
-    not the samples' positions (a 1-based or a database id, or a stream's --dataset-size too
-    small), and every count of the report (missing, duplicated) would be meaningless."""
-    for mode, data in (report or {}).get("modes", {}).items():
-        n = data.get("dataset_size", report["dataset_size"])
-        outside = sorted({i for e in data["epochs"] for i in e["out_of_range"]})
-        if not outside:
-            continue
-        like = ", ".join(map(str, outside[:3])) + (", ..." if len(outside) > 3 else "")
-        where = "" if mode == "audit" else f"{mode}: "
-        field = f"--id-field {id_field}" if id_field is not None else "the ids"
-        raise UsageError(f"{where}the loader delivered ids outside 0..{n - 1}, the positions "
-                         f"of its {n} samples ({like}): {field} must hold each sample's "
-                         "position 0..N-1, not a 1-based or database id (for a stream N is "
-                         "--dataset-size: raise it if the ids are right); pass such a field, "
-                         "or leave --id-field out to audit by the dataset's positions")

@@ -1,13 +1,34 @@
-"""`sharddemo compare` (and `trap`): one launch of every mode, then the report."""
+"""`sharddemo compare`: one launch of every mode, then the report."""
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from sharddemo.analysis import build_report
-from sharddemo.commands import report_of, run_args
-from sharddemo.launch import Launch, LaunchSettings, make_launch, run_launch
+from sharddemo.commands.launches import report_of, run_args
+from sharddemo.commands.output import (check_files, error, large_report_notice, show,
+                                       wants_progress)
+from sharddemo.launch import LaunchSettings, make_launch, run_launch
 from sharddemo.options import RunOptions, check_compare
+
+
+def compare_command(opts: RunOptions, settings: LaunchSettings, *, fmt: str,
+                    output: Optional[str], plot: Optional[str], check: bool,
+                    max_memory: Optional[str], debug: bool) -> int:
+    """`sharddemo compare` from the command line: the files checked, the launch, the report
+    printed; with --check, exit 1 where a mode broke what it promises."""
+    from sharddemo.reportsize import what_it_lists
+
+    check_files(output, plot)
+    what = lambda world: what_it_lists(opts.dataset_size, world, opts.epochs, opts.gather)
+    notice = large_report_notice(what, fmt, output, can_count=not plot)
+    result = compare_run(opts, settings, plot=bool(plot), max_memory=max_memory, debug=debug,
+                         progress=wants_progress(fmt), size_notice=notice)
+    if not show(result, fmt, output, plot):
+        return 0
+    if check and result["broken_promises"]:
+        error("broken promise(s): " + "; ".join(result["broken_promises"]))
+        return 1
+    return 0
 
 
 def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *,
@@ -24,42 +45,10 @@ def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *
 
         return resume_demo_run(opts, settings, debug=debug)
     launch = make_launch(settings, {"run": opts.to_dict()}, run_args(opts),
-                         check=opts.check_world)
+                         check=opts.check_split_batches)
     if size_notice is not None and launch.machine_rank == 0:
         from sharddemo.reportsize import compare_report_bytes
 
         size_notice(compare_report_bytes(opts, launch.num_processes), launch.num_processes)
     return report_of(launch, run_launch(launch, timeout=opts.timeout, debug=debug,
                                         progress=progress))
-
-
-TRAP_FLAGS = ["--cpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-def trap_run(opts: RunOptions, num_processes: int) -> str:
-    """Run the `accelerate launch --cpu --num_processes N` trap for real and explain it."""
-    from sharddemo.render import render_table
-
-    launch = Launch(config_file=None, num_processes=num_processes, flags=TRAP_FLAGS,
-                    options={"run": opts.to_dict(), "allow_alone": True},
-                    display_args=run_args(opts), device="cpu", expect_world=False)
-    trace = run_launch(launch, timeout=opts.timeout)
-    report = build_report(trace, launch_command=launch.display())
-    world, n = report["world_size"], opts.dataset_size
-    seen = report["modes"]["prepared"]["epochs"][0]["seen"]
-    lines = [
-        f"You asked for {num_processes} processes: "
-        f"accelerate launch --cpu --num_processes {num_processes} -m sharddemo run",
-        f"What really ran: {world} process(es), DistributedType {report['distributed_type']}, "
-        f"backend {report['backend']}.",
-        f"It saw {seen} of {n} samples per epoch: the whole dataset, on one process. Nothing is "
-        "sharded and nothing is faster, yet the program runs and prints as if all was well.",
-        "How to recognise it: accelerator.num_processes is 1 (print it), every 'rank' prints "
-        "the whole dataset, and an epoch takes as many steps as on one device.",
-        "The fix: accelerate launch --config_file accelerate_configs/cpu2.yaml -m sharddemo run "
-        "(torchrun starts the processes; the script builds Accelerator(cpu=True)).",
-        "sharddemo run refuses such a launch unless told otherwise: 'Error: launched for "
-        "several processes but this process is alone (world size 1)'.",
-        "",
-    ]
-    return "\n".join(lines) + render_table(report)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys
-from sharddemo.commands import report_of, run_args
-from sharddemo.commands.audit import audit_launch, notice_size, refuse_ids_outside
+from sharddemo.commands.launches import (audit_launch, notice_size, refuse_ids_outside,
+                                         report_of, run_args)
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
 from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, check_audit
@@ -175,7 +175,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
             launch = make_launch(settings, {"run": opts.to_dict(), "phase": phase,
                                             "checkpoint": checkpoint, "stateful": stateful},
                                  run_args(opts), command="resume-demo-rank",
-                                 check=opts.check_world)
+                                 check=opts.check_split_batches)
             traces[phase] = run_launch(launch, timeout=opts.timeout, debug=debug)
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)

@@ -127,7 +127,8 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
     return by_index
 
 
-def build_loader(accelerator, factory: Callable, opts: AuditOptions, stateful: bool = False):
+def build_factory_loader(accelerator, factory: Callable, opts: AuditOptions,
+                         stateful: bool = False):
     """The user's loader on this rank, as their script builds it: the factory called with the
     rank's Accelerator (with use_stateful_dataloader set first when `stateful`), every
     DataLoader tagged on its way through prepare. A factory that raises is a RunFailed."""
@@ -201,7 +202,7 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
         from sharddemo.rank.frameworks.lightning import lightning_loaders
 
         return lightning_loaders(accelerator, factory, opts)
-    loader = build_loader(accelerator, factory, opts, stateful=opts.stateful)
+    loader = build_factory_loader(accelerator, factory, opts, stateful=opts.stateful)
     if not hasattr(loader, "__iter__") or (opts.id_field is None
                                            and not hasattr(base_loader(loader), "dataset")):
         raise UsageError(f"the factory {opts.target} returned an object of type "

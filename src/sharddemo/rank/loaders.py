@@ -265,6 +265,8 @@ BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
 }
 
 
-def build_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+def build_mode_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+    """The DataLoader mode `mode` builds on this rank over `dataset`, as a script would
+    (BUILDERS; WDS_BUILDERS over --source webdataset)."""
     builders = WDS_BUILDERS if opts.source == "webdataset" else BUILDERS
     return builders[mode](accelerator, dataset, opts)

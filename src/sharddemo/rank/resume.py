@@ -46,7 +46,7 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, index: i
     plan's first stop; launch j (`resume`) loads the state launch j-1 saved at `resume_from`
     (its resolved stop) and walks to stop j, or, the last launch, through `final_epoch`.
     Returns the launch's trace on the main process (its records and its resolved stop)."""
-    from sharddemo.rank.audit import build_loader, id_reader, load_factory, set_epoch
+    from sharddemo.rank.audit import build_factory_loader, id_reader, load_factory, set_epoch
     from sharddemo.rank.describe import agree_on_fingerprint, is_prepared
     from sharddemo.rank.session import rank_session
     from sharddemo.rank.walk import EpochWalker
@@ -58,7 +58,8 @@ def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, index: i
             from sharddemo.extras import require
 
             require("torchdata", "--resume-strategy stateful")
-        loader = build_loader(accelerator, factory, opts, stateful=plan.strategy == "stateful")
+        loader = build_factory_loader(accelerator, factory, opts,
+                                      stateful=plan.strategy == "stateful")
         agree_on_fingerprint(accelerator, loader)
         read_ids = id_reader(loader, opts.id_field)
         prepared = is_prepared(loader)
@@ -207,14 +208,14 @@ def _demo_loader(accelerator, opts, workers: int, stateful: bool):
 
     from accelerate.utils import set_seed
 
-    from sharddemo.rank.loaders import build_loader, dataloader_config
+    from sharddemo.rank.loaders import build_mode_loader, dataloader_config
     from sharddemo.rank.sources import build_source
 
     set_seed(opts.seed)
     run = dataclasses.replace(opts, num_workers=workers, modes=("prepared",))
     with dataloader_config(accelerator, use_stateful_dataloader=stateful):
-        return build_loader("prepared", accelerator, build_source(opts.source, opts.dataset_size),
-                            run).loader
+        return build_mode_loader("prepared", accelerator,
+                                 build_source(opts.source, opts.dataset_size), run).loader
 
 
 def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",

@@ -51,12 +51,12 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     where it differs from the run's arithmetic."""
     from accelerate.utils import set_seed
 
-    from sharddemo.rank.loaders import build_loader
+    from sharddemo.rank.loaders import build_mode_loader
 
     # Reseed per mode so a mode's result does not depend on which modes ran before it
     # (`unseeded` then reseeds each process differently: that is its point).
     set_seed(opts.seed)
-    plan = build_loader(mode, accelerator, dataset, opts)
+    plan = build_mode_loader(mode, accelerator, dataset, opts)
     world = accelerator.num_processes
     sizes = None
     if opts.split_batches and not plan.prepared:
@@ -174,7 +174,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
 
     with rank_session(device, opts.timeout, allow_alone=allow_alone) as session:
         accelerator = session.accelerator
-        opts.check_world(accelerator.num_processes)
+        opts.check_split_batches(accelerator.num_processes)
         world = accelerator.num_processes
         state = accelerator.state
         backend = getattr(state, "backend", None) or "none"

@@ -1,0 +1,54 @@
+"""`sharddemo lineage DIR`: which samples each rank received at a step, or where a sample was
+received, read from the lineage a watched run wrote (sharddemo.lineage reads it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import click
+
+from sharddemo.errors import UsageError
+from sharddemo.lineage import Lineage
+
+
+def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch: Optional[int],
+                    sample: Optional[int], fmt: str) -> None:
+    """`sharddemo lineage` from the command line: --step K's batches (or --id ID's places) on
+    every rank, a rank whose written lineage ends before them named, in `fmt`."""
+    if (step is None) == (sample is None):
+        raise UsageError("give one of --step K or --id ID")
+    if sample is not None and (rank is not None or epoch is not None):
+        raise UsageError("--rank and --epoch go with --step, not --id")
+    found = Lineage(folder)
+    if step is not None:
+        batches, missing = found.lookup(step, rank, epoch)
+        result = {"step": step, "epoch": epoch, "batches": batches, "not_written": missing}
+        lines = [f"rank {b['rank']} epoch {b['epoch']} step {b['step']}: "
+                 + ("ids not known (the watch could not attribute this batch)"
+                    if b["ids"] is None else
+                    f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
+                 for b in batches]
+        lines = [line for _, line in sorted(
+            [(b["rank"], line) for b, line in zip(batches, lines)]
+            + [(m["rank"], m["note"]) for m in missing], key=lambda pair: pair[0])]
+    else:
+        hits = found.where(sample)
+        outside = found.outside(sample)
+        if outside and not hits:
+            raise UsageError(outside)
+        written = [{"rank": r, "last_step": ends[1] if ends else None}
+                   for r in found.ranks() for ends in [found.written(r)]]
+        result = {"id": sample, "received": hits, "written": written}
+        ends = ", ".join(f"rank {w['rank']} up to step {w['last_step']}"
+                         if w["last_step"] is not None else f"rank {w['rank']} nothing"
+                         for w in written)
+        lines = ([f"epoch {h['epoch']} step {h['step']} rank {h['rank']}" for h in hits]
+                 or [f"id {sample}: not in the written lineage (written: {ends})"])
+        if outside:  # held all the same: ids the watch found outside the dataset
+            click.echo(f"Warning: id {outside[len('--id '):]}, yet the lineage holds it (an "
+                       "id_field that gave ids outside the dataset)", err=True)
+    for r, size in found.torn().items():
+        click.echo(f"Warning: rank{r}.lineage ends in a record cut short ({size} bytes, a "
+                   "crash while it was written): skipped", err=True)
+    click.echo(json.dumps(result) if fmt == "json" else "\n".join(lines))
