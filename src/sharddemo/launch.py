@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from sharddemo.config import default_config_path, load_config
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import DEBUG_ENV, RunFailed, UsageError
 from sharddemo.lifeline import launcher_preexec
 from sharddemo.options import (EXPECT_ENV, NODE_ENV, PARENT_ENV, PROGRESS_ENV, STATUS_ENV,
                                write_rank_options)
@@ -153,7 +153,7 @@ def run_launch(launch: Launch, *, timeout: float, debug: bool = False,
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:
-            env["SHARDDEMO_DEBUG"] = "1"
+            env[DEBUG_ENV] = "1"
         out_path = os.path.join(tmp, "stdout.log")
         err_path = os.path.join(tmp, "stderr.log")
         # torchrun names a dead process by its local rank: on machine m of a
