@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import click
 
 from sharddemo.commands.output import error
-from sharddemo.errors import ShardDemoError, UsageError
+from sharddemo.errors import DEBUG_ENV, ShardDemoError, UsageError
 from sharddemo.options import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, MODES, AuditOptions,
                                ResumeOptions, RunOptions, audit_target, parse_modes)
 
@@ -31,7 +31,7 @@ def _in_rank() -> bool:
 
 
 def _debug() -> bool:
-    return os.environ.get("SHARDDEMO_DEBUG") == "1"
+    return os.environ.get(DEBUG_ENV) == "1"
 
 
 class SafeGroup(click.Group):
@@ -166,7 +166,7 @@ def cli(debug: bool) -> None:
         sharddemo compare
     """
     if debug:
-        os.environ["SHARDDEMO_DEBUG"] = "1"
+        os.environ[DEBUG_ENV] = "1"
 
 
 @cli.command()

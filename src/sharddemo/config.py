@@ -19,10 +19,11 @@ GPU_CONFIG = "2gpu.yaml"
 
 
 def shipped_configs() -> dict[str, str]:
-    """The accelerate configs installed with the package (package data, read with
-    importlib.resources, wherever the installer put the package): name -> its first comment
-    line. The repository's top-level accelerate_configs/ holds the same files, for people who
-    pass them to `accelerate launch --config_file` from a checkout."""
+    """Return the accelerate configs installed with the package: name -> its first comment line.
+
+    Package data, read with importlib.resources, wherever the installer put the package. The
+    repository's top-level accelerate_configs/ holds the same files, for people who pass them to
+    `accelerate launch --config_file` from a checkout."""
     from importlib.resources import files
 
     out = {}
@@ -34,9 +35,10 @@ def shipped_configs() -> dict[str, str]:
 
 
 def shipped_config_path(name: str) -> str:
-    """A real file path of the installed config `name`, for `accelerate launch --config_file`.
-    From a zip (a zipapp), the file is copied out to a temporary file that lives as long as
-    this process."""
+    """Return a real file path of the installed config `name`, for `accelerate launch`.
+
+    For `--config_file`. From a zip (a zipapp), the file is copied out to a temporary file that
+    lives as long as this process."""
     import atexit
     import contextlib
     from importlib.resources import as_file, files
@@ -60,10 +62,11 @@ def visible_gpus() -> int:
 
 
 def default_config_path() -> str:
-    """The installed config NAME (cpu2.yaml, or 2gpu.yaml where two GPUs are visible). Shown
-    as accelerate_configs/NAME where the working directory holds that very file (a checkout of
-    this repository: a shorter command to rerun by hand); a file of that name with other
-    content is the user's own and is not used unless passed with --config-file."""
+    """Return the installed config NAME (cpu2.yaml, or 2gpu.yaml where two GPUs are visible).
+
+    Shown as accelerate_configs/NAME where the working directory holds that very file (a
+    checkout of this repository: a shorter command to rerun by hand); a file of that name with
+    other content is the user's own and is not used unless passed with --config-file."""
     name = GPU_CONFIG if visible_gpus() >= 2 else CPU_CONFIG
     shipped = shipped_config_path(name)
     local = os.path.join(os.getcwd(), "accelerate_configs", name)

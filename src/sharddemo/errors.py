@@ -5,6 +5,11 @@ import re
 import sysconfig
 from typing import Optional
 
+# The environment variable that shows the traceback and every rank's full output with an
+# `Error:` line, where set to "1" (`sharddemo --debug` sets it; the launch passes it on to the
+# ranks, whose CLI reads it too).
+DEBUG_ENV = "SHARDDEMO_DEBUG"
+
 
 class ShardDemoError(Exception):
     """Base class. `exit_code` is what the CLI exits with."""
@@ -25,9 +30,10 @@ class RunFailed(ShardDemoError):
 
 
 class ShardingViolation(ShardDemoError):
-    """Raised by sharddemo.watch on every rank, at the same point (the end of the epoch's
-    exchange), when a watched epoch fails a verdict and `on_violation="raise"`. `entry` is the
-    report entry (docs/watch.md) that failed."""
+    """Raised by sharddemo.watch on every rank when a watched epoch fails a verdict.
+
+    At the same point on every rank (the end of the epoch's exchange), with
+    `on_violation="raise"`. `entry` is the report entry (docs/watch.md) that failed."""
 
     def __init__(self, message: str, entry: dict) -> None:
         super().__init__(message)
@@ -39,9 +45,11 @@ class ShardingViolation(ShardDemoError):
 
 
 class CollectiveFailed(RunFailed):
-    """A collective (gather, exchange) failed on this rank. `kind` says how, measured on the
-    rank rather than read from the message: `timeout` (it waited the whole process-group
-    timeout: a peer stopped answering) or `peer` (it failed sooner: a peer went away)."""
+    """A collective (gather, exchange) failed on this rank.
+
+    `kind` says how, measured on the rank rather than read from the message: `timeout` (it
+    waited the whole process-group timeout: a peer stopped answering) or `peer` (it failed
+    sooner: a peer went away)."""
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
@@ -52,17 +60,20 @@ class CollectiveFailed(RunFailed):
 
 
 class Disagreement(RunFailed):
-    """The ranks compared what they hold and found they differ: every rank stops with the
-    same message, which names the ranks and the field."""
+    """The ranks compared what they hold and found they differ.
+
+    Every rank stops with the same message, which names the ranks and the field."""
 
     kind = "mismatch"
 
 
 class LoaderRaised(ShardDemoError):
-    """The loader raised inside a library (accelerate, torch, datasets, WebDataset ...) on
-    every rank, and every rank knows it (rank.walk settles it with one exchange at the point
-    of failure): the mode's or the audited loader's finding, not a failed run. `raised`:
-    [{"rank", "epoch", "step", "error", "frame"}] in rank order, the same on every rank."""
+    """The loader raised inside a library on every rank, and every rank knows it.
+
+    A library such as accelerate, torch, datasets or WebDataset; rank.walk settles it with one
+    exchange at the point of failure: the mode's or the audited loader's finding, not a failed
+    run. `raised`: [{"rank", "epoch", "step", "error", "frame"}] in rank order, the same on
+    every rank."""
 
     def __init__(self, raised: list) -> None:
         first = raised[0]
@@ -72,8 +83,10 @@ class LoaderRaised(ShardDemoError):
 
 
 class PeerRaised(RunFailed):
-    """This rank's loader did not raise, but a peer's did (not on every rank): this rank
-    stops too. The launcher names the rank that raised; this one is left out of the line."""
+    """This rank's loader did not raise, but a peer's did (not on every rank).
+
+    This rank stops too. The launcher names the rank that raised; this one is left out of the
+    line."""
 
     kind = "stopped"
 
@@ -95,10 +108,11 @@ KNOWN_CAUSES = {
 
 
 def describe_exception(exc: BaseException) -> str:
-    """`Type: message` on one line. An exception a DataLoader worker raised carries the
-    worker's whole traceback in its message (torch's ExceptionWrapper): it is cut to the
-    worker's own first line and the error it ended with. A known library error gets its
-    meaning (KNOWN_CAUSES)."""
+    """Return `Type: message` on one line.
+
+    An exception a DataLoader worker raised carries the worker's whole traceback in its message
+    (torch's ExceptionWrapper): it is cut to the worker's own first line and the error it ended
+    with. A known library error gets its meaning (KNOWN_CAUSES)."""
     text = str(exc)
     if "Original Traceback" in text:
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -125,8 +139,10 @@ _FILE_LINE = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
 
 
 def _installed_module(path: str) -> Optional[str]:
-    """`accelerate.utils.operations` for .../site-packages/accelerate/utils/operations.py;
-    None for a file outside an installed package (the user's, sharddemo's own source)."""
+    """Return the module of an installed package's file, else None.
+
+    `accelerate.utils.operations` for .../site-packages/accelerate/utils/operations.py; None for
+    a file outside an installed package (the user's, sharddemo's own source)."""
     parts = os.path.normpath(path).split(os.sep)
     where = max((k for k, part in enumerate(parts) if part in _INSTALLED), default=None)
     if where is None or where + 1 >= len(parts):
@@ -141,9 +157,10 @@ def _installed_module(path: str) -> Optional[str]:
 
 
 def _frames(exc: BaseException) -> list[tuple[str, str]]:
-    """(file, function) of the frames the exception went through, innermost last. An error a
-    DataLoader worker raised is re-raised in the main process by torch; its message holds the
-    worker's traceback, whose frames are innermost."""
+    """Return (file, function) of the frames the exception went through, innermost last.
+
+    An error a DataLoader worker raised is re-raised in the main process by torch; its message
+    holds the worker's traceback, whose frames are innermost."""
     frames = []
     tb = exc.__traceback__
     while tb is not None:
@@ -156,12 +173,12 @@ def _frames(exc: BaseException) -> list[tuple[str, str]]:
 
 
 def library_frame(exc: BaseException) -> Optional[str]:
-    """`module:function` of the innermost frame the exception came from, where that frame is
-    an installed library's (accelerate, torch, datasets, webdataset ...): the standard
-    library's frames are passed over (a library calls it; so does a user), and a frame of
-    the user's own code or of sharddemo's, innermost, means the library did not raise it
-    (None). An exception raised inside accelerate's dispatcher:
-    `accelerate.utils.operations:recursively_apply`."""
+    """Return `module:function` of the innermost frame, where that frame is a library's.
+
+    An installed library's (accelerate, torch, datasets, webdataset ...): the standard library's
+    frames are passed over (a library calls it; so does a user), and a frame of the user's own
+    code or of sharddemo's, innermost, means the library did not raise it (None). An exception
+    raised inside accelerate's dispatcher: `accelerate.utils.operations:recursively_apply`."""
     for path, function in reversed(_frames(exc)):
         real = os.path.realpath(path)
         if real.startswith(_STDLIB) and not any(part in real for part in _INSTALLED):
@@ -172,11 +189,13 @@ def library_frame(exc: BaseException) -> Optional[str]:
 
 
 def _dispatch_cause(text: str, facts: dict) -> Optional[str]:
-    """accelerate's DataLoaderDispatcher with drop_last: rank 0 reads the epoch's first
-    global batch (W batches of B, or one batch of B with split_batches); where the dataset
-    holds fewer samples than that, drop_last leaves nothing, the dispatcher broadcasts None
-    and accelerate's broadcast refuses it on every rank at the first next() (accelerate
-    1.16). Said only where the loader's own numbers show it."""
+    """Explain accelerate's dispatcher refusing an epoch that drop_last empties, else None.
+
+    accelerate's DataLoaderDispatcher with drop_last: rank 0 reads the epoch's first global
+    batch (W batches of B, or one batch of B with split_batches); where the dataset holds fewer
+    samples than that, drop_last leaves nothing, the dispatcher broadcasts None and accelerate's
+    broadcast refuses it on every rank at the first next() (accelerate 1.16). Said only where
+    the loader's own numbers show it."""
     if "NoneType" not in text or "_gpu_broadcast_one" not in text:
         return None
     n, b, w = facts.get("dataset_size"), facts.get("batch_size"), facts.get("world")
@@ -200,11 +219,12 @@ ARITHMETIC_CAUSES = (_dispatch_cause,)
 
 
 def library_error(exc: BaseException, facts: Optional[dict] = None) -> Optional[dict]:
-    """An exception a library raised inside a loader, worded for the report: {"error", "frame"}
-    where `error` is describe_exception's line with its cause where one is known (KNOWN_CAUSES,
-    or ARITHMETIC_CAUSES from `facts`: the loader's world, dataset_size, batch_size,
-    drop_last, dispatcher, split_batches), else with the library frame it came from. None where
-    the innermost frame is not a library's (the user's own code raised)."""
+    """Word an exception a library raised inside a loader for the report: {"error", "frame"}.
+
+    `error` is describe_exception's line with its cause where one is known (KNOWN_CAUSES, or
+    ARITHMETIC_CAUSES from `facts`: the loader's world, dataset_size, batch_size, drop_last,
+    dispatcher, split_batches), else with the library frame it came from. None where the
+    innermost frame is not a library's (the user's own code raised)."""
     frame = library_frame(exc)
     if frame is None:
         return None

@@ -1,5 +1,7 @@
-"""The optional packages, as users install them: each command that can use one works without it
-or says, in one `Error:` line before any rank starts, which extra to install.
+"""The optional packages, as users install them: used where present, else named.
+
+Each command that can use one works without it or says, in one `Error:` line before any rank
+starts, which extra to install.
 
 Checked without importing the package (importlib.util.find_spec), so that a check costs nothing
 and a package that is present but hidden (or broken at import) counts as absent. The extras are
@@ -44,8 +46,9 @@ def install_hint(what: str) -> str:
 
 
 def missing_module_hint(exc: BaseException) -> str:
-    """For an import that failed on a package an extra installs: `; install the extra: ...`;
-    else nothing."""
+    """Return `; install the extra: ...` for an import that failed on an extra's package.
+
+    Else nothing."""
     name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
     for what, (modules, _, _) in EXTRAS.items():
         if name is not None and name.split(".")[0] in modules:
@@ -61,9 +64,11 @@ def require(what: str, needed_by: str) -> None:
 
 
 def require_imports_of(path: str) -> None:
-    """One Error line, before any rank starts, where the factory file `path` imports (at its
-    top level) a package an extra installs that is not installed. Read, not run: the file's
-    own code runs on the ranks only."""
+    """Stop, before any rank starts, where the factory file imports an extra that is missing.
+
+    One Error line, where the factory file `path` imports (at its top level) a package an extra
+    installs that is not installed. Read, not run: the file's own code runs on the ranks only.
+    """
     import ast
 
     try:

@@ -7,8 +7,10 @@ import tempfile
 
 
 def write_atomic(path: str, text) -> None:
-    """Write `text` (str, or bytes) to a temporary file beside `path`, then rename it into
-    place. A reader sees the old file, or the whole new one, never a half-written report.
+    """Write `text` (str, or bytes) beside `path`, then rename it into place.
+
+    Written to a temporary file first: a reader sees the old file, or the whole new one, never a
+    half-written report.
     """
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".sharddemo-", suffix=".tmp", dir=directory)

@@ -1,5 +1,7 @@
-"""The split at a glance: one PNG with a panel per mode (sample id across, a row per epoch and
-rank, coloured by rank; duplicates and missing samples marked), and the terminal grid.
+"""The split at a glance: one PNG with a panel per mode, and the terminal grid.
+
+In the PNG, sample id across, a row per epoch and rank, coloured by rank; duplicates and missing
+samples marked.
 
 matplotlib is optional: `pip install 'sharddemo[plot]'`.
 """
@@ -31,8 +33,10 @@ KEYS_NO_PLOT = ("--plot draws each sample at its position 0..N-1, and this loade
 
 
 def grid_lines(report: dict, epoch: dict) -> list[str]:
-    """One character per sample id: the rank that received it, `+` when several ranks (or one
-    rank several times) did, `-` when nobody did. Empty above GRID_LIMIT samples."""
+    """Return the terminal grid: one character per sample id.
+
+    The rank that received it, `+` when several ranks (or one rank several times) did, `-` when
+    nobody did. Empty above GRID_LIMIT samples."""
     n = report["dataset_size"]
     if n > GRID_LIMIT or epoch.get("gather") == "count" or report.get("keys"):
         return []  # (keys: samples named, not placed)
@@ -71,9 +75,10 @@ def _pyplot():
 
 
 def plot_report(report: dict, path: str) -> dict:
-    """Draw the report to `path` (PNG). Returns what was drawn, per mode and epoch: for each
-    rank the number of ids placed, and the missing and duplicated ids marked, so a test can
-    check the picture against the report."""
+    """Draw the report to `path` (PNG), and return what was drawn.
+
+    Per mode and epoch: for each rank the number of ids placed, and the missing and duplicated
+    ids marked, so a test can check the picture against the report."""
     import numpy as np
 
     if any(e.get("gather") == "count" for m in report["modes"].values() for e in m["epochs"]):
@@ -172,8 +177,10 @@ def plot_report(report: dict, path: str) -> dict:
 
 
 def _raised_title(raised: list[dict]) -> str:
-    """`raised before its first batch` (a mode that raises by design), else where a library
-    raised on every rank: `raised at epoch 1, step 3 on every rank`."""
+    """Return the title of a mode whose loader raised.
+
+    `raised before its first batch` (a mode that raises by design), else where a library raised
+    on every rank: `raised at epoch 1, step 3 on every rank`."""
     first = raised[0] if raised else {}
     if "epoch" not in first:
         return "raised before its first batch"

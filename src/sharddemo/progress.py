@@ -30,8 +30,10 @@ PHASES = ("starting", "walking", "finishing")
 
 
 def read_report(data: bytes) -> Optional[dict]:
-    """A progress file's bytes -> {"seq", "step", "when", "phase", "where"}; None for a file
-    not written whole, or one torn by a write it was read across (the caller reads again)."""
+    """Read a progress file's bytes: {"seq", "step", "when", "phase", "where"}.
+
+    None for a file not written whole, or one torn by a write it was read across (the caller
+    reads again)."""
     if len(data) < SIZE:
         return None
     seq, step, when, phase = HEAD.unpack_from(data, 0)

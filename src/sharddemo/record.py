@@ -29,9 +29,10 @@ KEPT_BATCH_CAP = 4096
 
 
 def loader_share(loader: dict, n: int) -> int:
-    """How many distinct ids a loader deals in an epoch, from its description
-    (rank.describe.index_domain): the ids a Subset or SubsetRandomSampler leaves it (`domain`), at most
-    its sampler's draw without replacement; n where nothing narrows it."""
+    """Return how many distinct ids a loader deals in an epoch, from its description.
+
+    From rank.describe.index_domain: the ids a Subset or SubsetRandomSampler leaves it
+    (`domain`), at most its sampler's draw without replacement; n where nothing narrows it."""
     draws, domain = loader.get("draws"), loader.get("domain")
     share = n if domain is None else domain
     if draws and not draws["replacement"]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
+from sharddemo.analysis.idtext import ids_text
 from sharddemo.plot import grid_lines
 from sharddemo.sizes import SIZES, own_sizes_line
 
 
-def _ids(ids, limit: int = 0) -> str:
-    if limit and len(ids) > limit:
-        return "[" + " ".join(str(i) for i in ids[:limit]) + " ...]"
-    return "[" + " ".join(str(i) for i in ids) + "]"
+def _batch(ids, limit: int = 0) -> str:
+    """Return one batch's ids in brackets, cut to `limit` (0: all of them)."""
+    return ids_text(ids, limit or len(ids), sep=" ", more=" ...", brackets=True)
 
 
 # Up to this many samples per rank and epoch every batch is printed in full.
@@ -23,28 +23,28 @@ def batches_text(batches: list) -> str:
     if not batches:
         return "(nothing)"
     if sum(len(b) for b in batches) <= FULL_LIMIT:
-        return " ".join(_ids(b) for b in batches)
-    head = " ".join(_ids(b, 8) for b in batches[:2])
+        return " ".join(_batch(b) for b in batches)
+    head = " ".join(_batch(b, 8) for b in batches[:2])
     return f"{head} ... ({len(batches)} batches, {sum(len(b) for b in batches)} samples)"
 
 
 def rank_text(rank: dict) -> str:
-    """A rank's batches in an epoch: all of them where the report lists them, else (a counted
-    epoch keeps only its first and last batches) the first two and the counts."""
+    """Return a rank's batches in an epoch as text.
+
+    All of them where the report lists them, else (a counted epoch keeps only its first and last
+    batches) the first two and the counts."""
     if "batches" in rank:
         return batches_text(rank["batches"])
     first = rank["first_batches"]
     if rank["steps"] <= len(first) + len(rank["last_batches"]):  # it kept every batch
         return batches_text(first + rank["last_batches"])
-    head = " ".join(_ids(b, 8) for b in first[:2])
+    head = " ".join(_batch(b, 8) for b in first[:2])
     return f"{head} ... ({rank['steps']} batches, {rank['samples']} samples)"
 
 
-def _short(ids, limit: int = 16) -> str:
-    if not ids:
-        return "-"
-    shown = " ".join(str(i) for i in ids[:limit])
-    return shown + (f" ... ({len(ids)})" if len(ids) > limit else "")
+def _listed(ids) -> str:
+    """Return up to 16 ids, with how many there are where there are more ("-" for none)."""
+    return ids_text(ids, 16, sep=" ", more=" ... ({total})", empty="-")
 
 
 def _command(report: dict) -> str:
@@ -71,13 +71,14 @@ def header(report: dict) -> list[str]:
 
 
 def _counted(ids: list[int], total=None) -> str:
-    """A short list, with how many there are when it was cut (the count path keeps lists
-    short)."""
+    """Return a short list, with how many there are when it was cut.
+
+    The count path keeps lists short."""
     if not ids and total:
         return f"{total:,} (not named: the samples' keys are not known)"
     if total is None or total <= len(ids):
-        return _short(ids)
-    return " ".join(str(i) for i in ids[:16]) + f" ... ({total:,})"
+        return _listed(ids)
+    return ids_text(ids, min(16, len(ids)), total=total, sep=" ", more=" ... ({total:,})")
 
 
 def _epoch_summary(e: dict) -> list[str]:
@@ -146,24 +147,25 @@ def _epoch_summary(e: dict) -> list[str]:
 
 
 def resume_lines(resume: dict) -> list[str]:
-    """The resume audit in words, then each restart (where it stopped and went on, on how many
-    ranks, what came again and what was lost there, why), then per epoch over the whole chain
-    what came twice and what never came."""
+    """Return the resume audit in words: each restart, then each epoch over the whole chain.
+
+    Each restart: where it stopped and went on, on how many ranks, what came again and what was
+    lost there, why; then per epoch over the whole chain what came twice and what never came."""
     lines = [resume["explanation"]]
     for r in resume.get("restarts", []):
         skip = r["skipped"]
-        lost = (f"skipped {skip['count']} {_short(skip['ids'])}" if skip is not None
+        lost = (f"skipped {skip['count']} {_listed(skip['ids'])}" if skip is not None
                 else "skipped: not attributable (each launch drew its own order)")
         lines.append(f"restart {r['restart']}: {r['reason']} | received before per rank "
                      f"{r['received_before']}, after {r['received_after']} | repeated "
-                     f"{r['repeated']['count']} {_short(r['repeated']['ids'])}"
+                     f"{r['repeated']['count']} {_listed(r['repeated']['ids'])}"
                      + (f" ({r['fill']} of them fill)" if r["fill"] else "") + f" | {lost}")
     for e in resume["epochs"]:
         rep, skip = e["repeated"], e["skipped"]
         order = {True: "same order", False: "ORDER DIFFERS", None: "order not compared"}
         fill = e.get("fill")
-        lines.append(f"epoch {e['epoch']}: repeated {rep['count']} {_short(rep['ids'])} | "
-                     f"skipped {skip['count']} {_short(skip['ids'])} | "
+        lines.append(f"epoch {e['epoch']}: repeated {rep['count']} {_listed(rep['ids'])} | "
+                     f"skipped {skip['count']} {_listed(skip['ids'])} | "
                      + (f"fill of {fill['world_size']} ranks: {fill['repeated']} repeated, "
                         f"{fill['skipped']} skipped | " if fill else "")
                      + (f"WHOLE EPOCH {e['whole'].upper()} | " if e.get("whole") else "")
@@ -177,8 +179,10 @@ RESUME_TITLE = ("the prepared loader stopped, saved, restarted in fresh processe
 
 
 def resume_demo_lines(rows: list[dict]) -> list[str]:
-    """`compare --modes resume`: one line per scenario (workers, stop, strategy, each epoch's
-    repeats and skips), then where the rows are explained."""
+    """Return the lines of `compare --modes resume`: one per scenario, then where to read more.
+
+    One line per scenario: workers, stop, strategy, each epoch's repeats and skips; then where
+    the rows are explained (docs/resume.md)."""
     out = []
     for r in rows:
         at = r["at"]
@@ -285,13 +289,13 @@ def window_lines(windows: dict | None, show: int = 4) -> list[str]:
     for w in picked:
         if w is listed[-1] and len(listed) > show:
             lines.append("  ...")
-        ranks = " | ".join(f"rank {r}: {_short(ids)}" for r, ids in enumerate(w["ranks"]))
+        ranks = " | ".join(f"rank {r}: {_listed(ids)}" for r, ids in enumerate(w["ranks"]))
         lines.append(f"  optimizer step {w['window']}: {ranks} ({w['samples']} samples)")
     if windows["uneven_last"]:
         lines.append(f"  the last optimizer step is UNEVEN: {windows['last_batches']} batch(es) "
                      f"per rank instead of {k}")
     if windows.get("in_several_windows"):
-        lines.append(f"  ids in more than one optimizer step: {_short(windows['in_several_windows'])}")
+        lines.append(f"  ids in more than one optimizer step: {_listed(windows['in_several_windows'])}")
     return lines
 
 
@@ -394,8 +398,10 @@ def file_size(size: int) -> str:
 
 
 def summary_json(report: dict, path: str, size: int) -> dict:
-    """What `--format json --output FILE` prints (docs/summary.schema.json): where the report
-    is, each mode's conclusion, broken promises and verdicts, the resume demo's rows."""
+    """Return what `--format json --output FILE` prints (docs/summary.schema.json).
+
+    Where the report is, each mode's conclusion, broken promises and verdicts, the resume demo's
+    rows."""
     modes = {}
     for mode, data in report["modes"].items():
         entry = {"conclusion": data["conclusion"], "broken_promises": data["broken_promises"]}
@@ -414,8 +420,9 @@ def summary_json(report: dict, path: str, size: int) -> dict:
 
 
 def verdict_summary(verdicts: list) -> list[dict]:
-    """One entry per verdict, as verdict_lines words it: held or not, the epochs where it
-    failed and the first failure's detail."""
+    """Return one entry per verdict, as verdict_lines words it.
+
+    Held or not, the epochs where it failed and the first failure's detail."""
     out: list[dict] = []
     for v in verdicts:
         if not out or all(o["verdict"] != v["verdict"] for o in out):
@@ -430,8 +437,10 @@ def verdict_summary(verdicts: list) -> list[dict]:
 
 
 def summary_lines(report: dict) -> list[str]:
-    """The report in a few lines: the header, each mode's conclusion, its broken promises and
-    verdicts, the resume demo's rows."""
+    """Return the report in a few lines.
+
+    The header, each mode's conclusion, its broken promises and verdicts, the resume demo's
+    rows."""
     lines = [f"sharddemo {_command(report)}: " + header(report)[0]]
     if len(report.get("nodes", {})) > 1:
         lines.append("ranks by node: " + placement_line(report))
@@ -445,8 +454,10 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def render_summary(report: dict, fmt: str, path: str, size: int) -> str:
-    """What `--output FILE` prints in place of the report, in `fmt`: a few lines and where
-    the whole report is (the report itself can be hundreds of MB: every id of every batch)."""
+    """Return what `--output FILE` prints in place of the report, in `fmt`.
+
+    A few lines and where the whole report is (the report itself can be hundreds of MB: every id
+    of every batch)."""
     if fmt == "json":
         return json.dumps(summary_json(report, path, size), indent=2) + "\n"
     where = f"the whole report (JSON): {path}, {file_size(size)}"

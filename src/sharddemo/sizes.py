@@ -1,5 +1,7 @@
-"""A loader's batch arithmetic in words, the same for `run`'s output on the main rank and for
-the report's renderers (torch-free, importing nothing of sharddemo's: both sides read it)."""
+"""A loader's batch arithmetic in words, for `run`'s output and the report's renderers.
+
+The same for `run`'s output on the main rank and for the report's renderers (torch-free,
+importing nothing of sharddemo's: both sides read it)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ SIZES = ("dataset_size", "batch_size", "global_batch")
 
 
 def own_sizes_line(report: dict, data: dict) -> str:
-    """Where a mode's loader batches otherwise than the header says (the header gives the
-    run's: under --split-batches, accelerate's slice of the batch, which a loader it does not
-    prepare never takes; an audit's second loader), its own per-rank and global batch."""
+    """Return a mode's own per-rank and global batch, where it differs from the header's.
+
+    Where a mode's loader batches otherwise than the header says (the header gives the run's:
+    under --split-batches, accelerate's slice of the batch, which a loader it does not prepare
+    never takes; an audit's second loader)."""
     g = data.get("global_batch")
     if g is None or g == report["global_batch"]:
         return ""

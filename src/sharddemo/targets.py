@@ -1,7 +1,8 @@
-"""The user's factory as the command line names it (`path/to/file.py:make_loader`,
-`package.module:make_trainer`) and the keys file of `audit --keys`: parsed and checked in the
-parent, before any rank starts (torch-free). The ranks import and call the factory
-(sharddemo.rank.audit.load_factory)."""
+"""The user's factory and the keys file of `audit --keys`, parsed and checked in the parent.
+
+The factory as the command line names it (`path/to/file.py:make_loader`,
+`package.module:make_trainer`), checked before any rank starts (torch-free). The ranks import
+and call the factory (sharddemo.rank.audit.load_factory)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def parse_target(target: str, framework: Optional[str] = None) -> tuple[str, str
 
 
 def read_keys(path: str, dataset_size: Optional[int] = None) -> list[str]:
-    """The samples' keys, one per line of `path` (UTF-8; a trailing newline and a carriage
-    return are not part of a key), or one Error line saying what is wrong with the file."""
+    """Return the samples' keys, one per line of `path`, or one Error line.
+
+    UTF-8; a trailing newline and a carriage return are not part of a key. The Error line says
+    what is wrong with the file."""
     try:
         with open(path, encoding="utf-8", newline="") as handle:
             keys = [line.rstrip("\n").rstrip("\r") for line in handle]
@@ -62,8 +65,9 @@ def read_keys(path: str, dataset_size: Optional[int] = None) -> list[str]:
 
 
 def precheck_target(target: str, framework: Optional[str] = None) -> None:
-    """Catch a missing file or module before any rank starts (the import itself runs on the
-    ranks, where the factory is used)."""
+    """Catch a missing file or module before any rank starts.
+
+    The import itself runs on the ranks, where the factory is used."""
     where, _ = parse_target(target, framework)
     f = factory_name(framework)
     if where.endswith(".py") or os.sep in where:

@@ -38,9 +38,11 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
           dataset_size: Optional[int] = None, timeout: float = 60.0,
           max_time: float = 600.0, framework: Optional[str] = None,
           grad_accum: Optional[int] = None) -> dict:
-    """Run the audit on `num_processes` CPU ranks (gloo) and return its report (the JSON
-    `sharddemo audit --format json` prints). It refuses what `sharddemo audit` refuses, with
-    the same one line (sharddemo.errors.UsageError), before any rank starts.
+    """Run the audit on `num_processes` CPU ranks (gloo) and return its report.
+
+    The report is the JSON `sharddemo audit --format json` prints. It refuses what `sharddemo
+    audit` refuses, with the same one line (sharddemo.errors.UsageError), before any rank
+    starts.
 
     Args:
         factory: "pkg.module:make_loader", "path/to/file.py:make_loader", or a module-level
@@ -78,8 +80,9 @@ def audit(factory: Union[str, Callable], *, num_processes: int = 2, epochs: int 
 
 
 def assert_shards(factory: Union[str, Callable], **kwargs) -> dict:
-    """Audit the factory; raise AssertionError listing the failed verdicts, else return the
-    report. Takes audit()'s keyword arguments."""
+    """Audit the factory; raise AssertionError listing failed verdicts, else return the report.
+
+    Takes audit()'s keyword arguments."""
     report = audit(factory, **kwargs)
     failed = [f"{v['verdict']} (epoch {v['epoch']}): {v['detail']}"
               for mode in report["modes"].values() for v in mode.get("verdicts", []) if not v["ok"]]

@@ -1,6 +1,7 @@
-"""One epoch of one loader -> what it means: coverage, duplicates and why, missing and why,
-balance, order, gather_for_metrics, workers. Written once, over an epoch view
-(analysis.views), whether every id or only counts lie behind it."""
+"""One epoch of one loader -> what it means.
+
+Coverage, duplicates and why, missing and why, balance, order, gather_for_metrics, workers. Written
+once, over an epoch view (analysis.views), whether every id or only counts lie behind it."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from sharddemo.record import loader_share
 
 def worker_shares(view: EpochView, configured: int,
                   dispatched: bool = False) -> tuple[list[dict], list[dict]]:
-    """Per rank and worker: batches, samples and the worker's share of its rank; and the
-    workers that made nothing (of the `configured` per rank). With dispatch_batches every
-    batch is made by one of rank 0's workers and sliced to the ranks: idle is rank 0's."""
+    """Return each rank's workers: what each made, and those that made nothing.
+
+    Per rank and worker: batches, samples and the worker's share of its rank; and the workers that
+    made nothing (of the `configured` per rank). With dispatch_batches every batch is made by one of
+    rank 0's workers and sliced to the ranks: idle is rank 0's."""
     made = view.made_by()
     rows, idle = [], []
     if dispatched:
@@ -36,8 +39,10 @@ def worker_shares(view: EpochView, configured: int,
 def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w: int,
                 per_rank_batch: int, n: int) -> tuple[Optional[str], bool, dict[int, list[str]],
                                                      dict[str, str]]:
-    """The duplicates' reason code, whether it explains them all, per-id causes (a stream's,
-    where the view knows them) and the reasons' sentences."""
+    """Return why the epoch's samples repeat, and whether that explains them all.
+
+    The duplicates' reason code, whether it explains them all, per-id causes (a stream's, where the
+    view knows them) and the reasons' sentences."""
     extra = view.cov["seen"] - view.cov["unique"]
     if not extra:
         return None, True, {}, {}
@@ -72,8 +77,9 @@ def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w
 
 def analyse_epoch(mode: str, trace: dict, view: EpochView, previous: Optional[EpochView],
                   loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
-    """The report's epoch object (docs/report.md) for one epoch view; `previous`: the view of
-    the epoch before (order_changed), None for the first."""
+    """Return the report's epoch object (docs/report.md) for one epoch view.
+
+    `previous`: the view of the epoch before (order_changed), None for the first."""
     n, w = trace["dataset_size"], trace["world_size"]
     loader = dict(loader or {})
     # drop_last as the loader's objects say it, or as the run was asked for (older traces).

@@ -32,9 +32,10 @@ def holds_keys(trace: dict) -> bool:
 
 
 def source_keys_of(trace: dict) -> Optional[tuple[list[str], str]]:
-    """The dataset's own keys the main rank read (audit: a datasets.Dataset's column of
-    keys), with where they come from; None where it read none. One audited loader only: a
-    framework's loaders each have their own dataset."""
+    """Return the dataset's own keys the main rank read, with where they come from.
+
+    An audit reads them from a datasets.Dataset's column of keys; None where it read none. One
+    audited loader only: a framework's loaders each have their own dataset."""
     modes = list(trace.get("modes", {}).values())
     if len(modes) == 1 and modes[0].get("keys_known") is not None:
         return modes[0]["keys_known"], modes[0].get("keys_from", "the dataset")
@@ -42,9 +43,10 @@ def source_keys_of(trace: dict) -> Optional[tuple[list[str], str]]:
 
 
 def _number_counted(trace: dict, records: list[dict], known: Optional[list[str]]) -> dict:
-    """Counted records (the count path over keys: rank.keys.KeyIndex): their ids are already
-    the keys' positions in the known set; only the keys outside it and the collisions need
-    names."""
+    """Name the ids of counted records (the count path over keys: rank.keys.KeyIndex).
+
+    Their ids are already the keys' positions in the known set; only the keys outside it and the
+    collisions need names."""
     n = records[0]["key_slots"]["n"]
     if known is None or len(known) != n:
         raise ValueError("the count path numbered keys by a set the parent does not hold")
@@ -69,11 +71,12 @@ def _number_counted(trace: dict, records: list[dict], known: Optional[list[str]]
 
 def number_keys(trace: dict, known: Optional[list[str]] = None,
                 size: Optional[int] = None) -> Optional[dict]:
-    """Renumber, in place, every key of the trace's records 0..N-1 and set N; return the
-    names ({"names": key of each id, "known": whether the set of keys was known, "seen": how
-    many distinct keys the loader delivered}), or None where no record holds keys. `size`:
-    the dataset's size where given (--dataset-size), else the dataset's own length the ranks
-    read (the trace's)."""
+    """Renumber every key of the trace's records 0..N-1, in place, and set N.
+
+    Returns the names ({"names": key of each id, "known": whether the set of keys was known, "seen":
+    how many distinct keys the loader delivered}), or None where no record holds keys. `size`: the
+    dataset's size where given (--dataset-size), else the dataset's own length the ranks read (the
+    trace's)."""
     counted = [r for r in records_of(trace) if r.get("key_slots")]
     if counted:
         return _number_counted(trace, counted, known)
@@ -112,10 +115,11 @@ def number_keys(trace: dict, known: Optional[list[str]] = None,
 
 
 def name_epoch(epoch: dict, names: list[str], outside: Optional[dict] = None) -> dict:
-    """Every sample id in an analysed epoch replaced by the sample's key (in place), before
-    the verdicts and the conclusion read it. Missing ids without a key (the set of keys not
-    known) are left out of the `missing` list; missing_count still counts them. `outside`:
-    the keys of ids outside the set, where the count path gave them ids of their own."""
+    """Replace every sample id in an analysed epoch by the sample's key, in place.
+
+    Done before the verdicts and the conclusion read it. Missing ids without a key (the set of keys
+    not known) are left out of the `missing` list; missing_count still counts them. `outside`: the
+    keys of ids outside the set, where the count path gave them ids of their own."""
     outside = outside or {}
 
     def name(i):
@@ -136,7 +140,7 @@ def name_epoch(epoch: dict, names: list[str], outside: Optional[dict] = None) ->
 
 
 def name_windows(accum: dict, names: list[str]) -> dict:
-    """The gradient-accumulation windows' ids (analysis.windows) replaced by keys."""
+    """The gradient-accumulation windows' ids (analysis.accumulation) replaced by keys."""
     for window in accum.get("windows", []) or []:
         window["ranks"] = [[names[i] if 0 <= i < len(names) else i for i in ids]
                            for ids in window["ranks"]]

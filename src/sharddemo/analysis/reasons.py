@@ -1,5 +1,7 @@
-"""Why samples repeat or go missing: the reason codes, their words, and the functions that
-find a reason in an epoch view (analysis.views) and the loader's description (rank.describe.describe_loader).
+"""Why samples repeat or go missing: the reason codes, their words, and their finders.
+
+The functions here find a reason in an epoch view (analysis.views) and the loader's description
+(rank.describe.describe_loader).
 
 A reason is named only where the mechanism that causes it is really in the loader (a
 DistributedSampler pads, accelerate's BatchSamplerShard fills, IterableDatasetShard loops
@@ -76,8 +78,9 @@ def missing_ok(e: dict) -> bool:
 
 
 def draws_repeat(loader: dict, n: int) -> bool:
-    """The sampler itself deals some ids more than once: with replacement, or more draws
-    than ids to draw from."""
+    """Say whether the sampler itself deals some ids more than once.
+
+    It does with replacement, or with more draws than ids to draw from."""
     draws = loader.get("draws")
     return bool(draws) and (draws["replacement"]
                             or (draws["count"] or 0) > (loader.get("domain") or n))
@@ -85,8 +88,9 @@ def draws_repeat(loader: dict, n: int) -> bool:
 
 def by_design_sentence(code: str, loader: dict, n: int, missing: int,
                        explained: bool = True) -> str:
-    """The sentence for the subset and sampler-draws reasons, with this loader's numbers;
-    where they do not account for every missing sample (`explained` False), it says so."""
+    """Return the sentence for the subset and sampler-draws reasons, with this loader's numbers.
+
+    Where they do not account for every missing sample (`explained` False), it says so."""
     draws, domain = loader.get("draws"), loader.get("domain")
     share = loader_share(loader, n)
     if code == "subset":
@@ -115,9 +119,11 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
 
 
 def not_its_data(e: dict, loader: Optional[dict], n: int) -> int:
-    """How many of an epoch's missing samples the loader could never deal, where something
-    else lost the rest (a double split, or no known reason): the part of the n a Subset leaves
-    out. 0 where the loader deals all n, or the missing are explained by its part."""
+    """Count the epoch's missing samples that the loader could never deal.
+
+    Counted where something else lost the rest (a double split, or no known reason): the part of
+    the n a Subset leaves out. 0 where the loader deals all n, or the missing are explained by
+    its part."""
     if not loader or e["missing_reason"] not in ("double-split", "subset") or (
             e["missing_reason"] == "subset" and e["missing_explained"]):
         return 0
@@ -127,8 +133,10 @@ def not_its_data(e: dict, loader: Optional[dict], n: int) -> int:
 
 def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
                     explained: bool = True) -> str:
-    """The sentence for a reason code: REASON_SENTENCE, with this loader's numbers where the
-    reason has them (drop_last's `missing`, a subset's or a draw's sizes)."""
+    """Return the sentence for a reason code, with this loader's numbers.
+
+    REASON_SENTENCE, with the numbers where the reason has them (drop_last's `missing`, a
+    subset's or a draw's sizes)."""
     if code == "short-rounds":
         return ("short rounds: accelerate's BatchSamplerShard deals a round of batches only "
                 f"when the round's last batch holds batch_size ({loader['shard_batch_size']}) "
@@ -160,9 +168,11 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
 
 
 def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
-    """Ray Data's equal split (Dataset.streaming_split(W, equal=True), as Ray Train's
-    DataConfig splits each dataset): every worker gets the same number of rows, and up to W - 1
-    rows of the epoch reach no worker (ray issue 63285)."""
+    """Return the sentence for Ray Data's equal split.
+
+    Dataset.streaming_split(W, equal=True), as Ray Train's DataConfig splits each dataset: every
+    worker gets the same number of rows, and up to W - 1 rows of the epoch reach no worker (ray
+    issue 63285)."""
     ray = loader["ray_data"]
     world = ray["world_size"]
     text = (f"ray's streaming_split(equal=True) drops up to world_size - 1 rows so that every "
@@ -175,9 +185,11 @@ def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
 
 
 def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
-    """How many rows Ray's equal split may leave out of an epoch (W - 1), and with
-    iter_torch_batches(drop_last=True) each worker's short last batch too (W x (B - 1) more,
-    B = global_size / W); None where the batches are not an equal split of Ray Data's."""
+    """Return how many rows Ray's equal split may leave out of an epoch.
+
+    W - 1, and with iter_torch_batches(drop_last=True) each worker's short last batch too (W x
+    (B - 1) more, B = global_size / W); None where the batches are not an equal split of Ray
+    Data's."""
     ray = loader.get("ray_data") or {}
     if ray.get("split") != "equal" or not ray.get("world_size"):
         return None
@@ -187,9 +199,10 @@ def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
 
 
 def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
-    """The reason code of the padding the loader's own objects can do, and the order it deals
-    from: 'sample' (a DistributedSampler interleaves single ids) or 'batch' (accelerate deals
-    whole batches round-robin). (None, '') when nothing in the loader pads."""
+    """Return the reason code of the padding the loader can do, and the order it deals from.
+
+    The order: 'sample' (a DistributedSampler interleaves single ids) or 'batch' (accelerate
+    deals whole batches round-robin). (None, '') when nothing in the loader pads."""
     if loader.get("batch_sampler_shard") or loader.get("dispatcher"):
         if loader.get("even_batches") is not False:
             return "even-batches-fill", "batch"
@@ -202,11 +215,13 @@ def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
 
 
 def loader_pads(loader: Optional[dict]) -> bool:
-    """Whether the loader's own objects add repeats to an epoch: a DistributedSampler whose
-    order is padded (its own total_size past N: N not a multiple of its num_replicas),
-    accelerate's fill, IterableDatasetShard's loop-around. False for a loader with none of
-    these (a plain DataLoader each rank reads whole, Ray Data's batches) and for a
-    DistributedSampler that pads nothing; True where unknown (no description)."""
+    """Say whether the loader's own objects add repeats to an epoch.
+
+    They do in a DistributedSampler whose order is padded (its own total_size past N: N not a
+    multiple of its num_replicas), accelerate's fill, IterableDatasetShard's loop-around. False
+    for a loader with none of these (a plain DataLoader each rank reads whole, Ray Data's
+    batches) and for a DistributedSampler that pads nothing; True where unknown (no
+    description)."""
     if loader is None:
         return True
     code, _ = padding_mechanism(loader)
@@ -231,7 +246,9 @@ def is_double_split(loader: dict) -> bool:
 
 
 def dispatched_from_other_workers(loader: dict, worker_sets: list[set]) -> bool:
-    """With dispatch_batches rank 0's loader makes every batch and each rank gets a slice. Where
+    """Say whether each rank's dispatched slices came from workers of its own.
+
+    With dispatch_batches rank 0's loader makes every batch and each rank gets a slice. Where
     each rank's slices came from its own DataLoader workers (none shared between ranks), an id
     that reached several ranks was yielded by several workers: worker replication."""
     if not loader.get("dispatcher") or any(not ws or min(ws) < 0 for ws in worker_sets):
@@ -241,9 +258,10 @@ def dispatched_from_other_workers(loader: dict, worker_sets: list[set]) -> bool:
 
 def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str,
                        world: int, batch: int, n: int) -> tuple[str, bool]:
-    """Why samples appear more than once in this epoch, found in the records: which ids
-    repeat and where. Returns a reason code and whether it accounts for every repeat
-    (False: a broken promise)."""
+    """Find why samples appear more than once in this epoch, from the records.
+
+    The records say which ids repeat and where. Returns a reason code and whether it accounts
+    for every repeat (False: a broken promise)."""
     if is_double_split(loader):
         return "double-split", True
     if hint:
@@ -280,16 +298,17 @@ def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind:
 def explain_missing(missing: int, loader: dict, hint: Optional[str],
                     global_size: int, dup_code: Optional[str] = None, n: Optional[int] = None,
                     unique: Optional[int] = None) -> tuple[Optional[str], bool]:
-    """Why samples were never seen: a code (None: no reason, a broken promise) and whether
-    that reason accounts for all of them. drop_last can drop less than one global batch:
-    an incomplete last batch on each rank, or an incomplete last round of batches, or the
-    DistributedSampler's cut to a multiple of W (all three together stay under W x B).
-    A loader that deals only part of the n ids (a Subset, a SubsetRandomSampler, a draw of
-    fewer, loader_share) accounts for them when the ranks received that many distinct ids
-    (it can deal no others), less what drop_last drops; one that draws with replacement
-    accounts for any. Where none of these accounts for them all and accelerate shards a
-    batch sampler of the user's that has a batch_size, the rounds it drops are named
-    (`short-rounds`: a loss, not a design)."""
+    """Find why samples were never seen, and whether that reason accounts for all of them.
+
+    Returns a code (None: no reason, a broken promise) and whether it accounts for all of them.
+    drop_last can drop less than one global batch: an incomplete last batch on each rank, or an
+    incomplete last round of batches, or the DistributedSampler's cut to a multiple of W (all
+    three together stay under W x B). A loader that deals only part of the n ids (a Subset, a
+    SubsetRandomSampler, a draw of fewer, loader_share) accounts for them when the ranks
+    received that many distinct ids (it can deal no others), less what drop_last drops; one that
+    draws with replacement accounts for any. Where none of these accounts for them all and
+    accelerate shards a batch sampler of the user's that has a batch_size, the rounds it drops
+    are named (`short-rounds`: a loss, not a design)."""
     if is_double_split(loader):
         return "double-split", True
     if hint:

@@ -1,6 +1,7 @@
-"""Trace (what the ranks did) -> report (what it means): every mode's epochs analysed
-(analysis.epoch), its verdicts and conclusion (analysis.verdicts), the ranks' placement.
-Plain data in, plain data out, no torch: tested without processes."""
+"""Turn a trace (what the ranks did) into a report (what it means).
+
+Every mode's epochs analysed (analysis.epoch), its verdicts and conclusion (analysis.verdicts), the
+ranks' placement. Plain data in, plain data out, no torch: tested without processes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sharddemo.analysis.modes import global_batch, is_audit_mode, mode_kind
 from sharddemo.analysis.verdicts import (audit_verdicts, broken_promises, conclude,
                                          raised_promise, raised_sentence, raised_verdict)
 from sharddemo.analysis.views import epoch_view
-from sharddemo.analysis.windows import accumulation_windows, window_counts
+from sharddemo.analysis.accumulation import accumulation_windows, window_counts
 
 REPORT_SCHEMA = "sharddemo.report/1"
 
@@ -145,12 +146,13 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
 
 
 def raised_mode(mode: str, data: dict, sized: dict) -> dict:
-    """A mode whose loader raised before any epoch completed: no epochs; the conclusion quotes
-    the error. Where the mode raises by design (trace.probe_loader: WebDataset's default
-    nodesplitter refuses more than one rank, the refusal that mode exists to show) it breaks
-    no promise; a loader that raised inside a library where it should have walked (walk.settle,
-    on every rank) breaks its mode's promise (--check fails, naming it) and, audited, fails
-    the verdict loader-runs-every-epoch."""
+    """Return the report of a mode whose loader raised before any epoch completed.
+
+    It has no epochs; the conclusion quotes the error. Where the mode raises by design
+    (trace.probe_loader: WebDataset's default nodesplitter refuses more than one rank, the refusal
+    that mode exists to show) it breaks no promise; a loader that raised inside a library where it
+    should have walked (walk.settle, on every rank) breaks its mode's promise (--check fails, naming
+    it) and, audited, fails the verdict loader-runs-every-epoch."""
     raised = data["raised"]
     # (a trace written before the walk could raise: its entries have no epoch, all by design)
     by_design = bool(data.get("raises_by_design")) or "epoch" not in raised[0]

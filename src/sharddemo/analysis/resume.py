@@ -1,6 +1,8 @@
-"""The resume audit's comparison: the stopped, the resumed and the uninterrupted run's
-records in, the report's `resume` object out (which ids the resume repeated and skipped, per
-epoch, whether each rank's order is the uninterrupted one, and the verdict). Pure Python."""
+"""The resume audit's comparison: what the resume repeated and skipped, and the verdict.
+
+The stopped, the resumed and the uninterrupted run's records in, the report's `resume` object
+out (which ids the resume repeated and skipped, per epoch, whether each rank's order is the
+uninterrupted one, and the verdict). Pure Python."""
 
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ def _ids(ranks: list[list[list[int]]]) -> Counter:
 
 
 def _global_order(ranks: list[list[list[int]]]) -> list[int]:
-    """The epoch's ids in the order its batches were dealt: the j-th batch of every rank in
-    rank order, then the (j+1)-th (accelerate deals global batch j*W + r to rank r). Used only
-    to say at which restart a sample the chain never received was lost."""
+    """Return the epoch's ids in the order its batches were dealt.
+
+    The j-th batch of every rank in rank order, then the (j+1)-th (accelerate deals global batch
+    j*W + r to rank r). Used only to say at which restart a sample the chain never received was
+    lost."""
     out: list[int] = []
     for j in range(max((len(b) for b in ranks), default=0)):
         for batches in ranks:
@@ -42,8 +46,10 @@ def _global_order(ranks: list[list[list[int]]]) -> list[int]:
 
 
 def resume_point(stop: dict) -> tuple[int, int]:
-    """Where the next launch goes on from a launch's resolved stop: after an epoch's last step,
-    the next epoch's step 0 (as accelerate's examples resume); else the stop itself."""
+    """Return where the next launch goes on from a launch's resolved stop.
+
+    After an epoch's last step, the next epoch's step 0 (as accelerate's examples resume); else
+    the stop itself."""
     return (stop["epoch"] + 1, 0) if stop["last"] else (stop["epoch"], stop["step"])
 
 
@@ -129,8 +135,10 @@ def compare_chain(plan: ResumePlan, references: dict, base_world: int,
 def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: list[dict],
               refs: dict, base_world: int, deterministic: bool,
               lost_by_epoch: dict[int, Counter]) -> list:
-    """Each restart of the chain: where launch i saved and launch i+1 went on (compare_chain).
-    `lost_by_epoch`: the ids each epoch never received, its fill taken out."""
+    """Return each restart of the chain: where launch i saved and launch i+1 went on.
+
+    Used by compare_chain. `lost_by_epoch`: the ids each epoch never received, its fill taken
+    out."""
     out = []
     starts: dict[int, list] = {}  # epoch -> [(restart, first position launch i+1 received)]
     positions: dict[int, dict] = {}
@@ -236,8 +244,10 @@ def _restart_reason(strategy: str, stop: dict, epoch: int, step: int, w0: int, w
 
 
 def compare_resume(plan: ResumePlan, reference: dict, stop: dict, resumed: dict) -> dict:
-    """One stop and one restart, from records in walk order (the resume demo's shape): `stop`
-    holds epochs 0..EPOCH, `resumed` EPOCH and EPOCH+1, `reference` epochs 0.. (compare_chain)."""
+    """Compare one stop and one restart, from records in walk order (the resume demo's shape).
+
+    `stop` holds epochs 0..EPOCH, `resumed` EPOCH and EPOCH+1, `reference` epochs 0..
+    (compare_chain)."""
     at = plan.stops[0]
 
     def numbered(records: list, first: int) -> list:
@@ -307,8 +317,9 @@ def explain(resume: dict) -> str:
 
 
 def demo_report(reference: dict, stop: dict, resumed: dict, stateful: bool = True) -> list[dict]:
-    """Every scenario's `resume` object, with its workers (`stateful`: as the ranks ran them,
-    options.demo_scenarios)."""
+    """Return every scenario's `resume` object, with its workers.
+
+    `stateful`: the workers as the ranks ran them (options.demo_scenarios)."""
     rows = []
     for k, sc in enumerate(demo_scenarios(stop["steps"], stateful)):
         plan = ResumePlan.at(sc["epoch"], sc["step"], sc["strategy"])

@@ -1,24 +1,30 @@
-"""The verdicts of an epoch's analysis: what `--check` fails on (broken_promises), the audit's
-named verdicts, and the one-sentence conclusion in plain words."""
+"""The verdicts of an epoch's analysis, and its conclusion in plain words.
+
+What `--check` fails on (broken_promises), the audit's named verdicts, and the one-sentence
+conclusion in plain words."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+from sharddemo.analysis.idtext import ids_text
 from sharddemo.analysis.modes import REPLICATED, SHARDED, expect, global_batch, mode_kind
 from sharddemo.analysis.reasons import REASON_LABEL, loader_pads, missing_ok, not_its_data
 
 def replicated_ok(e: dict) -> bool:
-    """Every rank saw every sample the loader kept (drop_last may keep fewer than N, the same
-    ones on every rank)."""
+    """Say whether every rank saw every sample the loader kept.
+
+    drop_last may keep fewer than N, the same ones on every rank."""
     samples = [r["samples"] for r in e["ranks"]]
     # drop_last can keep nothing at all (N < B): then every rank saw all of nothing.
     return missing_ok(e) and e["same_ids_on_every_rank"] and (samples[0] > 0 or not any(samples))
 
 
 def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
-    """What `--check` fails on: a sharded mode with missing samples or unequal step counts,
-    a replicated one whose ranks did not each see everything."""
+    """List what `--check` fails on.
+
+    A sharded mode with missing samples or unequal step counts, a replicated one whose ranks did
+    not each see everything."""
     kind = mode_kind(mode, trace)
     problems = []
     for e in epochs:
@@ -26,7 +32,7 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
         if kind == SHARDED:
             if not missing_ok(e):
                 problems.append(f"{tag}: {e['missing_count']} sample(s) never seen: "
-                                f"{_short(e['missing'], total=e['missing_count'])}")
+                                f"{_missing(e)}")
             copies = sorted({d["reason"] for d in e["duplicates"]} & {
                 "replication", "stream-replication"})
             if not e["duplicates_explained"] and copies:
@@ -47,22 +53,9 @@ def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
             problems.append(f"{tag}: the DataLoader workers each yielded the whole stream "
                             f"(worker replication): samples arrived {_most_copies(e)}")
         if e["out_of_range"]:
-            problems.append(f"{tag}: ids outside the dataset: {_short(e['out_of_range'])}")
+            outside = ids_text(e["out_of_range"], brackets=True)
+            problems.append(f"{tag}: ids outside the dataset: {outside}")
     return problems
-
-
-VERDICTS = {
-    "no-missing-samples": "every sample is seen each epoch (drop_last may drop less than a round)",
-    "no-unexplained-duplicates": "samples repeat no more than the loader's own padding explains",
-    "equal-step-counts": "every rank takes the same number of steps (else DDP hangs)",
-    "order-changes-each-epoch": "a shuffled loader gives a new order each epoch (set_epoch)",
-    "no-silent-replication": "ranks do not all receive the same, whole dataset",
-    "every-rank-sees-everything": "each rank receives the whole dataset (--expect replicated)",
-    "eval-counts-each-sample-once": "an eval loader's metrics count each sample exactly once "
-                                    "(gather_for_metrics where accelerate prepared it)",
-    "loader-runs-every-epoch": "the loader does not raise inside a library (listed only where "
-                               "it did, on every rank: the epoch it raised in)",
-}
 
 
 def _raised_where(raised: list[dict]) -> str:
@@ -90,8 +83,10 @@ def _library(raised: list[dict]) -> str:
 
 
 def raised_sentence(raised: list[dict], world: int) -> str:
-    """A loader that raised inside a library on every rank (rank.walk.settle), in one
-    sentence: where, and the error with its cause (or the library frame it came from)."""
+    """Say in one sentence where a loader raised inside a library on every rank, and why.
+
+    Raised on every rank (rank.walk.settle): where, and the error with its cause (or the library
+    frame it came from)."""
     ranks = "every rank" if len(raised) == world else f"{len(raised)} of {world} ranks"
     return (f"The loader raised {_library(raised)} on {ranks} {_raised_where(raised)}, where "
             f"the walk stopped: {_raised_error(raised)}.")
@@ -111,9 +106,10 @@ def raised_verdict(raised: list[dict]) -> dict:
 
 
 def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
-    """Do an eval loader's metrics count each of the N samples once? A prepared loader's
-    metrics go through gather_for_metrics, which drops accelerate's fill; any other loader's
-    metrics are averaged over exactly what the ranks received."""
+    """Say whether an eval loader's metrics count each of the N samples once.
+
+    A prepared loader's metrics go through gather_for_metrics, which drops accelerate's fill;
+    any other loader's metrics are averaged over exactly what the ranks received."""
     extra = e["seen"] - e["unique"]
     if prepared and e.get("gather_for_metrics_exact") is not None:
         if e["gather_for_metrics_exact"]:
@@ -121,7 +117,7 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
         if e["missing_count"]:
             why = " (drop_last)" if e["missing_reason"] == "drop-last" else ""
             return False, (f"{e['missing_count']} of {n} eval samples are never evaluated{why}: "
-                           f"{_short(e['missing'], total=e['missing_count'])}")
+                           f"{_missing(e)}")
         return False, f"gather_for_metrics returns {e['gathered_for_metrics_count']} ids, not {n}"
     # an eval loader over a Subset (random_split's validation part) evaluates its own data
     lost = e["missing_count"] and not (e["missing_reason"] == "subset"
@@ -145,10 +141,12 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
 def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
                    prepared: bool = False, loader: Optional[dict] = None,
                    set_epoch_called: bool = False) -> list[dict]:
-    """The audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}]. An eval loader
-    (role "eval") also gets eval-counts-each-sample-once. `loader`: its description
-    (rank.describe.describe_loader), whose `shuffled` says whether a new order is due each epoch.
-    `set_epoch_called`: the walk called set_epoch before each epoch, as the loop does."""
+    """Return the audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}].
+
+    An eval loader (role "eval") also gets eval-counts-each-sample-once. `loader`: its
+    description (rank.describe.describe_loader), whose `shuffled` says whether a new order is
+    due each epoch. `set_epoch_called`: the walk called set_epoch before each epoch, as the loop
+    does."""
     w = trace["world_size"]
     promised = expect(trace)
     out = []
@@ -165,7 +163,7 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
                 f"samples it deals never seen (and {outside} not its data)" if outside
                 else f"{e['missing_count']} never seen")
         add("no-missing-samples", k, ok, "" if ok else
-            f"{lost}: {_short(e['missing'], total=e['missing_count'])}")
+            f"{lost}: {_missing(e)}")
         if promised == "sharded":
             ok = e["duplicates_explained"]
             extra = e["seen"] - e["unique"]
@@ -212,9 +210,11 @@ def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
 
 
 def copies_across_ranks(e: dict) -> set:
-    """The reasons an epoch gives for samples that reached several ranks (replication, a
-    stream every rank read): its duplicates' reasons and per-id causes, and the epoch's own
-    reasons (the count path keeps no per-id causes: a stream's codes are the epoch's)."""
+    """Return the reasons an epoch gives for samples that reached several ranks.
+
+    Replication, a stream every rank read: its duplicates' reasons and per-id causes, and the
+    epoch's own reasons (the count path keeps no per-id causes: a stream's codes are the
+    epoch's)."""
     said = set(e.get("reasons") or {})
     for d in e["duplicates"]:
         said |= {d["reason"], *d.get("causes", [])}
@@ -222,14 +222,18 @@ def copies_across_ranks(e: dict) -> set:
 
 
 def _most_copies(e: dict) -> str:
-    """"up to K times", K the most copies of one sample in the epoch; "at least" where the
-    count path could only bound it (a rank repeated more ids than it lists)."""
+    """Return "up to K times", K the most copies of one sample in the epoch.
+
+    "at least" where the count path could only bound it (a rank repeated more ids than it
+    lists)."""
     return f"up to {'' if e['most_copies_exact'] else 'at least '}{e['most_copies']} times"
 
 
 def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] = None) -> str:
-    """One sentence in plain words, with the arithmetic stated. `loader`: its description
-    (rank.describe.describe_loader), where it deals only part of the data."""
+    """Return one sentence in plain words, with the arithmetic stated.
+
+    `loader`: its description (rank.describe.describe_loader), where it deals only part of the
+    data."""
     n, w = trace["dataset_size"], trace["world_size"]
     g = global_batch(trace)
     b = g // max(w, 1)
@@ -314,7 +318,8 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
                  f"loop would hang at step {first['hang_at_step']} (DDP's all-reduce waits for "
                  "the ranks that have run out)")
     elif first["ragged_steps"]:
-        ragged = _short(first["ragged_steps"], 5, total=first.get("ragged_step_count"))
+        ragged = ids_text(first["ragged_steps"], 5, total=first.get("ragged_step_count"),
+                          brackets=True)
         text += (f"; the ranks' batches differ in size at step(s) {ragged}: "
                  "a plain accelerator.gather of them fails (pad_across_processes, or "
                  "gather_for_metrics(use_gather_object=True))")
@@ -325,11 +330,9 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
     return text + "."
 
 
-def _short(ids: list[int], limit: int = 12, total: Optional[int] = None) -> str:
-    """The first `limit` ids, and `...` when there are more (`total`: how many there are, for
-    a list kept short already)."""
-    if not ids and total:
-        return "[not named: the samples' keys are not known]"  # (analysis.keys)
-    shown = ", ".join(str(i) for i in ids[:limit])
-    more = (total if total is not None else len(ids)) > limit
-    return f"[{shown}{', ...' if more else ''}]"
+def _missing(e: dict) -> str:
+    """Return an epoch's missing ids as a short list, or say they are not named."""
+    # (no ids listed but some missing: the samples' keys are not known, analysis.keys)
+    return ids_text(e["missing"], total=e["missing_count"], brackets=True,
+                    empty="[not named: the samples' keys are not known]"
+                    if e["missing_count"] else None)

@@ -37,19 +37,23 @@ def flat(batches: list[list[int]]) -> list[int]:
 
 
 def dealt(ranks: list[list[list[int]]], order: str) -> list[int]:
-    """The order the loader dealt: 'batch' (whole batches round-robin, accelerate) or 'sample'
-    (single ids round-robin, a DistributedSampler)."""
+    """Return the order the loader dealt: 'batch' or 'sample'.
+
+    'batch': whole batches round-robin (accelerate); 'sample': single ids round-robin (a
+    DistributedSampler)."""
     return interleave_steps(ranks) if order == "batch" else interleave_samples(
         [flat(b) for b in ranks])
 
 
 def tail_repeats_head(order: list[int]) -> Optional[int]:
-    """If `order` is a run of distinct ids followed by that run dealt again from its start
-    (tiled when short), the number of ids dealt again; else None.
+    """Return how many ids at the end of `order` deal its start again, else None.
 
-    [3, 1, 4, 0, 2, 3, 1] -> 2 (the last two repeat the first two); [3, 1, 3, 1] -> 2;
-    [0, 1, 1, 0] -> None. This is what padding by "repeat the start of the epoch" leaves,
-    whether a DistributedSampler, accelerate's even_batches or IterableDatasetShard did it.
+    That is, where `order` is a run of distinct ids followed by that run dealt again from its
+    start (tiled when short).
+
+    [3, 1, 4, 0, 2, 3, 1] -> 2 (the last two repeat the first two); [3, 1, 3, 1] -> 2; [0, 1, 1,
+    0] -> None. This is what padding by "repeat the start of the epoch" leaves, whether a
+    DistributedSampler, accelerate's even_batches or IterableDatasetShard did it.
     """
     arr = np.asarray(order, dtype=np.int64)
     unique = len(np.unique(arr))
@@ -63,9 +67,11 @@ def tail_repeats_head(order: list[int]) -> Optional[int]:
 
 
 def worker_orders(ranks: list[list[list[int]]], workers: list[list[int]]) -> list[list[int]]:
-    """For each DataLoader worker, the order its batches were dealt in: step by step, rank
-    0's batch from that worker, then rank 1's ... (`workers[r][k]`: who made rank r's k-th
-    batch). What IterableDatasetShard in each worker dealt, one global batch at a time."""
+    """Return, for each DataLoader worker, the order its batches were dealt in.
+
+    Step by step, rank 0's batch from that worker, then rank 1's ... (`workers[r][k]`: who made
+    rank r's k-th batch). What IterableDatasetShard in each worker dealt, one global batch at a
+    time."""
     made = sorted({k for made_by in workers for k in made_by})
     return [interleave_steps([[b for b, k in zip(batches, made_by) if k == worker]
                               for batches, made_by in zip(ranks, workers)])
@@ -73,10 +79,12 @@ def worker_orders(ranks: list[list[list[int]]], workers: list[list[int]]) -> lis
 
 
 def fill_per_worker(orders: list[list[int]], limit: int) -> Optional[int]:
-    """IterableDatasetShard inside DataLoader workers: each worker iterates its own copy over
-    its share of the stream and fills its own last global batch from the start of that share.
-    The ids dealt again in all, where every worker's order (worker_orders) is distinct ids
-    and then fewer than `limit` (one global batch) dealt again from its start; else None."""
+    """Return how many ids the workers' own fills dealt again, else None.
+
+    IterableDatasetShard inside DataLoader workers: each worker iterates its own copy over its
+    share of the stream and fills its own last global batch from the start of that share. The
+    ids dealt again in all, where every worker's order (worker_orders) is distinct ids and then
+    fewer than `limit` (one global batch) dealt again from its start; else None."""
     total = 0
     for order in orders:
         again = tail_repeats_head(order)
@@ -87,9 +95,10 @@ def fill_per_worker(orders: list[list[int]], limit: int) -> Optional[int]:
 
 
 def coverage(flat_ids: list[list[int]], n: int) -> dict:
-    """Unique, missing, out-of-range and duplicated ids over all ranks' ids.
+    """Count the unique, missing, out-of-range and duplicated ids over all ranks' ids.
 
-    Counted with numpy's bincount: a dict of 10 million counts, sorted, took over 20 s.
+    Counted with numpy's bincount: a dict of counts, sorted, is many times slower at millions
+    of ids (docs/benchmarks.md, "Figures behind design choices").
     """
     ids = np.fromiter((i for ids in flat_ids for i in ids), dtype=np.int64,
                       count=sum(len(x) for x in flat_ids))
@@ -111,17 +120,20 @@ def coverage(flat_ids: list[list[int]], n: int) -> dict:
 
 
 def exactly_once(ids: list[int], n: int, share: Optional[int] = None) -> bool:
-    """Every id of the dataset exactly once; or, for a loader that deals `share` of its n ids
-    (loader_share), that many distinct ids (it can deal no others)."""
+    """Say whether the epoch dealt every id of the dataset exactly once.
+
+    Or, for a loader that deals `share` of its n ids (loader_share), that many distinct ids (it
+    can deal no others)."""
     if share is not None and share < n:
         return len(ids) == share == len(set(ids)) and all(0 <= i < n for i in ids)
     return len(ids) == n and sorted(ids) == list(range(n))
 
 
 class EpochView:
-    """What both views answer. `cov`: seen, unique, missing (a list, capped on the count path),
-    missing_count, out_of_range, duplicates [(id, copies)], duplicate_count, most_copies,
-    most_copies_exact."""
+    """What both epoch views answer.
+
+    `cov`: seen, unique, missing (a list, capped on the count path), missing_count,
+    out_of_range, duplicates [(id, copies)], duplicate_count, most_copies, most_copies_exact."""
 
     gather: str
     epoch: int
@@ -175,8 +187,10 @@ class IdsEpoch(EpochView):
         return fill_per_worker(worker_orders(self.ranks, self.workers), limit)
 
     def replicated(self) -> bool:
-        """Every rank walked the same samples, each once, or the very same sequence (a sampler
-        that repeats ids, the same on every rank): the loader is not sharded."""
+        """Say whether the loader is not sharded: every rank walked the same samples.
+
+        Each once, or the very same sequence (a sampler that repeats ids, the same on every
+        rank)."""
         ids = self.flat
         if len(ids) < 2 or not ids[0]:
             return False
@@ -186,8 +200,10 @@ class IdsEpoch(EpochView):
         return len(set(first)) == len(first) and all(sorted(x) == first for x in ids[1:])
 
     def ranks_disagree(self, n: int) -> bool:
-        """Every rank's ids are distinct, but some id is on several ranks while others are on
-        none: the overlap and the holes of slices cut from different orders."""
+        """Say whether the ranks' ids overlap and leave holes: slices cut from different orders.
+
+        Every rank's ids are distinct, but some id is on several ranks while others are on none.
+        """
         ids = self.flat
         if len(ids) < 2 or any(len(set(x)) != len(x) for x in ids):
             return False
@@ -195,12 +211,13 @@ class IdsEpoch(EpochView):
         return sum(len(x) for x in ids) != len(union) and len(union) < n
 
     def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
-        """Each duplicated id -> `worker-replication` when some rank received it from several of
-        its DataLoader workers, and `stream-replication` where several ranks read it (but
-        `shard-fill` where no more than `fill` ids reached several ranks: IterableDatasetShard
-        fills each worker's last global batch from its start, the only ids a sharded stream
-        gives more than one rank). Found in the records: which rank and which worker delivered
-        each copy."""
+        """Return the cause of each duplicated id, found in the records.
+
+        `worker-replication` when some rank received it from several of its DataLoader workers,
+        and `stream-replication` where several ranks read it (but `shard-fill` where no more
+        than `fill` ids reached several ranks: IterableDatasetShard fills each worker's last
+        global batch from its start, the only ids a sharded stream gives more than one rank).
+        The records say which rank and which worker delivered each copy."""
         dups = [i for i, _ in self.cov["duplicates"]]
         wanted = set(dups)
         where: dict[int, set] = {}
@@ -232,11 +249,13 @@ class IdsEpoch(EpochView):
         return steps[:LIST_CAP], len(steps)
 
     def for_metrics(self, n: int, share: int):
-        """What accelerator.gather_for_metrics returned over the epoch: recorded as it came
-        when walked per batch; for an epoch gathered at once, every batch whole except the last
-        step, which keeps its first `remainder` ids (accelerate's gradient_state.remainder, read
-        on the ranks) when that is positive. (None, None, None) where no training loop could
-        reach the last step (unequal step counts). -> (the ids where listed, count, exact)."""
+        """Return what accelerator.gather_for_metrics returned over the epoch.
+
+        Recorded as it came when walked per batch; for an epoch gathered at once, every batch
+        whole except the last step, which keeps its first `remainder` ids (accelerate's
+        gradient_state.remainder, read on the ranks) when that is positive. (None, None, None)
+        where no training loop could reach the last step (unequal step counts). -> (the ids
+        where listed, count, exact)."""
         record = self.record
         if self.gather == "batch" or record.get("gathered_for_metrics") is not None:
             metrics = record.get("gathered_for_metrics")
@@ -280,10 +299,12 @@ class IdsEpoch(EpochView):
 
 
 def in_order(batches: list) -> bool:
-    """A rank's ids in order: they never decrease, but for one fall back inside its last batch:
-    the fill or padding that wraps an unshuffled walk back to its first ids there
-    (accelerate's even_batches fill, IterableDatasetShard's, a DistributedSampler's padding)
-    and nowhere else. The count path's rank answers the same (rank.counting.Running)."""
+    """Say whether a rank's ids are in order.
+
+    They never decrease, but for one fall back inside its last batch: the fill or padding that
+    wraps an unshuffled walk back to its first ids there (accelerate's even_batches fill,
+    IterableDatasetShard's, a DistributedSampler's padding) and nowhere else. The count path's
+    rank answers the same (rank.counting.Running)."""
     ids = [i for batch in batches for i in batch]
     last = len(batches[-1]) if batches else 0
     falls = [k + 1 for k, (a, b) in enumerate(zip(ids, ids[1:])) if b < a][:2]
@@ -291,8 +312,10 @@ def in_order(batches: list) -> bool:
 
 
 class CountedEpoch(EpochView):
-    """Per-sample counts reduced on the main rank, each rank's first and last batches and its
-    order hash (the `count` record): the same answers, found without every id."""
+    """An epoch read from its counts (the `count` record): the same answers without every id.
+
+    Per-sample counts reduced on the main rank, each rank's first and last batches and its order
+    hash."""
 
     def __init__(self, record: dict, n: int) -> None:
         self.record = record
@@ -323,8 +346,10 @@ class CountedEpoch(EpochView):
 
     @staticmethod
     def _known_units(rank: dict, order: str) -> tuple[int, dict[int, Any]]:
-        """Rank's units (batches for 'batch' order, single ids for 'sample' order) whose
-        position is known: the first and last batches it kept. -> (how many, {position: unit})."""
+        """Return a rank's units whose position is known: the first and last batches it kept.
+
+        Units are batches for 'batch' order, single ids for 'sample' order. -> (how many,
+        {position: unit})."""
         head, tail = rank["head"], rank["tail"]
         if order == "batch":
             total = rank["steps"]
@@ -339,8 +364,9 @@ class CountedEpoch(EpochView):
         return total, known
 
     def _dealt_ends(self, order: str, want: int):
-        """The first and the last `want` ids in the order the loader dealt them, from the kept
-        batches; None where a needed position was not kept."""
+        """Return the first and the last `want` ids in the order the loader dealt them.
+
+        Read from the kept batches; None where a needed position was not kept."""
         units = [self._known_units(r, order) for r in self.rank_records]
         longest = max((t for t, _ in units), default=0)
 
@@ -373,9 +399,11 @@ class CountedEpoch(EpochView):
         return first[:want], last[-want:] if want else []
 
     def repeats_head(self, order: str) -> Optional[int]:
-        """tail_repeats_head on the dealt order, from the counts: the `extra` repeated ids each
-        arrived twice, and the last `extra` ids dealt equal the first ones dealt (so the rest of
-        the head is distinct). The whole order where every batch was kept."""
+        """Return tail_repeats_head on the dealt order, from the counts.
+
+        The `extra` repeated ids each arrived twice, and the last `extra` ids dealt equal the
+        first ones dealt (so the rest of the head is distinct). The whole order where every
+        batch was kept."""
         cov = self.cov
         whole = self._complete()
         if whole is not None:
@@ -392,13 +420,15 @@ class CountedEpoch(EpochView):
         return extra if first == last else None
 
     def fill_per_worker(self, limit: int) -> Optional[int]:
-        """fill_per_worker from the kept batches: the whole orders where every batch was kept.
-        Else, per worker, its first global batch (each rank's first batch from that worker,
-        rank after rank) and its last: the fill is the end of the last that repeats the start
-        of the first. Each id so placed is an extra copy of an id dealt earlier, so where they
-        add up to every extra copy (the caller's test), the fills are the only repeats. None
-        where a worker's first or last batch was not kept, its ranks hold unequal numbers of
-        its batches, or its last batch does not end that way."""
+        """Return fill_per_worker from the kept batches.
+
+        The whole orders where every batch was kept. Else, per worker, its first global batch
+        (each rank's first batch from that worker, rank after rank) and its last: the fill is
+        the end of the last that repeats the start of the first. Each id so placed is an extra
+        copy of an id dealt earlier, so where they add up to every extra copy (the caller's
+        test), the fills are the only repeats. None where a worker's first or last batch was not
+        kept, its ranks hold unequal numbers of its batches, or its last batch does not end that
+        way."""
         ranks = self.rank_records
         if any("head_workers" not in r for r in ranks):
             return None
@@ -434,8 +464,10 @@ class CountedEpoch(EpochView):
         return total
 
     def replicated(self) -> bool:
-        """Every rank held the same samples once each, or every rank walked the very same
-        sequence (equal order hashes over equal lengths)."""
+        """Say whether the loader is not sharded, from the counts and the order hashes.
+
+        Every rank held the same samples once each, or every rank walked the very same sequence
+        (equal order hashes over equal lengths)."""
         ranks, cov = self.rank_records, self.cov
         world = len(ranks)
         if world < 2 or ranks[0]["samples"] == 0:
@@ -455,8 +487,9 @@ class CountedEpoch(EpochView):
         return sum(r["samples"] for r in ranks) != union and union < n
 
     def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
-        """(IdEpoch.stream_causes, from the counts: `shard-fill` where no more than `fill`
-        samples reached several ranks.)"""
+        """Return IdEpoch.stream_causes, from the counts.
+
+        `shard-fill` where no more than `fill` samples reached several ranks."""
         codes = set()
         if any(r["repeats_total"] and sum(int(k) >= 0 for k in r["workers"]) > 1
                for r in self.rank_records):

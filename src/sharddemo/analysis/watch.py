@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.record import largest_id, loader_share
 
 WATCH_SCHEMA = "sharddemo.watch/1"
@@ -399,14 +400,10 @@ def out_of_range_detail(outside: list[int], n: Optional[int], id_field: object =
     is not known)."""
     source = f"id_field {id_field!r}" if id_field is not None else "the loader"
     where = f"outside 0..{n - 1}" if n is not None else "below 0"
-    return (f"{source} gave {plural(len(outside), 'id')} {where} ({_short_ids(outside)}): the "
+    shown = ids_text(outside, more=MORE_REST)
+    return (f"{source} gave {plural(len(outside), 'id')} {where} ({shown}): the "
             "watch counts samples by ids 0..N-1 (dataset_size=N); these name no sample of the "
             "dataset")
-
-
-def _short_ids(ids: list[int], limit: int = 12) -> str:
-    head = ", ".join(map(str, ids[:limit]))
-    return head + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def fill_ids(record: dict, description: dict, n: int, batch_size: Optional[int],

@@ -1,46 +1,44 @@
-"""The watch's check of a window of steps, pure (no torch): what a part of an epoch can already
-show, judged from one exchange in which every rank sent its figures and the ids it received in
-the window (sharddemo.watching.state.WatchState.check_window).
+"""The watch's check of a window of steps, pure (no torch).
+
+What a part of an epoch can already show, judged from one exchange in which every rank sent its
+figures and the ids it received in the window (sharddemo.watching.state.WatchState.check_window).
 
 Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at step 51 both ranks
-send ids 0..399 (judged a batch later, at step 52: the exchange runs in the background
-meanwhile); all 400 were received by both, so `no-silent-replication` fails for steps 1-50
-and the line says so at once. Padding and accelerate's even-batches fill come only in a rank's
-last batch, and a window never holds a rank's last batch (it is checked when the next batch
-arrives), so no window calls them a fault. The same holds for a sample that one rank received
-twice (`no-unexplained-duplicates`): only a loader that draws with replacement repeats by design
-before its last batch. From the second epoch, a loader meant to shuffle whose ranks all received
-the same ids at the same steps as in the previous epoch fails `order-changes-each-epoch`.
+send ids 0..399 (judged a batch later, at step 52: the exchange runs in the background meanwhile);
+all 400 were received by both, so `no-silent-replication` fails for steps 1-50 and the line says so
+at once. Padding and accelerate's even-batches fill come only in a rank's last batch, and a window
+never holds a rank's last batch (it is checked when the next batch arrives), so no window calls them
+a fault. The same holds for a sample that one rank received twice (`no-unexplained-duplicates`):
+only a loader that draws with replacement repeats by design before its last batch. From the second
+epoch, a loader meant to shuffle whose ranks all received the same ids at the same steps as in the
+previous epoch fails `order-changes-each-epoch`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.reasons import draws_repeat
 from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail, plural
-
-# A window's verdicts, in the order they are listed (order-changes-each-epoch only where a rank
-# compared its window with the previous epoch's; ids-in-range only where an id fell outside).
-WINDOW_VERDICTS = ("equal-step-counts", "ranks-agree-on-dataset", "no-silent-replication",
-                   "no-unexplained-duplicates", "order-changes-each-epoch", "ids-in-range")
 
 
 def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                  heads: list[dict], ids: list, earlier: int,
                  n: int | None, loader: dict | None = None,
                  id_field: object = None) -> dict:
-    """The window of steps `first`..`last` of epoch `epoch`, checked at rank steps `at`:
-    `heads[r]` rank r's {"done": 0 running, else out of data (or closing), "steps": its steps
-    so far, "n": its dataset's length or -1, and optionally "repeats": the samples of its
-    window it has received more than once so far this epoch, "examples": a few of them,
-    "order": 1 where its window's ids equal the previous epoch's at the same steps, 0 where
-    they differ, -1 not compared}; `ids[r]` the ids a running rank received in the window
-    (capped; [] for a rank out of data); `earlier`: samples a rank found, at the previous
-    window, that another rank received in an earlier window of this epoch. `loader`: the
-    loader's description (its `draws`: a sampler that repeats by design); `id_field`: where
-    the ids come from a batch's field (named where they fall outside 0..N-1). Returns the
-    entry (docs/watch.schema.json, with `window`) and its line."""
+    """Judge one window of steps from every rank's part of its exchange.
+
+    The window is steps `first`..`last` of epoch `epoch`, checked at rank steps `at`: `heads[r]`
+    rank r's {"done": 0 running, else out of data (or closing), "steps": its steps so far, "n": its
+    dataset's length or -1, and optionally "repeats": the samples of its window it has received more
+    than once so far this epoch, "examples": a few of them, "order": 1 where its window's ids equal
+    the previous epoch's at the same steps, 0 where they differ, -1 not compared}; `ids[r]` the ids
+    a running rank received in the window (capped; [] for a rank out of data); `earlier`: samples a
+    rank found, at the previous window, that another rank received in an earlier window of this
+    epoch. `loader`: the loader's description (its `draws`: a sampler that repeats by design);
+    `id_field`: where the ids come from a batch's field (named where they fall outside 0..N-1).
+    Returns the entry (docs/watch.schema.json, with `window`) and its line."""
     world = len(heads)
     running = [r for r, h in enumerate(heads) if not h["done"]]
     out_of_data = [r for r, h in enumerate(heads) if h["done"]]
@@ -78,7 +76,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         parts = []
         if shared:
             parts.append(f"{plural(len(shared), 'sample')} of steps {first}-{last} received by "
-                         f"more than one rank (ids {_short(shared)})"
+                         f"more than one rank (ids {ids_text(shared, more=MORE_REST)})"
                          + (": every rank received the same samples: the loader is not "
                             "sharded (replication)" if same else
                             ": the ranks' shares overlap (each rank drawing its own order of "
@@ -135,7 +133,9 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:
-    """The sorted distinct values (np.unique's hash path costs several times more here)."""
+    """Return the sorted distinct values.
+
+    Found by a sort: np.unique costs more (docs/benchmarks.md, "Figures behind design choices")."""
     values = np.sort(values)
     if values.size:
         values = values[np.concatenate(([True], values[1:] != values[:-1]))]
@@ -153,10 +153,6 @@ def _steps(heads: list[dict], ranks: list[int]) -> str:
 
 
 def _examples(ids: list[int], count: int) -> str:
-    """'ids 3, 7' or 'ids 3, 7, ...' where more than the listed came again."""
-    return f"id{'s' if count > 1 else ''} {_short(ids)}" + (", ..." if count > len(ids) else "")
-
-
-def _short(ids: list[int], limit: int = 12) -> str:
-    head = ", ".join(map(str, ids[:limit]))
-    return head + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")
+    """Return 'ids 3, 7', or 'ids 3, 7, ...' where more than the listed came again."""
+    return (f"id{'s' if count > 1 else ''} {ids_text(ids, more=MORE_REST)}"
+            + (", ..." if count > len(ids) else ""))

@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Optional
 
-from sharddemo.errors import RunFailed, UsageError
+from sharddemo.errors import DEBUG_ENV, RunFailed, UsageError
 from sharddemo.launch.command import Launch, free_port
 from sharddemo.launch.failures import PORT_TAKEN, explain_failure, read_status
 from sharddemo.launch.processes import Family, Interrupted, signals_raise
@@ -63,7 +63,7 @@ def run_launch(launch: Launch, *, timeout: float, debug: bool = False,
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         if debug:
-            env["SHARDDEMO_DEBUG"] = "1"
+            env[DEBUG_ENV] = "1"
         out_path = os.path.join(tmp, "stdout.log")
         err_path = os.path.join(tmp, "stderr.log")
         # torchrun names a dead process by its local rank: on machine m of a

@@ -59,10 +59,11 @@ def load_factory(target: str, framework: Optional[str] = None) -> Callable:
 
 
 def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) -> Callable:
-    """read_ids(batch, tag) for the walk: the 0-based sample ids of a batch, by id field, or
-    by the indices the dataset was really asked for (rank.tagging.tag_batches records them in whatever
-    process fetched the batch, so workers, stateful loaders, prefetching and accelerate's
-    dispatch are all covered)."""
+    """Return read_ids(batch, tag) for the walk: the 0-based sample ids of a batch.
+
+    By id field, or by the indices the dataset was really asked for (rank.tagging.tag_batches
+    records them in whatever process fetched the batch, so workers, stateful loaders,
+    prefetching and accelerate's dispatch are all covered)."""
     import torch
 
     from sharddemo.rank.describe import base_loader
@@ -129,9 +130,11 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
 
 def build_factory_loader(accelerator, factory: Callable, opts: AuditOptions,
                          stateful: bool = False):
-    """The user's loader on this rank, as their script builds it: the factory called with the
-    rank's Accelerator (with use_stateful_dataloader set first when `stateful`), every
-    DataLoader tagged on its way through prepare. A factory that raises is a RunFailed."""
+    """Build the user's loader on this rank, as their script builds it.
+
+    The factory called with the rank's Accelerator (with use_stateful_dataloader set first when
+    `stateful`), every DataLoader tagged on its way through prepare. A factory that raises is a
+    RunFailed."""
     if stateful:
         # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
         accelerator.dataloader_config.use_stateful_dataloader = True
@@ -144,10 +147,11 @@ def build_factory_loader(accelerator, factory: Callable, opts: AuditOptions,
 
 
 def set_epoch(loader, epoch: int) -> None:
-    """What a training loop that calls set_epoch does: on the loader's sampler, else on the
-    loader (a prepared one passes it on), else on the first sampler down the chain that has
-    it (a DistributedSampler inside a batch_sampler, or inside a BatchSampler given as the
-    `sampler` of a loader with batch_size=None)."""
+    """Call set_epoch as a training loop does.
+
+    On the loader's sampler, else on the loader (a prepared one passes it on), else on the first
+    sampler down the chain that has it (a DistributedSampler inside a batch_sampler, or inside a
+    BatchSampler given as the `sampler` of a loader with batch_size=None)."""
     from sharddemo.rank.describe import base_loader, sampler_chain
 
     base = base_loader(loader)
@@ -290,12 +294,14 @@ def _walk_target(accelerator, target, opts: AuditOptions) -> dict:
 
 
 def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
-    """N where it is known before any walk: the length of the dataset under any Subset, else
-    (a stream) --dataset-size; None for a stream without it. The dataset's own length wins: a
-    framework audit walks several loaders, and --dataset-size is meant for the stream among
-    them, not for the map-style eval set beside it. Where the ranks read different rows
-    (`agreed["rows_differ"]`: data split by rank before the loader, audited by --id-field), a
-    rank's own length is its part only: --dataset-size, else None (found after the walk)."""
+    """Return N where it is known before any walk; None for a stream without --dataset-size.
+
+    The length of the dataset under any Subset, else (a stream) --dataset-size. The dataset's
+    own length wins: a framework audit walks several loaders, and --dataset-size is meant for
+    the stream among them, not for the map-style eval set beside it. Where the ranks read
+    different rows (`agreed["rows_differ"]`: data split by rank before the loader, audited by
+    --id-field), a rank's own length is its part only: --dataset-size, else None (found after
+    the walk)."""
     from sharddemo.rank.describe import base_loader, root_length
 
     if agreed and agreed.get("rows_differ") and opts.id_field is not None:
@@ -306,8 +312,10 @@ def _known_size(loader, opts: AuditOptions, agreed: Optional[dict] = None):
 
 def _dataset_size(loader, opts: AuditOptions, records: list,
                   agreed: Optional[dict] = None) -> int:
-    """N: the length of the dataset under any Subset, else --dataset-size, else one past the
-    largest id this rank saw (the ranks then agree on the largest)."""
+    """Return N: the dataset's length, else --dataset-size, else one past the largest id.
+
+    The length of the dataset under any Subset; the largest id this rank saw (the ranks then
+    agree on the largest); 0 for keys, which the parent numbers."""
     length = _known_size(loader, opts, agreed)
     if length is not None:
         return length

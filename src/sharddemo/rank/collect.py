@@ -48,6 +48,7 @@ def set_timeout(seconds: float) -> None:
 
 def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call one collective; if it fails, say how from the time it took (CollectiveFailed).
+
     One that returns is progress for the parent's watchdog (rank.heartbeat)."""
     start = time.monotonic()
     try:
@@ -62,10 +63,11 @@ def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
-    """Every rank's list of ints (the same count on every rank), as [rank][k]. A collective:
-    one all-gather into one flat tensor, torch.distributed's own where the process group is up
-    (accelerate's gather on gloo gathers into a list of tensors and concatenates them, three
-    allocations and a copy more for a few ints), else accelerate's gather."""
+    """Return every rank's list of ints (the same count on every rank), as [rank][k].
+
+    A collective: one all-gather into one flat tensor, torch.distributed's own where the process
+    group is up (accelerate's gather on gloo gathers into a list of tensors and concatenates
+    them, three allocations and a copy more for a few ints), else accelerate's gather."""
     world = accelerator.num_processes
     if world == 1:
         return [[int(v) for v in values]]
@@ -81,8 +83,9 @@ def exchange_ints(accelerator, values: Sequence[int]) -> list[list[int]]:
 
 
 def exchange_objects(accelerator, mine: Any) -> list[Any]:
-    """Every rank's picklable object, as [rank] on every rank (accelerate's gather_object).
-    A collective; alone, no call."""
+    """Return every rank's picklable object, as [rank], on every rank.
+
+    Accelerate's gather_object. A collective; alone, no call."""
     if accelerator.num_processes == 1:
         return [mine]
     from accelerate.utils import gather_object
@@ -92,10 +95,11 @@ def exchange_objects(accelerator, mine: Any) -> list[Any]:
 
 def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int],
                   main_only: bool = False) -> list[torch.Tensor]:
-    """Every rank's 1-D tensor, whose lengths (`lengths[r]`, already exchanged) may differ,
-    as a list indexed by rank, on the CPU. A collective; nothing is sent when every rank is
-    empty (all ranks know it from `lengths`). `main_only`: only the main process receives
-    them (a gather onto it, gather_to_main, instead of an all-gather); the others get []."""
+    """Return every rank's 1-D tensor, of lengths that may differ, as a list indexed by rank.
+
+    On the CPU; `lengths[r]` already exchanged. A collective; nothing is sent when every rank is
+    empty (all ranks know it from `lengths`). `main_only`: only the main process receives them
+    (a gather onto it, gather_to_main, instead of an all-gather); the others get []."""
     width = max(lengths, default=0)
     tensor = tensor.reshape(-1).to(accelerator.device)
     if width == 0:
@@ -117,11 +121,12 @@ def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int],
 
 
 def gather_to_main(accelerator, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
-    """Every rank's `tensor` (the same shape on every rank) on the main process, as a list
-    indexed by rank; None elsewhere. A collective: torch.distributed's gather onto rank 0 (the
-    main process), which sends each rank's tensor to the main process only: where only the
-    main process reads them, the others neither receive nor copy what an all-gather would
-    give them."""
+    """Return every rank's `tensor` on the main process, indexed by rank; None elsewhere.
+
+    The same shape on every rank. A collective: torch.distributed's gather onto rank 0 (the main
+    process), which sends each rank's tensor to the main process only: where only the main
+    process reads them, the others neither receive nor copy what an all-gather would give them.
+    """
     import torch.distributed as dist
 
     parts = ([torch.empty_like(tensor) for _ in range(accelerator.num_processes)]
@@ -131,8 +136,10 @@ def gather_to_main(accelerator, tensor: torch.Tensor) -> Optional[list[torch.Ten
 
 
 def narrowest_dtype(top: int) -> torch.dtype:
-    """int32 when every value fits (a gather of a large epoch costs about a quarter as much
-    on gloo as int64), else int64."""
+    """Return int32 when every value fits, else int64.
+
+    A gather of a large epoch's ids as int32 costs much less on gloo than as int64
+    (docs/benchmarks.md, "Figures behind design choices")."""
     return torch.int32 if top < 2**31 - 1 else torch.int64
 
 
@@ -144,20 +151,21 @@ _fork_guard = [False]
 
 
 def guard_forks() -> None:
-    """Make every fork of this rank (a DataLoader starting its workers) wait a few ms first,
-    on the Pythons that need it. Once per process; a no-op on CPython 3.12 and later.
+    """Make every fork of this rank (a DataLoader starting its workers) wait a few ms first.
 
-    CPython before 3.12 (gh-112275; seen here with 3.11.7) re-initialises the runtime's HEAD
-    lock in a forked child only AFTER taking it, so a child forked while another thread holds
-    that lock deadlocks before running a line. Here it happens when the fork follows a
-    collective at once (never when a pause separates them), which points at gloo's threads,
-    the only other threads then, taking the lock as the collective finishes (to give back
-    what it held); which thread holds it was not pinned down. Loaders fork right after a
-    collective all the time: accelerate's prepared loaders broadcast their RNG state and then
-    start the workers; sharddemo's walk exchanges lengths and then iterates. On the 2-core
-    machines here that hung a rank within a minute of back-to-back epochs
-    (benchmarks/fork_after_collective.py). Sleeping before the fork lets the other thread
-    leave the lock first; the loader yields exactly the same batches.
+    Only on the Pythons that need it: once per process; a no-op on CPython 3.12 and later.
+
+    CPython before 3.12 (gh-112275) re-initialises the runtime's HEAD lock in a forked child
+    only AFTER taking it, so a child forked while another thread holds that lock deadlocks
+    before running a line. Here it happens when the fork follows a collective at once (never
+    when a pause separates them), which points at gloo's threads, the only other threads then,
+    taking the lock as the collective finishes (which thread holds it was not pinned down).
+    Loaders fork right after a collective all the time: accelerate's prepared loaders broadcast
+    their RNG state and then start the workers; sharddemo's walk exchanges lengths and then
+    iterates. That hung ranks in back-to-back epochs (benchmarks/fork_after_collective.py
+    reproduces it; the runs that hung, with and without the guard: docs/reliability.md).
+    Sleeping before the fork lets the other thread leave the lock first; the loader yields
+    exactly the same batches.
     """
     if _fork_guard[0] or sys.version_info >= (3, 12) or not hasattr(os, "register_at_fork"):
         return
@@ -170,8 +178,9 @@ def _pause_before_fork() -> None:
 
 
 def all_reduce_bytes(accelerator, buffer: np.ndarray) -> None:
-    """Sum the uint8 `buffer` over the ranks, in place on every rank: one all-reduce (through
-    the device where the process group's backend needs one: NCCL)."""
+    """Sum the uint8 `buffer` over the ranks, in place on every rank: one all-reduce.
+
+    Through the device where the process group's backend needs one (NCCL)."""
     import torch.distributed as dist
 
     tensor = torch.from_numpy(buffer)
@@ -192,15 +201,16 @@ WIRE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int32,
 
 def reduce_to_main(accelerator, code: np.ndarray, background: bool = True,
                    chunk: int = 1 << 22) -> Callable[[], None]:
-    """Start summing `code` over the ranks into the main process's `code` (in place; the other
-    ranks' arrays are left as they were) and return `wait`, which returns once the sums are
+    """Start summing `code` over the ranks into the main process's `code`; return `wait`.
+
+    In place; the other ranks' arrays are left as they were; `wait` returns once the sums are
     there. A reduce, not an all-reduce: only the main process reads the sums, and on gloo a
     reduce costs less than an all-reduce (docs/benchmarks.md).
 
-    Where the code is sent as it is (uint8 on the CPU: up to 15 ranks on gloo), the reduce
-    runs in the background (gloo's own thread) while the rank goes on with the small
-    exchanges of the epoch's end. Until `wait` returns no rank may touch `code` (gloo may use a rank's array as its
-    scratch). A code that must be converted (wider, or to a device for NCCL) is reduced a
+    Where the code is sent as it is (uint8 on the CPU: up to 15 ranks on gloo), the reduce runs
+    in the background (gloo's own thread) while the rank goes on with the small exchanges of the
+    epoch's end. Until `wait` returns no rank may touch `code` (gloo may use a rank's array as
+    its scratch). A code that must be converted (wider, or to a device for NCCL) is reduced a
     chunk at a time before this returns: in flight at once its copies would take memory in
     proportion to N."""
     import torch.distributed as dist
@@ -230,8 +240,9 @@ def reduce_to_main(accelerator, code: np.ndarray, background: bool = True,
 # -- the ranks, with or without accelerate
 
 class TorchRanks:
-    """What the recorder asks of an Accelerator, from torch.distributed alone (torchrun, SLURM
-    srun) or a single process."""
+    """What the recorder asks of an Accelerator, from torch.distributed alone.
+
+    For torchrun, SLURM srun, or a single process."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -251,9 +262,11 @@ class TorchRanks:
 
 
 def all_gather_flat():
-    """torch's all-gather into one flat tensor: all_gather_single where torch has it (2.13
-    deprecates all_gather_into_tensor, with a FutureWarning on every rank at its first call),
-    else all_gather_into_tensor (the same collective under its older name)."""
+    """Return torch's all-gather into one flat tensor, under the name this torch has.
+
+    all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor, with a
+    FutureWarning on every rank at its first call), else all_gather_into_tensor (the same
+    collective under its older name)."""
     import torch.distributed as dist
 
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,7 +1,8 @@
-"""What a loader is made of, read from its objects without iterating it: the classes along
-loader -> batch sampler -> sampler -> dataset, the settings that decide what a rank receives
-(describe_loader), the ids it can deal (index_domain), and the fingerprint every rank must
-agree on before anything is walked (agree_on_fingerprint)."""
+"""What a loader is made of, read from its objects without iterating it.
+
+The classes along loader -> batch sampler -> sampler -> dataset, the settings that decide what a
+rank receives (describe_loader), the ids it can deal (index_domain), and the fingerprint every
+rank must agree on before anything is walked (agree_on_fingerprint)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 import xxhash
 
 def safe_len(loader) -> Optional[int]:
-    """The loader's length, or None where it has none (TypeError: an IterableDataset's), or
-    where asking raises ValueError (accelerate 1.16's skip_first_batches loader that skips past
-    the epoch's end)."""
+    """Return the loader's length, or None where it has none.
+
+    None where it has no length (TypeError: an IterableDataset's), or where asking raises
+    ValueError (accelerate 1.16's skip_first_batches loader that skips past the epoch's end)."""
     try:
         return len(loader)
     except (TypeError, ValueError):
@@ -27,9 +29,10 @@ def is_prepared(loader) -> bool:
 
 
 def remainder(loader) -> int:
-    """accelerate's `gradient_state.remainder` for a prepared loader: the real samples in its
-    last global batch (what gather_for_metrics keeps of the last step); -1 where accelerate
-    does not know it, -2 for a loader it did not prepare (or none)."""
+    """Return accelerate's `gradient_state.remainder` for a prepared loader.
+
+    The real samples in its last global batch (what gather_for_metrics keeps of the last step);
+    -1 where accelerate does not know it, -2 for a loader it did not prepare (or none)."""
     if loader is None or not is_prepared(loader):
         return -2
     value = getattr(loader, "remainder", -1)
@@ -42,15 +45,17 @@ def base_loader(loader):
 
 
 def describe_loader(loader) -> dict:
-    """What the loader is made of, read from its objects (no iteration): the classes along
-    loader -> batch sampler -> sampler -> dataset, and the settings that decide what a rank
-    receives. The report names a duplicate's or a missing sample's reason only when the
-    mechanism that causes it is really there (a DistributedSampler pads, accelerate's
-    BatchSamplerShard fills, IterableDatasetShard loops around, drop_last drops).
+    """Describe what the loader is made of, read from its objects (no iteration).
+
+    The classes along loader -> batch sampler -> sampler -> dataset, and the settings that
+    decide what a rank receives. The report names a duplicate's or a missing sample's reason
+    only when the mechanism that causes it is really there (a DistributedSampler pads,
+    accelerate's BatchSamplerShard fills, IterableDatasetShard loops around, drop_last drops).
 
     Two ranks, `accelerator.prepare(DataLoader(ds, batch_size=4, shuffle=True))` gives
     DataLoaderShard -> BatchSamplerShard(even_batches=True) -> BatchSampler -> RandomSampler:
-    {"prepared": True, "classes": [...], "even_batches": True, "distributed_sampler": False, ...}.
+    {"prepared": True, "classes": [...], "even_batches": True, "distributed_sampler": False,
+    ...}.
     """
     seen: list[str] = []
     info: dict[str, Any] = {"prepared": is_prepared(loader), "distributed_sampler": False,
@@ -109,10 +114,12 @@ def describe_loader(loader) -> dict:
 
 
 def _shard_batch_size(base) -> dict:
-    """{"shard_batch_size", "batch_sampler_class"} where accelerate's BatchSamplerShard wraps a
+    """Return the batch size of a user's batch sampler under BatchSamplerShard, else {}.
+
+    {"shard_batch_size", "batch_sampler_class"} where accelerate's BatchSamplerShard wraps a
     batch sampler of the user's (not torch's BatchSampler, whose batches are all full but the
     last) that has a batch_size: BatchSamplerShard then deals a round only when its last batch
-    holds that many (accelerate's _iter_with_no_split), and drops the rest. Else {}."""
+    holds that many (accelerate's _iter_with_no_split), and drops the rest."""
     shard = getattr(base, "batch_sampler", None)
     inner = getattr(shard, "batch_sampler", None)
     if type(shard).__name__ != "BatchSamplerShard" or inner is None or getattr(
@@ -125,12 +132,13 @@ def _shard_batch_size(base) -> dict:
 
 
 def sampler_shuffles(base) -> Optional[bool]:
-    """Whether the sampler that draws the dataset positions deals a new random order on every
-    pass, as its own object says: False for torch's SequentialSampler and a DistributedSampler
-    built with shuffle=False, True for RandomSampler (accelerate's SeedableRandomSampler is
-    one), SubsetRandomSampler, WeightedRandomSampler and a shuffling DistributedSampler. None
-    for anything else (a sampler of the user's, a stream): the report then reads the order
-    from the ids, as unshuffled where they never decrease."""
+    """Say whether the sampler deals a new order on every pass, as its own object says.
+
+    That is the sampler that draws the dataset positions: False for torch's SequentialSampler
+    and a DistributedSampler built with shuffle=False, True for RandomSampler (accelerate's
+    SeedableRandomSampler is one), SubsetRandomSampler, WeightedRandomSampler and a shuffling
+    DistributedSampler. None for anything else (a sampler of the user's, a stream): the report
+    then reads the order from the ids, as unshuffled where they never decrease."""
     from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler,
                                   SubsetRandomSampler, WeightedRandomSampler)
 
@@ -145,9 +153,10 @@ def sampler_shuffles(base) -> Optional[bool]:
 
 
 def sampler_chain(base):
-    """The batch samplers and samplers under a DataLoader, outermost first: its batch_sampler
-    (else its sampler), then what that one holds, down to the sampler that draws the dataset
-    positions (accelerate's BatchSamplerShard -> BatchSampler -> sampler)."""
+    """Return the batch samplers and samplers under a DataLoader, outermost first.
+
+    Its batch_sampler (else its sampler), then what that one holds, down to the sampler that
+    draws the dataset positions (accelerate's BatchSamplerShard -> BatchSampler -> sampler)."""
     obj = base
     for _ in range(9):
         found = getattr(obj, "batch_sampler", None)  # (not `or`: truth-testing a sampler
@@ -159,10 +168,11 @@ def sampler_chain(base):
 
 
 def _index_sampler(base):
-    """The sampler that draws the dataset positions (inside BatchSamplerShard, BatchSampler);
-    None where the chain ends at a batch sampler of the user's that holds no sampler (some
-    object's `batch_sampler`: it deals whole batches, its length counts batches, not
-    positions)."""
+    """Return the sampler that draws the dataset positions, under any batch samplers.
+
+    It lies inside BatchSamplerShard, BatchSampler. None where the chain ends at a batch sampler
+    of the user's that holds no sampler (some object's `batch_sampler`: it deals whole batches,
+    its length counts batches, not positions)."""
     holder, last = None, None
     for nxt in sampler_chain(base):
         holder, last = (base if last is None else last), nxt
@@ -202,8 +212,9 @@ _DOMAINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def under_subsets(dataset) -> tuple[Any, list]:
-    """(the dataset under any torch Subsets and sharddemo's IndexedDataset, each Subset's
-    indices, outermost first)."""
+    """Return the dataset under any torch Subsets and sharddemo's IndexedDataset.
+
+    Returns (that dataset, each Subset's indices, outermost first)."""
     chain = []
     for _ in range(16):
         if getattr(type(dataset), "notes_indices", False):  # rank.tagging.IndexedDataset
@@ -217,8 +228,9 @@ def under_subsets(dataset) -> tuple[Any, list]:
 
 
 def subset_mapping(dataset) -> Optional[torch.Tensor]:
-    """Positions in a (chain of) torch Subset -> the root dataset's ids, as one int64 tensor;
-    None where the dataset is no Subset."""
+    """Map positions in a (chain of) torch Subset to the root dataset's ids.
+
+    One int64 tensor; None where the dataset is no Subset."""
     _, chain = under_subsets(dataset)
     mapping = None
     for indices in reversed(chain):  # innermost first: each level indexes the one under it
@@ -228,9 +240,10 @@ def subset_mapping(dataset) -> Optional[torch.Tensor]:
 
 
 def loader_batch_size(loader) -> Optional[int]:
-    """The loader's batch size: its own, else its batch sampler's (accelerate's
-    BatchSamplerShard keeps the batch it splits), as the fingerprint reads it; None for a
-    batch sampler without one."""
+    """Return the loader's batch size, as the fingerprint reads it.
+
+    Its own, else its batch sampler's (accelerate's BatchSamplerShard keeps the batch it
+    splits); None for a batch sampler without one."""
     base = base_loader(loader)
     return (getattr(base, "batch_size", None)
             or getattr(getattr(base, "batch_sampler", None), "batch_size", None))
@@ -293,18 +306,20 @@ def _index_domain(base) -> dict:
 
 
 def resampled_stream(dataset) -> bool:
-    """A WebDataset pipeline whose shards come from ResampledShards (resampled=True): drawn
-    with replacement, by design."""
+    """Say whether a WebDataset pipeline's shards come from ResampledShards (resampled=True).
+
+    Those are drawn with replacement, by design."""
     stages = getattr(dataset, "pipeline", None)
     return (isinstance(stages, list) and bool(stages)
             and type(stages[0]).__name__ == "ResampledShards")
 
 
 def _wrapped_sampler(sampler):
-    """The user's sampler inside a distributed sampler that shards its draw: Lightning's
-    DistributedSamplerWrapper is a DistributedSampler over _DatasetSamplerWrapper(sampler),
-    which keeps it as `_sampler` (catalyst's DatasetFromSampler: `sampler`). None for a
-    DistributedSampler over the data itself."""
+    """Return the user's sampler inside a distributed sampler that shards its draw.
+
+    Lightning's DistributedSamplerWrapper is a DistributedSampler over
+    _DatasetSamplerWrapper(sampler), which keeps it as `_sampler` (catalyst's
+    DatasetFromSampler: `sampler`). None for a DistributedSampler over the data itself."""
     inner = getattr(sampler, "dataset", None)
     for name in ("_sampler", "sampler"):
         found = getattr(inner, name, None)
@@ -317,8 +332,10 @@ def _wrapped_sampler(sampler):
 
 
 def hf_rows(dataset):
-    """The table rows a datasets.Dataset view reads, position by position, where it has an
-    indices mapping (train_test_split, select, filter, shuffle): a numpy array; else None."""
+    """Return the table rows a datasets.Dataset view reads, position by position.
+
+    A numpy array, where it has an indices mapping (train_test_split, select, filter, shuffle);
+    else None."""
     return dataset._indices.column(0).to_numpy() if _is_hf_view(dataset) else None
 
 
@@ -333,13 +350,15 @@ def _is_hf_view(dataset) -> bool:
 
 
 def rows_digest(dataset) -> Optional[str]:
-    """For a dataset whose rows can be read as stored, running none of the user's code and
-    drawing no RNG, so that ranks can tell whether position i is the same sample everywhere
-    (a dataset split by rank before the loader is not): a hash of its length and of its first,
-    middle and last rows. That is a datasets.Dataset with no indices mapping (its positions
-    are its Arrow rows; split_dataset_by_node and Dataset.shard give each rank its own), a
-    torch TensorDataset, a tensor or numpy array, and a list, tuple or range of plain values.
-    None for anything else (a dataset class of the user's: reading a row runs its code)."""
+    """Return a hash of a dataset's length and of its first, middle and last rows, else None.
+
+    Only for a dataset whose rows can be read as stored, running none of the user's code and
+    drawing no RNG, so that ranks can tell whether position i is the same sample everywhere (a
+    dataset split by rank before the loader is not). That is a datasets.Dataset with no indices
+    mapping (its positions are its Arrow rows; split_dataset_by_node and Dataset.shard give each
+    rank its own), a torch TensorDataset, a tensor or numpy array, and a list, tuple or range of
+    plain values. None for anything else (a dataset class of the user's: reading a row runs its
+    code)."""
     if _is_hf_dataset(dataset) and dataset._indices is None:  # positions are table rows
         data = dataset.data
         n = int(data.num_rows)
@@ -386,8 +405,9 @@ def _row_bytes(row) -> bytes:
 
 
 def _plain(value, depth: int = 0) -> bool:
-    """A value whose repr runs no user code: a number, string, bytes, None, or a tuple of
-    them."""
+    """Say whether a value's repr runs no user code.
+
+    A number, string, bytes, None, or a tuple of them."""
     if value is None or type(value) in (int, float, bool, str, bytes):
         return True
     return depth == 0 and type(value) is tuple and all(_plain(v, 1) for v in value)
@@ -398,13 +418,14 @@ def _plain(value, depth: int = 0) -> bool:
 
 
 def _order_hash(sampler) -> Optional[str]:
-    """A hash of the first epoch's index order, where computing it draws from no RNG the
-    loader will use: a DistributedSampler (its own generator, seeded with seed + epoch; every
-    rank hashes rank 0's part of it, from a copy set to rank 0, so the ranks compare the same
-    thing and none holds more than its own walk holds), accelerate's SeedableRandomSampler
-    (reseeds itself on every pass), or a SequentialSampler. None for samplers whose order
-    would consume a generator (RandomSampler) or says nothing new (SequentialSampler). The
-    order is hashed as it streams, a chunk at a time: no second copy of it."""
+    """Return a hash of the first epoch's index order, where that draws no RNG the loader uses.
+
+    That is a DistributedSampler (its own generator, seeded with seed + epoch; every rank hashes
+    rank 0's part of it, from a copy set to rank 0, so the ranks compare the same thing and none
+    holds more than its own walk holds), accelerate's SeedableRandomSampler (reseeds itself on
+    every pass), or a SequentialSampler. None for samplers whose order would consume a generator
+    (RandomSampler) or says nothing new (SequentialSampler). The order is hashed as it streams,
+    a chunk at a time: no second copy of it."""
     import copy
     import hashlib
     import itertools
@@ -433,10 +454,11 @@ def _order_hash(sampler) -> Optional[str]:
 
 
 def root_length(dataset) -> Optional[int]:
-    """The length of the data every rank starts from, under the views that legitimately differ
-    by rank: a torch Subset, a datasets.Dataset view with an indices mapping (the whole
-    table's rows: train_test_split, select, filter), sharddemo's own IndexedDataset. None for
-    a stream."""
+    """Return the length of the data every rank starts from, None for a stream.
+
+    Read under the views that legitimately differ by rank: a torch Subset, a datasets.Dataset
+    view with an indices mapping (the whole table's rows: train_test_split, select, filter),
+    sharddemo's own IndexedDataset."""
     dataset, _ = under_subsets(dataset)
     if _is_hf_view(dataset):
         return int(dataset.data.num_rows)
@@ -447,12 +469,13 @@ def root_length(dataset) -> Optional[int]:
 
 
 def fingerprint(loader, description: Optional[dict] = None) -> dict:
-    """What this rank believes the data is: dataset length (None for a stream), the sampler's
-    and batch sampler's classes and seed, drop_last, batch size, workers, and a hash of the
-    first epoch's order where that costs no RNG draw and the dataset is smaller than
-    COUNT_FROM (above it the hash would be a second pass over the whole order; the count path
-    then reports ranks that dealt from different orders as `ranks-disagree`). Every rank must
-    agree."""
+    """Return what this rank believes the data is; every rank must agree.
+
+    Dataset length (None for a stream), the sampler's and batch sampler's classes and seed,
+    drop_last, batch size, workers, and a hash of the first epoch's order where that costs no
+    RNG draw and the dataset is smaller than COUNT_FROM (above it the hash would be a second
+    pass over the whole order; the count path then reports ranks that dealt from different
+    orders as `ranks-disagree`)."""
     from sharddemo.options import COUNT_FROM
 
     base = base_loader(loader)
@@ -479,8 +502,10 @@ def fingerprint(loader, description: Optional[dict] = None) -> dict:
 
 
 def _safe_rows_digest(dataset) -> Optional[str]:
-    """rows_digest, or None where a row cannot be read as bytes (a tensor type that cannot be
-    viewed as bytes, say): the check is then skipped, as for a dataset class of the user's."""
+    """Return rows_digest, or None where a row cannot be read as bytes.
+
+    A tensor type that cannot be viewed as bytes, say: the check is then skipped, as for a
+    dataset class of the user's."""
     try:
         return rows_digest(dataset)
     except Exception:  # noqa: BLE001 - a best-effort check before the walk, never a failure
@@ -488,9 +513,11 @@ def _safe_rows_digest(dataset) -> Optional[str]:
 
 
 def _shards_itself(info: dict) -> bool:
-    """The loader splits the data across ranks itself (a DistributedSampler, or accelerate's
-    BatchSamplerShard, IterableDatasetShard or dispatch), so every rank must start from the
-    same data. A plain loader over data split by rank beforehand legitimately differs."""
+    """Say whether the loader splits the data across ranks itself.
+
+    A DistributedSampler, or accelerate's BatchSamplerShard, IterableDatasetShard or dispatch:
+    every rank must then start from the same data. A plain loader over data split by rank
+    beforehand legitimately differs."""
     return bool(info["distributed_sampler"] or info["batch_sampler_shard"]
                 or info["iterable_shard"] or info["dispatcher"])
 
@@ -504,14 +531,15 @@ FINGERPRINT_WORDS = {"dataset_length": "samples", "sampler": "sampler", "seed": 
 def agree_on_fingerprint(accelerator, loader, stop: bool = True,
                          description: Optional[dict] = None,
                          ids_by_position: bool = False) -> dict:
-    """Every rank's fingerprint, exchanged with one gather. If they differ, every rank stops
-    with the same one-line message naming the field and the ranks (a Disagreement, exit 1);
-    with `stop=False` (compare's pitfall demos, which disagree on purpose) the message is
-    returned under `disagreement` instead. `ids_by_position`: the walk will take the
-    positions the DataLoader asks for as sample ids. Where the ranks read different rows
-    (rows_digest), position i is not one sample: for data split by rank before the loader
-    every rank stops with a UsageError asking for --id-field (by position it would read as
-    replication); under a loader that shards the data itself the walk goes on (unseeded
+    """Exchange every rank's fingerprint in one gather; stop every rank where they differ.
+
+    If they differ, every rank stops with the same one-line message naming the field and the
+    ranks (a Disagreement, exit 1); with `stop=False` (compare's pitfall demos, which disagree
+    on purpose) the message is returned under `disagreement` instead. `ids_by_position`: the
+    walk will take the positions the DataLoader asks for as sample ids. Where the ranks read
+    different rows (rows_digest), position i is not one sample: for data split by rank before
+    the loader every rank stops with a UsageError asking for --id-field (by position it would
+    read as replication); under a loader that shards the data itself the walk goes on (unseeded
     random data does this, harmless in a demo) and `rows_note` says what it means."""
     from sharddemo.rank.collect import exchange_objects
     from sharddemo.errors import Disagreement, UsageError

@@ -8,9 +8,9 @@ the same page of the machine's file cache.
 Progress is a batch received, an epoch's start or end, or any collective done
 (rank.collect.collective); the parent's watchdog (launch.Watchdog) stops a launch only when
 no rank has made any for its bound. A report costs one clock read and one
-`struct.pack_into`: about 1 us a batch, measured with timeit on this 2-core machine under a
-load of 9 (0.4 us with nothing mapped). Without STATUS_ENV (a rank started by hand,
-the watch in a user's own script) nothing is mapped and a report returns at once.
+`struct.pack_into`, about a microsecond a batch (docs/benchmarks.md, "Figures behind design
+choices"). Without STATUS_ENV (a rank started by hand, the watch in a user's own script)
+nothing is mapped and a report returns at once.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from sharddemo.progress import HEAD, SIZE, WHERE_AT
 
 
 class Heartbeat:
-    """This rank's progress file (`path` None: report nothing). The file is made and mapped
-    at the first report (rank.session.mark_started makes one), in the rank's own process:
-    never in a DataLoader worker that imports this module, which would replace the rank's
-    file with its own."""
+    """This rank's progress file (`path` None: report nothing).
+
+    The file is made and mapped at the first report (rank.session.mark_started makes one), in
+    the rank's own process: never in a DataLoader worker that imports this module, which would
+    replace the rank's file with its own."""
 
     def __init__(self, path: Optional[str]) -> None:
         self.path = path

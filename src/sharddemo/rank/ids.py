@@ -1,7 +1,9 @@
-"""How a batch's ids are read: `ReadIds(batch, tag)` gives the 0-based ids of the samples in
-`batch` (or `(values, shift)`, the ids being values - shift), and `read_values` adds the worker
-that made the batch. An id field is read by one rule for `audit --id-field` and the watch's
-`id_field` alike: `field_values` picks the field, `integer_ids` checks its values."""
+"""How a batch's ids are read, by one rule for `audit --id-field` and the watch's `id_field`.
+
+`ReadIds(batch, tag)` gives the 0-based ids of the samples in `batch` (or `(values, shift)`, the
+ids being values - shift), and `read_values` adds the worker that made the batch. An id field is
+read by one rule for `audit --id-field` and the watch's `id_field` alike: `field_values` picks
+the field, `integer_ids` checks its values."""
 
 from __future__ import annotations
 
@@ -19,16 +21,18 @@ ReadIds = Callable[[Any, Optional[dict]], Any]
 
 
 def unshift(values: torch.Tensor, shift: int) -> torch.Tensor:
-    """The ids held as `values` = ids + shift (ReadIds): values - shift, or `values` itself
-    (no copy) where the shift is 0."""
+    """Return the ids held as `values` = ids + shift (ReadIds): values - shift.
+
+    That is `values` itself (no copy) where the shift is 0."""
     return values - shift if shift else values
 
 
 def read_values(read_ids: ReadIds, batch,
                  known: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
-    """(values, the worker that made the batch, shift): its ids are values - shift. `known`:
-    the worker of every batch where the loader says it (known_worker); else read from the
-    batch's tag (a few microseconds a batch), UNKNOWN_WORKER without one."""
+    """Return (values, the worker that made the batch, shift): its ids are values - shift.
+
+    `known`: the worker of every batch where the loader says it (known_worker); else read from
+    the batch's tag (a few microseconds a batch), UNKNOWN_WORKER without one."""
     inner, tag = unwrap(batch)
     got = read_ids(inner, tag)
     values, shift = got if type(got) is tuple else (got, 0)
@@ -41,11 +45,13 @@ def read_values(read_ids: ReadIds, batch,
 
 
 def field_values(batch, id_field, label: str, error=None):
-    """The one rule for an id field, for audit and the watch alike: `"."` is the batch itself
-    (a batch that is the tensor of ids); a dict's key; a tuple's or list's position (an int,
-    or a string of digits); else the key of a mapping-like batch. A field the batch does not
-    have is one error (`error`, UsageError by default) that names the fields it does have;
-    `label` names the option as the user wrote it (`--id-field nope`, `id_field='nope'`)."""
+    """Return a batch's id field, by the one rule for audit and the watch alike.
+
+    `"."` is the batch itself (a batch that is the tensor of ids); a dict's key; a tuple's or
+    list's position (an int, or a string of digits); else the key of a mapping-like batch. A
+    field the batch does not have is one error (`error`, UsageError by default) that names the
+    fields it does have; `label` names the option as the user wrote it (`--id-field nope`,
+    `id_field='nope'`)."""
     from sharddemo.errors import UsageError
 
     error = error or UsageError
@@ -74,12 +80,13 @@ def field_values(batch, id_field, label: str, error=None):
 
 
 def integer_ids(values, label: str, error=None, *, keep_device: bool = False) -> torch.Tensor:
-    """The one rule for an id field's values: whole numbers (integers, or floats that are
-    whole), as a 1-D int64 tensor on the CPU (`keep_device`: integers stay where they are, as
-    the watch counts ids on their GPU without a sync; floats there are read to be checked);
-    bools, complex numbers, fractions and anything that is not a number are one error naming
-    what the field holds. (Keys, str or bytes, are told apart before this:
-    rank.keys.key_values.)"""
+    """Return an id field's values as ids, by the one rule: whole numbers only.
+
+    Integers, or floats that are whole, as a 1-D int64 tensor on the CPU (`keep_device`:
+    integers stay where they are, as the watch counts ids on their GPU without a sync; floats
+    there are read to be checked); bools, complex numbers, fractions and anything that is not a
+    number are one error naming what the field holds. (Keys, str or bytes, are told apart before
+    this: rank.keys.key_values.)"""
     from sharddemo.errors import UsageError
 
     error = error or UsageError

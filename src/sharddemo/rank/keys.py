@@ -41,10 +41,11 @@ from sharddemo.record import LIST_CAP
 
 
 def key_values(values: Any) -> Optional[list]:
-    """The keys in a batch's field, as a list of str (bytes decoded as UTF-8, an undecodable
-    byte written as a backslash escape), or None when the field holds numbers. Keys come
-    as a list or tuple of str/bytes (the DataLoader's default collate, WebDataset's
-    batching), a numpy array of strings, or one str/bytes for an unbatched sample."""
+    """Return the keys in a batch's field as a list of str, or None when it holds numbers.
+
+    Bytes decoded as UTF-8, an undecodable byte written as a backslash escape. Keys come as a
+    list or tuple of str/bytes (the DataLoader's default collate, WebDataset's batching), a
+    numpy array of strings, or one str/bytes for an unbatched sample."""
     if isinstance(values, (str, bytes)):
         values = [values]
     elif isinstance(values, np.ndarray):
@@ -67,8 +68,9 @@ def key_values(values: Any) -> Optional[list]:
 
 
 def key_hashes(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Each key's 128-bit xxh3 digest of its UTF-8 bytes, as two 64-bit halves: (hash,
-    check), two uint64 arrays. Not a cryptographic hash; nothing here needs one."""
+    """Return each key's 128-bit xxh3 digest of its UTF-8 bytes, as two 64-bit halves.
+
+    (hash, check), two uint64 arrays. Not a cryptographic hash; nothing here needs one."""
     import xxhash
 
     digest = xxhash.xxh3_128_digest
@@ -83,10 +85,11 @@ OUTSIDE_SHIFT = 2
 
 
 class KeyIndex:
-    """The known keys (in the order given: key k is sample id k) by their 64-bit hashes, for
-    the count path: `lookup(keys)` gives each key's id, or N + (hash >> 2) for a key outside
-    it. Built from chunks of keys (a file's lines, a dataset column's batches), holding 24
-    bytes a key and no key itself. `label`: where the keys come from, for the messages."""
+    """The known keys by their 64-bit hashes, for the count path (key k is sample id k).
+
+    In the order given. `lookup(keys)` gives each key's id, or N + (hash >> 2) for a key outside
+    it. Built from chunks of keys (a file's lines, a dataset column's batches), holding 24 bytes
+    a key and no key itself. `label`: where the keys come from, for the messages."""
 
     def __init__(self, chunks, label: str) -> None:
         hashes, checks = [], []
@@ -177,8 +180,9 @@ def file_keys(path: str, chunk: int = 1 << 16):
 
 
 def source_keys(loader, field: str):
-    """The set of keys the loader's own dataset holds in `field`, where it says: a
-    datasets.Dataset (as the loader reads it: a view's own rows) whose column `field` holds
+    """Return the set of keys the loader's own dataset holds in `field`, where it says.
+
+    A datasets.Dataset (as the loader reads it: a view's own rows) whose column `field` holds
     strings or bytes -> (a function giving its keys in chunks, N); else None."""
     from sharddemo.rank.describe import base_loader
 
@@ -202,10 +206,11 @@ def source_keys(loader, field: str):
 
 
 class KeyTable:
-    """This rank's keys -> local ids (first seen first), on the id path. `counting`: set by
-    the walk on the count path, where the keys' ids come from `index` (a KeyIndex of the
-    known keys, built at the first batch from `known`: a function giving the keys in chunks)
-    instead; without one, a key stops the audit with one line."""
+    """This rank's keys -> local ids (first seen first), on the id path.
+
+    `counting`: set by the walk on the count path, where the keys' ids come from `index` (a
+    KeyIndex of the known keys, built at the first batch from `known`: a function giving the
+    keys in chunks) instead; without one, a key stops the audit with one line."""
 
     def __init__(self, field: str, known=None, known_from: str = "") -> None:
         self.field = field
@@ -239,8 +244,9 @@ class KeyTable:
         return torch.from_numpy(out)
 
     def encode(self) -> torch.Tensor:
-        """The table as one uint8 tensor: each key's UTF-8 bytes, each preceded by its length
-        in 4 bytes (little-endian), in local-id order."""
+        """Return the table as one uint8 tensor, in local-id order.
+
+        Each key's UTF-8 bytes, each preceded by its length in 4 bytes (little-endian)."""
         parts = []
         for key in self.keys:
             data = key.encode("utf-8", "surrogatepass")
@@ -261,9 +267,11 @@ def decode(blob: bytes) -> list[str]:
 
 
 def exchange_tables(accelerator, table: KeyTable) -> Optional[list[list[str]]]:
-    """A collective (every rank, each epoch's end, where --id-field is given): every rank's
-    key table on the main process (None elsewhere), or None on every rank where no rank saw a
-    key. A rank that saw keys beside one that saw numbers is one error line."""
+    """Bring every rank's key table to the main process, a collective.
+
+    Called on every rank at each epoch's end, where --id-field is given: the tables on the main
+    process (None elsewhere), or None on every rank where no rank saw a key. A rank that saw
+    keys beside one that saw numbers is one error line."""
     blob = table.encode()
     heads = exchange_ints(accelerator, [len(table.keys), int(table.numbers), blob.numel()])
     if not any(h[0] for h in heads):
@@ -278,9 +286,10 @@ def exchange_tables(accelerator, table: KeyTable) -> Optional[list[list[str]]]:
 
 
 def name_record(record: dict, tables: list[list[str]]) -> dict:
-    """The epoch's record with every rank's local ids replaced by its keys: each rank's
-    batches, and what the per-batch gathers returned (`gathered_for_metrics`: every step's
-    batches in rank order, the last step cut where accelerate cut it)."""
+    """Return the epoch's record with every rank's local ids replaced by its keys.
+
+    Each rank's batches, and what the per-batch gathers returned (`gathered_for_metrics`: every
+    step's batches in rank order, the last step cut where accelerate cut it)."""
     per_rank = []
     for entry, table in zip(record["ranks"], tables):
         per_rank.append([[table[i] for i in batch] for batch in entry["batches"]])
@@ -304,9 +313,10 @@ def name_record(record: dict, tables: list[list[str]]) -> dict:
 
 
 def exchange_key_events(accelerator, table: KeyTable) -> Optional[dict]:
-    """A collective (every rank, each counted epoch's end, where the field held keys): every
-    rank's collisions and outside keys, merged on the main process (None elsewhere, and on
-    every rank where no rank looked a key up)."""
+    """Merge every rank's collisions and outside keys on the main process, a collective.
+
+    Called on every rank at each counted epoch's end, where the field held keys; None elsewhere,
+    and on every rank where no rank looked a key up."""
     from sharddemo.rank.collect import exchange_objects
 
     index = table.index

@@ -54,8 +54,10 @@ def build_prepared(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPla
 
 
 def prepare_settings(opts: RunOptions) -> dict:
-    """The DataLoaderConfiguration fields the options set (what `Accelerator(dataloader_config=
-    DataLoaderConfiguration(...))` would say in a user's script)."""
+    """Return the DataLoaderConfiguration fields the options set.
+
+    What `Accelerator(dataloader_config=DataLoaderConfiguration(...))` would say in a user's
+    script."""
     return {"even_batches": opts.even_batches, "split_batches": opts.split_batches,
             "dispatch_batches": opts.dispatch_batches}
 
@@ -95,8 +97,10 @@ def build_replicated(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderP
 
 
 def plain_loader(dataset, opts: RunOptions) -> DataLoader:
-    """`DataLoader(dataset, batch_size, shuffle=True)`, as a user writes it. Streams have no
-    order to shuffle: a DataLoader refuses shuffle=True for an IterableDataset."""
+    """Build `DataLoader(dataset, batch_size, shuffle=True)`, as a user writes it.
+
+    Streams have no order to shuffle: a DataLoader refuses shuffle=True for an IterableDataset.
+    """
     shuffle = opts.shuffle and not isinstance(dataset, IterableDataset)
     return DataLoader(
         dataset,
@@ -125,9 +129,10 @@ def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> Loade
 
 @contextlib.contextmanager
 def dataloader_config(accelerator, **changes):
-    """Prepare one loader with these DataLoaderConfiguration settings, then restore the
-    Accelerator's: every mode (and every test scenario) can share one Accelerator, so one
-    process start serves them all."""
+    """Prepare one loader with these DataLoaderConfiguration settings, then restore them.
+
+    The Accelerator's own settings come back after. Every mode (and every test scenario) can
+    share one Accelerator, so one process start serves them all."""
     old = accelerator.dataloader_config
     accelerator.dataloader_config = dataclasses.replace(old, **changes)
     try:
@@ -168,8 +173,9 @@ def build_split(accelerator, dataset, opts: RunOptions) -> LoaderPlan:
 
 
 def _wds_sample(sample: dict) -> dict:
-    """A decoded WebDataset sample -> its id and key (what a batch of the webdataset source
-    carries: sources.batch_values reads `id`)."""
+    """Return a decoded WebDataset sample's id and key.
+
+    What a batch of the webdataset source carries: sources.batch_values reads `id`."""
     return {"id": sample["id.cls"], "__key__": sample["__key__"]}
 
 
@@ -179,10 +185,11 @@ def _wds_loader(dataset, opts: RunOptions) -> DataLoader:
 
 
 def build_wds_split(accelerator, source, opts: RunOptions) -> LoaderPlan:
-    """`split` over `--source webdataset`: WebDataset's documented split,
-    `nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker`: rank r reads
-    shards r, r+W, ...; its worker k every K-th of those. Each sample once per epoch where the
-    shards divide over W ranks x K workers; else the ranks read unequal amounts."""
+    """Build `split` over `--source webdataset`: WebDataset's documented split.
+
+    `nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker`: rank r reads shards r,
+    r+W, ...; its worker k every K-th of those. Each sample once per epoch where the shards
+    divide over W ranks x K workers; else the ranks read unequal amounts."""
     import webdataset as wds
 
     return LoaderPlan(_wds_loader(wds.WebDataset(
@@ -191,9 +198,10 @@ def build_wds_split(accelerator, source, opts: RunOptions) -> LoaderPlan:
 
 
 def build_wds_default(accelerator, source, opts: RunOptions) -> LoaderPlan:
-    """`no-nodesplitter`: `wds.WebDataset(urls)` with its default nodesplitter
-    (single_node_only), which raises "you need to add an explicit nodesplitter" on more than
-    one rank rather than let every rank read every shard. The raise is the point: the trace
+    """Build `no-nodesplitter`: `wds.WebDataset(urls)` with its default nodesplitter.
+
+    That is single_node_only, which raises "you need to add an explicit nodesplitter" on more
+    than one rank rather than let every rank read every shard. The raise is the point: the trace
     records it (LoaderPlan.probe)."""
     import webdataset as wds
 
@@ -206,8 +214,10 @@ def _every_shard(src):
 
 
 def build_wds_silenced(accelerator, source, opts: RunOptions) -> LoaderPlan:
-    """`silenced` (pitfall): that error silenced the wrong way, `nodesplitter=lambda src:
-    src`: every rank reads every shard, so the ranks train on the same data."""
+    """Build `silenced` (pitfall): the nodesplitter's error silenced the wrong way.
+
+    `nodesplitter=lambda src: src`: every rank reads every shard, so the ranks train on the same
+    data."""
     import webdataset as wds
 
     return LoaderPlan(_wds_loader(wds.WebDataset(source.urls(), shardshuffle=False,
@@ -215,9 +225,11 @@ def build_wds_silenced(accelerator, source, opts: RunOptions) -> LoaderPlan:
 
 
 def build_wds_resampled(accelerator, source, opts: RunOptions) -> LoaderPlan:
-    """`resampled`: `resampled=True` with `.with_epoch(n)`: every worker draws shards with
-    replacement, for n = ceil(N / (W x max(K, 1))) samples, so the ranks together draw about
-    N a epoch. Repeats and gaps are its design (sampling with replacement), not a bug."""
+    """Build `resampled`: `resampled=True` with `.with_epoch(n)`.
+
+    Every worker draws shards with replacement, for n = ceil(N / (W x max(K, 1))) samples, so
+    the ranks together draw about N a epoch. Repeats and gaps are its design (sampling with
+    replacement), not a bug."""
     import webdataset as wds
 
     per_worker = -(-opts.dataset_size // (accelerator.num_processes * max(opts.num_workers, 1)))
@@ -228,15 +240,18 @@ def build_wds_resampled(accelerator, source, opts: RunOptions) -> LoaderPlan:
 
 
 def uneven_count(world: int, num_workers: int) -> int:
-    """The shard count `uneven-shards` writes: one more than W x max(K, 1), which no split
-    over the ranks and their workers can share out evenly."""
+    """Return the shard count `uneven-shards` writes: one more than W x max(K, 1).
+
+    No split over the ranks and their workers can share that many out evenly."""
     return world * max(num_workers, 1) + 1
 
 
 def build_wds_uneven(accelerator, source, opts: RunOptions) -> LoaderPlan:
-    """`uneven-shards`: the documented split over the same N samples written as W x max(K, 1)
-    + 1 shards: rank 0 reads one shard more than the last rank, so (for shards of a batch or
-    more) it takes more steps, and DDP would hang at the step the others run out."""
+    """Build `uneven-shards`: the documented split over shards that do not divide evenly.
+
+    The same N samples written as W x max(K, 1) + 1 shards: rank 0 reads one shard more than the
+    last rank, so (for shards of a batch or more) it takes more steps, and DDP would hang at the
+    step the others run out."""
     import webdataset as wds
 
     urls = source.urls(uneven_count(accelerator.num_processes, opts.num_workers))

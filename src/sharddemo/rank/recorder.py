@@ -1,5 +1,6 @@
-"""The recorder: what a loader hands the training loop on this rank, recorded as the loop
-iterates it, and exchanged once at the end of each epoch.
+"""The recorder: what a loader hands the training loop on this rank, kept as the loop runs.
+
+Recorded as the loop iterates the loader, and exchanged once at the end of each epoch.
 
     recorder = Recorder(accelerator, read_ids, n=len(dataset), how="count", loader=loader)
     for batch in loader:
@@ -17,8 +18,8 @@ sharddemo.record describes and sharddemo.analysis reads:
   counts on the main process: coverage, repeats, each rank's order hash, steps, batch sizes,
   workers and its first and last batches, at any N.
 
-Two ranks, N = 8, a DistributedSampler (shuffle=False) and batches of 2: rank 0 adds [0, 2]
-and [4, 6], rank 1 adds [1, 3] and [5, 7]; `finish(0)` on the main process returns, with
+Two ranks, N = 8, a DistributedSampler (shuffle=False) and batches of 2: rank 0 adds [0, 2] and
+[4, 6], rank 1 adds [1, 3] and [5, 7]; `finish(0)` on the main process returns, with
 `how="epoch"`, `ranks` = [[[0, 2], [4, 6]], [[1, 3], [5, 7]]] (rank.walk.walk_epoch walks a
 loader this way for `compare`, `audit` and the resume audit).
 """
@@ -42,11 +43,13 @@ from sharddemo.rank.tagging import UNKNOWN_WORKER, known_worker
 def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
                  workers: list[list[int]], remainders: list[Optional[int]],
                  for_metrics: Optional[list[int]] = None) -> dict:
-    """An id record (sharddemo.record): `ranks[r]` rank r's batches, `workers[r][k]` the
-    DataLoader worker that made rank r's batch k (-1: the main process, -2: not known),
-    `remainders[r]` accelerate's `gradient_state.remainder` for rank r's prepared loader (None
-    when not prepared), `for_metrics` what gather_for_metrics returned step after step (None:
-    not called, or no loop could reach the last step)."""
+    """Return an id record (sharddemo.record) of one epoch.
+
+    `ranks[r]` rank r's batches, `workers[r][k]` the DataLoader worker that made rank r's batch
+    k (-1: the main process, -2: not known), `remainders[r]` accelerate's
+    `gradient_state.remainder` for rank r's prepared loader (None when not prepared),
+    `for_metrics` what gather_for_metrics returned step after step (None: not called, or no loop
+    could reach the last step)."""
     return {"epoch": epoch, "gather": gather,
             "ranks": [{"rank": r, "batches": b, "workers": w}
                       for r, (b, w) in enumerate(zip(ranks, workers))],
@@ -55,11 +58,12 @@ def epoch_record(epoch: int, gather: str, ranks: list[list[list[int]]],
 
 @functools.lru_cache(maxsize=1)
 def id_objects(n: int) -> tuple[np.ndarray, list[int]]:
-    """The ints 0..n-1 as Python int objects, made once per process and dataset length: in
-    one numpy array (to pick any ids) and in one list of the same objects (to slice a run of
-    consecutive ids). The id path's record lists every id as a Python int; taken from here an
-    id costs a pointer copy, not a new int object on fresh memory (about 10 times more on
-    these machines, where first-touched memory is slow: docs/benchmarks.md, "streams"), and
+    """Return the ints 0..n-1 as Python int objects, made once per process and dataset length.
+
+    In one numpy array (to pick any ids) and in one list of the same objects (to slice a run of
+    consecutive ids). The id path's record lists every id as a Python int; taken from here an id
+    costs a pointer copy, not a new int object on fresh memory (many times more where
+    first-touched memory is slow: docs/benchmarks.md, "Figures behind design choices"), and
     every epoch's record shares the same objects."""
     pool = np.arange(n).astype(object)
     return pool, pool.tolist()
@@ -69,8 +73,9 @@ Runs = tuple  # a batch as runs of consecutive ascending ids: ((first id, length
 
 
 class Listed(NamedTuple):
-    """One rank's batches as listed on the main process (list_ids), with what the next
-    rank's listing compares its batches with (`like`)."""
+    """One rank's batches as listed on the main process (list_ids).
+
+    With what the next rank's listing compares its batches with (`like`)."""
     flat: np.ndarray  # the ids of the batches that travelled listed, in order
     offsets: list  # batch k's first position in `flat` (a batch of runs: where it would be)
     runs: list  # batch k's Runs where it travelled as runs, else None
@@ -80,19 +85,20 @@ class Listed(NamedTuple):
 def list_ids(flat: np.ndarray, cuts: list[int], n: Optional[int],
              like: Optional[Listed] = None, runs: Optional[list[Optional[Runs]]] = None,
              known: Optional[tuple[dict, dict]] = None) -> Listed:
-    """One rank's batches as lists of Python ints: `cuts` its batch sizes, `runs[k]` batch
-    k's runs where it travelled as runs of consecutive ascending ids ((first, length), ...;
-    not in `flat`), else None, and `flat` the ids of the other batches, in order (no `runs`:
-    every batch is in `flat`). Where every id is in 0..n-1 (`n` given), the ints come from
-    id_objects: a run is a slice of its list, and so is a listed batch of consecutive
-    ascending ids (a stream, an unshuffled loader); any other batch is picked from its array.
-    `like`: the previous rank's Listed; a batch equal to that rank's batch at the same step
-    (replicated ranks) is that rank's list itself, so the record holds it once (the record is
-    read, never changed in place). `known`: (the lists of the batches of runs listed before,
-    by their Runs; those of this listing, filled here): a batch of runs listed before, in the
-    last listing or in this one, is that list again (an unshuffled loader, a stream read in
-    order: every epoch's record holds the same lists). The same ints in the same order either
-    way."""
+    """List one rank's batches as lists of Python ints.
+
+    `cuts` its batch sizes, `runs[k]` batch k's runs where it travelled as runs of consecutive
+    ascending ids ((first, length), ...; not in `flat`), else None, and `flat` the ids of the
+    other batches, in order (no `runs`: every batch is in `flat`). Where every id is in 0..n-1
+    (`n` given), the ints come from id_objects: a run is a slice of its list, and so is a listed
+    batch of consecutive ascending ids (a stream, an unshuffled loader); any other batch is
+    picked from its array. `like`: the previous rank's Listed; a batch equal to that rank's
+    batch at the same step (replicated ranks) is that rank's list itself, so the record holds it
+    once (the record is read, never changed in place). `known`: (the lists of the batches of
+    runs listed before, by their Runs; those of this listing, filled here): a batch of runs
+    listed before, in the last listing or in this one, is that list again (an unshuffled loader,
+    a stream read in order: every epoch's record holds the same lists). The same ints in the
+    same order either way."""
     runs = runs if runs is not None else [None] * len(cuts)
     lows, highs = [], []
     for batch in runs:
@@ -153,14 +159,15 @@ ID_SLOT = 512
 
 class IdLog:
     """Every id of one epoch on this rank, batch by batch, and the worker of each batch.
-    `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then
-    listed from one shared set of int objects (id_objects). A batch that is a few runs of
-    consecutive ascending ids (one run: a stream read in order, an unshuffled loader, a shard
-    of one; two: a shard's last batch padded from the start) is kept as its runs, and not
-    held; any other batch is kept as the reader gave it (values and shift: the shift is taken
-    off once, at the epoch's end). Runs are looked for while this rank's payload may still fit
-    its slot (ID_SLOT): a batch looked at costs a comparison of its ids, once, as it comes;
-    past that, every batch is kept as it came."""
+
+    `n`: the dataset's length where known and below COUNT_FROM: the ids 0..n-1 are then listed
+    from one shared set of int objects (id_objects). A batch that is a few runs of consecutive
+    ascending ids (one run: a stream read in order, an unshuffled loader, a shard of one; two: a
+    shard's last batch padded from the start) is kept as its runs, and not held; any other batch
+    is kept as the reader gave it (values and shift: the shift is taken off once, at the epoch's
+    end). Runs are looked for while this rank's payload may still fit its slot (ID_SLOT): a
+    batch looked at costs a comparison of its ids, once, as it comes; past that, every batch is
+    kept as it came."""
 
     def __init__(self, n: Optional[int] = None, runs: Optional[dict] = None) -> None:
         self.runs = runs  # the last epoch's lists of batches of runs (list_ids' `known`)
@@ -200,8 +207,10 @@ class IdLog:
         self.room -= 2 + size
 
     def _as_runs(self, array: np.ndarray, size: int, shift: int) -> bool:
-        """Keep the batch as its runs where it is a few (fewer ints than its ids, and room
-        for them): [c, first, length, ..., first], the last run's length implied."""
+        """Keep the batch as its runs where it is a few, and say whether it did.
+
+        A few: fewer ints than its ids, and room for them: [c, first, length, ..., first], the
+        last run's length implied."""
         first, last = int(array[0]) - shift, int(array[-1]) - shift
         if last - first == size - 1 and (size < 3 or bool((array[1:] > array[:-1]).all())):
             code = [1, first]
@@ -235,13 +244,14 @@ class IdLog:
         return None
 
     def heads(self, loader) -> list[int]:
-        """What this rank tells the others first at the epoch's end (finish exchanges it, or
-        the caller does, with finish's `heads`): its batches, the length of its payload, the
-        largest |value| in it, accelerate's remainder for `loader`, then ID_SLOT ints: the
-        payload where it fits, else zeros. The payload (kept for finish): each batch's size,
-        negated for a batch of runs, each batch's worker, the length of what follows and the
-        runs of each batch of runs (c, first, length, ..., first: the last length is the
-        size's rest), then the ids of the other batches."""
+        """Return what this rank tells the others first at the epoch's end.
+
+        finish exchanges it, or the caller does, with finish's `heads`: its batches, the length
+        of its payload, the largest |value| in it, accelerate's remainder for `loader`, then
+        ID_SLOT ints: the payload where it fits, else zeros. The payload (kept for finish): each
+        batch's size, negated for a batch of runs, each batch's worker, the length of what
+        follows and the runs of each batch of runs (c, first, length, ..., first: the last
+        length is the size's rest), then the ids of the other batches."""
         listed, shifts = self.batches, self.shifts
         if not listed:
             ids = torch.empty(0, dtype=torch.int64)
@@ -265,11 +275,13 @@ class IdLog:
 
     def finish(self, accelerator, loader, epoch: int, everyone: bool = False,
                heads: Optional[list[list[int]]] = None) -> Optional[dict]:
-        """A collective: the heads exchanged (every rank's `heads(loader)`; `heads`: already
-        exchanged by the caller, [rank][k]). Where every rank's payload fitted its slot that
-        was all; else one ragged gather of every rank's payload (int32 when every value fits)
-        onto the main process (an all-gather with `everyone`). The record on the main process,
-        and on every rank with `everyone`."""
+        """Exchange the heads and, where needed, the payloads, and return the record.
+
+        A collective: the heads exchanged (every rank's `heads(loader)`; `heads`: already
+        exchanged by the caller, [rank][k]). Where every rank's payload fitted its slot that was
+        all; else one ragged gather of every rank's payload (int32 when every value fits) onto
+        the main process (an all-gather with `everyone`). The record on the main process, and on
+        every rank with `everyone`."""
         if heads is None:
             heads = exchange_ints(accelerator, self.heads(loader))
         elif self.payload is None:
@@ -412,13 +424,16 @@ class Recorder:
         self.log.add(values, worker, shift)
 
     def add_ids(self, ids: torch.Tensor, worker: int = UNKNOWN_WORKER) -> None:
-        """One batch given by its 0-based ids (a 1-D integer tensor), where the caller read
-        them itself (sharddemo.watch)."""
+        """Record one batch given by its 0-based ids (a 1-D integer tensor).
+
+        For a caller that read them itself (sharddemo.watch)."""
         self.log.add(ids, worker, 0)
 
     def add_rows(self, block: torch.Tensor, worker: int = UNKNOWN_WORKER) -> None:
-        """Several batches of one size, the rows of `block` (2-D), given by their 0-based ids:
-        the same as add_ids() for each row, in one call (the count path books them at once)."""
+        """Record several batches of one size, the rows of `block`, given by their 0-based ids.
+
+        `block` is 2-D. The same as add_ids() for each row, in one call (the count path books
+        them at once)."""
         add_rows = getattr(self.log, "add_rows", None)
         if add_rows is not None:
             add_rows(block, worker, 0)
@@ -427,38 +442,44 @@ class Recorder:
                 self.log.add(row, worker, 0)
 
     def holds(self, ids):
-        """Mid-epoch, local: whether this rank has received each of `ids` so far this epoch (a
-        bool array), or None where that cannot be looked up without a copy (the id path, ids
-        counted on a device, BitCounts)."""
+        """Say (mid-epoch, locally) whether this rank has received each of `ids` so far.
+
+        A bool array over this epoch so far, or None where that cannot be looked up without a
+        copy (the id path, ids counted on a device, BitCounts)."""
         holds = getattr(self.log, "holds", None)
         return holds(ids) if holds is not None else None
 
     def copies(self, ids):
-        """Mid-epoch, local: how many times this rank has received each of `ids` so far this
-        epoch (a uint8 array), or None where holds gives None."""
+        """Count, mid-epoch and locally, how many times this rank has received each of `ids`.
+
+        So far this epoch, as a uint8 array, or None where holds gives None."""
         copies = getattr(self.log, "copies", None)
         return copies(ids) if copies is not None else None
 
     @property
     def delivers_everywhere(self) -> bool:
-        """Whether finish(everyone=True) gives the record to every rank (with no collective
-        beyond the epoch's own)."""
+        """Say whether finish(everyone=True) gives the record to every rank.
+
+        With no collective beyond the epoch's own."""
         return self.log.delivers_everywhere(self.accelerator.num_processes)
 
     def heads(self, loader: Any = None) -> Optional[list[int]]:
-        """The id path's first exchange at the epoch's end, this rank's part (IdLog.heads),
-        for a caller that sends it in an exchange of its own (rank.walk.settle) and passes
-        every rank's to finish(heads=...): one collective fewer. None on the count path."""
+        """Return this rank's part of the id path's first exchange at the epoch's end.
+
+        IdLog.heads, for a caller that sends it in an exchange of its own (rank.walk.settle) and
+        passes every rank's to finish(heads=...): one collective fewer. None on the count path.
+        """
         if not isinstance(self.log, IdLog):
             return None
         return self.log.heads(loader if loader is not None else self.loader)
 
     def finish(self, epoch: int, loader: Any = None, everyone: bool = False,
                heads: Optional[list[list[int]]] = None) -> Optional[dict]:
-        """The epoch's end, a collective: the record on the main process, None elsewhere (on
-        every rank with `everyone`, where delivers_everywhere). `loader`: the loader the
-        epoch was walked from, where it is not the one given (a skip_first_batches loader).
-        `heads`: every rank's heads(), already exchanged (the id path)."""
+        """End the epoch, a collective: the record on the main process, None elsewhere.
+
+        On every rank with `everyone`, where delivers_everywhere. `loader`: the loader the epoch
+        was walked from, where it is not the one given (a skip_first_batches loader). `heads`:
+        every rank's heads(), already exchanged (the id path)."""
         log, self.log = self.log, self._new_log()
         loader = loader if loader is not None else self.loader
         if heads is not None:

@@ -1,6 +1,7 @@
-"""The rank side of `sharddemo audit FACTORY --resume-at EPOCH:STEP[,EPOCH:STEP...]` (stop
-training, restart it, and compare: commands/resume.py launches, analysis/resume.py compares)
-and of `compare --modes resume`.
+"""The rank side of `sharddemo audit FACTORY --resume-at ...` and `compare --modes resume`.
+
+`--resume-at EPOCH:STEP[,EPOCH:STEP...]`: stop training, restart it, and compare
+(commands/resume.py launches, analysis/resume.py compares).
 
 Real launches of the user's factory, each in fresh processes:
 
@@ -22,9 +23,8 @@ Real launches of the user's factory, each in fresh processes:
 sharddemo seeds nothing behind the factory's back: a factory that calls `set_seed` resumes
 differently from one that does not, and that is what the report shows. Per epoch: the ids the
 resume repeated and skipped against the uninterrupted run (as multisets, over all ranks and
-launches), per restart what it repeated and lost, whether each rank's order is the
-uninterrupted order (one world size walked the epoch, deterministic loader), and the verdict
-`resume-exact`.
+launches), per restart what it repeated and lost, whether each rank's order is the uninterrupted
+order (one world size walked the epoch, deterministic loader), and the verdict `resume-exact`.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ STATE_FILE = "sharddemo_loader_state_{rank}.pt"
 def resume_rank(opts, plan: ResumePlan, phase: str, checkpoint: str, *, index: int = 0,
                 resume_from: Optional[dict] = None, final_epoch: Optional[int] = None,
                 device: str = "auto", trace_out: Optional[str] = None) -> Optional[dict]:
-    """Launch `index` of the chain on this rank: launch 0 (`stop`) walks from the start to the
-    plan's first stop; launch j (`resume`) loads the state launch j-1 saved at `resume_from`
-    (its resolved stop) and walks to stop j, or, the last launch, through `final_epoch`.
-    Returns the launch's trace on the main process (its records and its resolved stop)."""
+    """Run launch `index` of the chain on this rank; return its trace on the main process.
+
+    Launch 0 (`stop`) walks from the start to the plan's first stop; launch j (`resume`) loads
+    the state launch j-1 saved at `resume_from` (its resolved stop) and walks to stop j, or, the
+    last launch, through `final_epoch`. The trace holds the launch's records and its resolved
+    stop."""
     from sharddemo.rank.audit import build_factory_loader, id_reader, load_factory, set_epoch
     from sharddemo.rank.describe import agree_on_fingerprint, is_prepared
     from sharddemo.rank.session import rank_session
@@ -89,16 +91,17 @@ def chain_launch(walker, accelerator, loader, prepared: bool, *, strategy: str,
                  load_from: Optional[str], resume_from: Optional[dict], stop,
                  save_to: Optional[str], final_epoch: Optional[int],
                  chain: str) -> Optional[dict]:
-    """One launch of a chain of stops and restarts, as a training loop that counts its steps
-    runs it. Without `resume_from`: from epoch 0. Else the state in `load_from` loaded and the
-    loop resumed where `resume_from` says: after an epoch's last step (`last`), at the next
-    epoch's step 0 (accelerate's examples: `skip_first_batches(loader, 0)`); mid-epoch, past its
-    first `step` batches (skip: accelerator.skip_first_batches; stateful: the loader goes on by
+    """Run one launch of a chain of stops and restarts, as a loop that counts its steps.
+
+    Without `resume_from`: from epoch 0. Else the state in `load_from` loaded and the loop
+    resumed where `resume_from` says: after an epoch's last step (`last`), at the next epoch's
+    step 0 (accelerate's examples: `skip_first_batches(loader, 0)`); mid-epoch, past its first
+    `step` batches (skip: accelerator.skip_first_batches; stateful: the loader goes on by
     itself; restart: from the epoch's start, the loop's step count going on from `step`). Then
-    to `stop` (`step` batches of its epoch as the loop counts them, or after the last one;
-    the state saved to `save_to`), or through `final_epoch`. Returns the stop where this
-    launch saved, resolved: {epoch, step, last, steps (the epoch's steps as this launch counts
-    them, None without a length)}; None for the last launch."""
+    to `stop` (`step` batches of its epoch as the loop counts them, or after the last one; the
+    state saved to `save_to`), or through `final_epoch`. Returns the stop where this launch
+    saved, resolved: {epoch, step, last, steps (the epoch's steps as this launch counts them,
+    None without a length)}; None for the last launch."""
     epoch, step, source = 0, 0, loader
     if resume_from is not None:
         _load(accelerator, loader, prepared, load_from)
@@ -140,9 +143,10 @@ def chain_launch(walker, accelerator, loader, prepared: bool, *, strategy: str,
 
 def stop_and_save(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
                   step: int) -> None:
-    """The resume demo's stopping launch: epochs 0..epoch-1 whole, `step` batches of `epoch`,
-    then the state saved (accelerate's save_state for a prepared loader, the loader's own
-    else)."""
+    """Run the resume demo's stopping launch, then save the state.
+
+    Epochs 0..epoch-1 whole, `step` batches of `epoch`, then the state saved (accelerate's
+    save_state for a prepared loader, the loader's own else)."""
     for earlier in range(epoch):
         walker.walk(earlier)
     walker.walk(epoch, max_steps=step)
@@ -151,9 +155,11 @@ def stop_and_save(walker, accelerator, loader, prepared: bool, checkpoint: str, 
 
 def load_and_resume(walker, accelerator, loader, prepared: bool, checkpoint: str, epoch: int,
                     step: int, *, skip: bool) -> None:
-    """The resume demo's resuming launch: the state loaded, the rest of `epoch` (`skip`: past
-    the first `step` batches with accelerator.skip_first_batches; else the loader continues by
-    itself, stateful, or from the epoch's start, restart), then the next epoch whole."""
+    """Run the resume demo's resuming launch: load the state, finish the epoch, walk the next.
+
+    The rest of `epoch` (`skip`: past the first `step` batches with
+    accelerator.skip_first_batches; else the loader continues by itself, stateful, or from the
+    epoch's start, restart), then the next epoch whole."""
     _load(accelerator, loader, prepared, checkpoint)
     if skip and step:
         walker.walk(epoch, source=accelerator.skip_first_batches(loader, step))
@@ -170,8 +176,10 @@ def _length(loader) -> Optional[int]:
 
 
 def _save(accelerator, loader, prepared: bool, checkpoint: str) -> None:
-    """What the user's stack saves: accelerate's state (prepared loaders and samplers included),
-    and a loader's own state_dict when accelerate does not hold the loader."""
+    """Save what the user's stack saves.
+
+    accelerate's state (prepared loaders and samplers included), and a loader's own state_dict
+    when accelerate does not hold the loader."""
     import torch
 
     try:
@@ -220,9 +228,11 @@ def _demo_loader(accelerator, opts, workers: int, stateful: bool):
 
 def demo_rank(opts, phase: str, checkpoint: str, *, device: str = "auto",
               trace_out: Optional[str] = None, stateful: bool = True) -> Optional[dict]:
-    """One phase of the demo on this rank: `reference` (per workers x stateful, three epochs),
-    `stop` or `resume` (per scenario; without `stateful`, torchdata not installed, the
-    scenarios that need no StatefulDataLoader). Returns {key: epochs} on the main process."""
+    """Run one phase of the demo on this rank; return {key: epochs} on the main process.
+
+    `reference` (per workers x stateful, three epochs), `stop` or `resume` (per scenario;
+    without `stateful`, torchdata not installed, the scenarios that need no StatefulDataLoader).
+    """
     from accelerate import Accelerator
 
     from sharddemo.rank.sources import batch_ids

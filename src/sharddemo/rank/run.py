@@ -45,10 +45,11 @@ def arithmetic(world: int, opts: RunOptions) -> dict:
 def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                on_epoch: Optional[Callable[[dict], None]] = None,
                say: Optional[Callable[[str], None]] = None) -> dict:
-    """Walk one mode's loader for every epoch on this rank. Returns the mode's trace on the
-    main process (every rank's batches, what gather_for_metrics returned, what the loader is
-    made of) and {} elsewhere. `say`: where to state, before the walk, the mode's own batch
-    where it differs from the run's arithmetic."""
+    """Walk one mode's loader for every epoch on this rank, and return the mode's trace.
+
+    The trace on the main process (every rank's batches, what gather_for_metrics returned, what
+    the loader is made of) and {} elsewhere. `say`: where to state, before the walk, the mode's
+    own batch where it differs from the run's arithmetic."""
     from accelerate.utils import set_seed
 
     from sharddemo.rank.loaders import build_mode_loader
@@ -121,8 +122,9 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
 
 
 def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dict):
-    """The shard arithmetic of a streamed source, as its library computes it (None for the
-    other sources)."""
+    """Return the shard arithmetic of a streamed source, as its library computes it.
+
+    None for the other sources."""
     if opts.source == "hf-stream":
         from sharddemo.rank.sources import stream_arithmetic
 
@@ -141,11 +143,12 @@ def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dic
 
 
 def probe_loader(accelerator, loader) -> list[dict]:
-    """Ask every rank's loader for its first batch, as a training loop's first step does, and
-    say which ranks raised: [{"rank", "error"}] on every rank (one line each,
+    """Ask every rank's loader for its first batch, and say which ranks raised.
+
+    As a training loop's first step does: [{"rank", "error"}] on every rank (one line each,
     errors.describe_exception), [] where none did. A collective: every rank learns whether any
-    raised, so either all walk the loader or none does, and none waits on a rank that
-    stopped. The batch taken is dropped with its iterator: the walk starts a new one."""
+    raised, so either all walk the loader or none does, and none waits on a rank that stopped.
+    The batch taken is dropped with its iterator: the walk starts a new one."""
     error = ""
     try:
         iterator = iter(loader)
@@ -158,8 +161,9 @@ def probe_loader(accelerator, loader) -> list[dict]:
 
 
 def _source_ids(batch, tag) -> tuple[torch.Tensor, int]:
-    """The built-in sources carry their ids in the batch itself: (values, shift), see
-    rank.ids.ReadIds."""
+    """Read a built-in source's batch: its (values, shift), see rank.ids.ReadIds.
+
+    The built-in sources carry their ids in the batch itself."""
     return batch_values(batch)
 
 

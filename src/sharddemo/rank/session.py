@@ -1,7 +1,9 @@
-"""One rank's session: the Accelerator with a short process-group timeout, the check that the
-launcher really started every rank, the trace header every rank command writes, the status
-files the parent reads, and the teardown. Every rank command (run, audit-rank, resume-rank,
-resume-demo-rank) opens one `rank_session`; the watch builds its header with `trace_header`.
+"""One rank's session: its Accelerator, its checks, its trace header, status and teardown.
+
+The Accelerator with a short process-group timeout, the check that the launcher really started
+every rank, the trace header every rank command writes, the status files the parent reads, and
+the teardown. Every rank command (run, audit-rank, resume-rank, resume-demo-rank) opens one
+`rank_session`; the watch builds its header with `trace_header`.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def peak_rss_mb(accelerator) -> list[float]:
 
 
 def placement(accelerator) -> list[dict]:
-    """Where every rank runs: global rank, local rank, node (machine rank) and host, as the
-    main process sees them after one gather. The reference takes `local_rank` from
+    """Return where every rank runs: global rank, local rank, node (machine rank) and host.
+
+    As the main process sees them after one gather. The reference takes `local_rank` from
     `get_rank()`, which is only right on the first machine; here both are recorded."""
     import socket
 
@@ -147,8 +150,10 @@ def mark_started() -> None:
 
 
 def failure_kind(exc: BaseException, usage: bool = False) -> str:
-    """usage, timeout, peer or error: from the exception's own type (CollectiveFailed says how
-    the collective failed), following the chain of causes."""
+    """Return how a rank failed: usage, timeout, peer or error.
+
+    From the exception's own type (CollectiveFailed says how the collective failed), following
+    the chain of causes."""
     if usage:
         return "usage"
     seen = exc
@@ -161,7 +166,9 @@ def failure_kind(exc: BaseException, usage: bool = False) -> str:
 
 
 def rank_fail(message: str, kind: str = "error") -> None:
-    """The failing rank speaks for itself: one line on stderr for a person (`[rank r/W] Error:
+    """Report this rank's failure: a line on stderr and its status file.
+
+    The failing rank speaks for itself: one line on stderr for a person (`[rank r/W] Error:
     ...`), and its status file for `sharddemo compare` / `audit`, which turn `usage` into exit
     code 2 and everything else into 1."""
     import json
@@ -177,10 +184,12 @@ def rank_fail(message: str, kind: str = "error") -> None:
 
 
 def trace_header(ranks) -> dict:
-    """The fields every trace starts with, from what really runs: the world size, the
-    process group's backend (gloo, nccl; "none" in one process), accelerate's distributed type
-    where an Accelerator runs (else "torch.distributed", or "NO" alone) and the device. `ranks`
-    is an Accelerator or anything with num_processes and device (the watch's own ranks)."""
+    """Return the fields every trace starts with, from what really runs.
+
+    The world size, the process group's backend (gloo, nccl; "none" in one process),
+    accelerate's distributed type where an Accelerator runs (else "torch.distributed", or "NO"
+    alone) and the device. `ranks` is an Accelerator or anything with num_processes and device
+    (the watch's own ranks)."""
     state = getattr(ranks, "state", None)
     backend = getattr(state, "backend", None)
     if backend is None:
@@ -197,8 +206,9 @@ def trace_header(ranks) -> dict:
 
 
 class RankSession:
-    """What a rank command holds while it runs: its Accelerator, and how it hands its trace
-    to the parent (the main process writes it; the others return None)."""
+    """What a rank command holds while it runs: its Accelerator and its trace's way out.
+
+    The main process writes the trace for the parent; the others return None."""
 
     def __init__(self, accelerator) -> None:
         self.accelerator = accelerator
@@ -208,8 +218,9 @@ class RankSession:
         return self.accelerator.is_main_process
 
     def finish(self, body: dict, trace_out: Optional[str]) -> Optional[dict]:
-        """The trace on the main process (the header, then `body`), written to `trace_out`
-        whole or not at all; None on the other ranks."""
+        """Write the trace on the main process (the header, then `body`) to `trace_out`.
+
+        Whole or not at all; None on the other ranks."""
         HEARTBEAT.finishing()
         if not self.is_main:
             return None
@@ -221,10 +232,12 @@ class RankSession:
 
 @contextmanager
 def rank_session(device: str, timeout: float, *, allow_alone: bool = False):
-    """The one way a rank command runs: an Accelerator with a short process-group timeout
-    (make_accelerator), the check that this process is not alone where the launcher asked for
-    several (check_not_alone; `allow_alone` skips it for `sharddemo trap`), and on any way out
-    the end of training and of the process group (teardown)."""
+    """Run a rank command the one way: set up, check the world, and always tear down.
+
+    An Accelerator with a short process-group timeout (make_accelerator), the check that this
+    process is not alone where the launcher asked for several (check_not_alone; `allow_alone` skips
+    it for `sharddemo trap`), and on any way out the end of training and of the process group
+    (teardown)."""
     accelerator = make_accelerator(device, timeout)
     try:
         if not allow_alone:
@@ -235,8 +248,9 @@ def rank_session(device: str, timeout: float, *, allow_alone: bool = False):
 
 
 def distributed_here() -> tuple[str, str]:
-    """(torch's version, what a launch here would use: CUDA -> NCCL; otherwise CPU ranks on
-    gloo), for `sharddemo --version`."""
+    """Return torch's version and what a launch here would use, for `sharddemo --version`.
+
+    CUDA -> NCCL; otherwise CPU ranks on gloo."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     here = (f"MULTI_GPU on NCCL ({gpus} GPUs visible)" if gpus >= 2 else
             "MULTI_CPU on gloo (no 2 GPUs visible: CPU ranks, accelerate_configs/cpu2.yaml)")

@@ -62,8 +62,10 @@ class ToyIterable(IterableDataset):
 
 
 class ToyIterableUnsplit(IterableDataset):
-    """The common mistake: a stream that ignores DataLoader workers (and ranks). Every worker
-    of every rank yields values 1..N: with K workers a rank receives each sample K times."""
+    """The common mistake: a stream that ignores DataLoader workers (and ranks).
+
+    Every worker of every rank yields values 1..N: with K workers a rank receives each sample K
+    times."""
 
     def __init__(self, length: int) -> None:
         self.length = length
@@ -104,11 +106,12 @@ def hf_stream(length: int, shards: int):
 
 
 class WdsShards:
-    """WebDataset tar shards written locally (extra `[webdataset]`): sample i is named
-    `sample{i:06d}` (`__key__`) and holds its id i (`id.cls`). `urls(count)` writes the N
-    samples in order as `count` shards whose sizes differ by at most one (a count above N:
-    N shards of one), once per count, into a temporary folder of this
-    process, removed as hf_stream's is.
+    """WebDataset tar shards written locally (extra `[webdataset]`).
+
+    Sample i is named `sample{i:06d}` (`__key__`) and holds its id i (`id.cls`). `urls(count)`
+    writes the N samples in order as `count` shards whose sizes differ by at most one (a count
+    above N: N shards of one), once per count, into a temporary folder of this process, removed
+    as hf_stream's is.
 
     `shards` is the run's --shards; the webdataset modes (loaders.WDS_BUILDERS) build their
     pipeline over `urls(shards)` or, for `uneven-shards`, over another count."""
@@ -157,15 +160,16 @@ def build_source(name: str, length: int, shards: int = 4):
 
 def stream_arithmetic(stream, world: int, num_workers: int, split: bool,
                       dispatch: bool = False) -> dict:
-    """How HF datasets spreads a streamed dataset's files over ranks and DataLoader workers,
-    asked of datasets itself: `split_dataset_by_node` per rank (whole files when the file count
+    """Return how HF datasets spreads a streamed dataset's files over ranks and workers.
+
+    Asked of datasets itself: `split_dataset_by_node` per rank (whole files when the file count
     divides by W, else every W-th example of every file), then, per worker, the shard indices
     its `_iter_pytorch` gives that worker (`split_shard_indices_by_worker`).
 
     `dispatch`: the loader is accelerate's DataLoaderDispatcher (dispatch_batches), whose
     `_fetch_batches` reads the stream on process 0 only and sends every rank its slice: the
-    other ranks read no file for their batches (0 files, no workers listed; their own
-    DataLoader workers still start and prefetch, and that data is never used)."""
+    other ranks read no file for their batches (0 files, no workers listed; their own DataLoader
+    workers still start and prefetch, and that data is never used)."""
     from datasets.distributed import split_dataset_by_node
 
     files = int(stream.num_shards)
@@ -200,13 +204,14 @@ def stream_arithmetic(stream, world: int, num_workers: int, split: bool,
 
 
 def wds_arithmetic(urls: list[str], world: int, num_workers: int, mode: str) -> dict:
-    """How WebDataset spreads the shards over ranks and DataLoader workers, asked of
-    WebDataset itself: its `split_by_node` and `split_by_worker` over the url list for each
-    rank and worker (its pytorch_worker_info reads RANK/WORLD_SIZE and WORKER/NUM_WORKERS
+    """Return how WebDataset spreads the shards over ranks and DataLoader workers.
+
+    Asked of WebDataset itself: its `split_by_node` and `split_by_worker` over the url list for
+    each rank and worker (its pytorch_worker_info reads RANK/WORLD_SIZE and WORKER/NUM_WORKERS
     from the environment, set here for each in turn and restored). `mode`: which nodesplitter
-    the mode's pipeline has (split and uneven-shards: split_by_node; silenced: none, every
-    rank every shard; resampled: shards drawn, not split; no-nodesplitter: single_node_only,
-    which raises on more than one rank)."""
+    the mode's pipeline has (split and uneven-shards: split_by_node; silenced: none, every rank
+    every shard; resampled: shards drawn, not split; no-nodesplitter: single_node_only, which
+    raises on more than one rank)."""
     import webdataset as wds
 
     split = mode in ("split", "uneven-shards")
@@ -253,11 +258,12 @@ def wds_arithmetic(urls: list[str], world: int, num_workers: int, mode: str) -> 
 
 
 def batch_values(batch: Any) -> tuple[torch.Tensor, int]:
-    """A batch from any built-in source -> (values, shift): a 1-D int64 tensor on the CPU
-    whose entries are the batch's 0-based ids + shift. The toy sources hold id + 1 (shift 1),
-    the HF sources an `id` column (shift 0). The walk takes the shift off where it is cheap:
-    the count path once per flush of counting.counters.FLUSH_IDS ids rather than once per batch
-    (rank.ids.ReadIds)."""
+    """Return a batch's values and shift, from any built-in source.
+
+    (values, shift): a 1-D int64 tensor on the CPU whose entries are the batch's 0-based ids +
+    shift. The toy sources hold id + 1 (shift 1), the HF sources an `id` column (shift 0). The
+    walk takes the shift off where it is cheap: the count path once per flush of
+    counting.counters.FLUSH_IDS ids rather than once per batch (rank.ids.ReadIds)."""
     if isinstance(batch, dict):
         return batch["id"].reshape(-1).to("cpu", torch.int64), 0
     # Called on every batch: the reshape and conversion only where needed.
@@ -269,7 +275,8 @@ def batch_values(batch: Any) -> tuple[torch.Tensor, int]:
 
 
 def batch_ids(batch: Any) -> torch.Tensor:
-    """A batch from any built-in source -> the 0-based dataset ids it holds, a 1-D int64
-    tensor on the CPU."""
+    """Return the 0-based dataset ids a batch from any built-in source holds.
+
+    A 1-D int64 tensor on the CPU."""
     values, shift = batch_values(batch)
     return unshift(values, shift)

@@ -1,6 +1,8 @@
-"""Batches that say where they came from: which DataLoader worker made each one and, for a
-map-style dataset, which indices it was made of, recorded as the dataset is asked for them
-(the user's batch is handed on untouched: `unwrap` takes the tag off)."""
+"""Batches that say where they came from: which worker made each one, and of which indices.
+
+Which DataLoader worker made each one and, for a map-style dataset, which indices it was made
+of, recorded as the dataset is asked for them (the user's batch is handed on untouched: `unwrap`
+takes the tag off)."""
 
 from __future__ import annotations
 
@@ -21,17 +23,21 @@ UNKNOWN_WORKER = -2
 
 
 def known_worker(loader) -> Optional[int]:
-    """MAIN_PROCESS where the loader's torch DataLoader has no worker processes: the process
-    that iterates it makes every batch (with dispatch_batches, rank 0's main process makes
-    them all), so no batch needs a tag to say so. None where workers make them (or the
-    loader is not a DataLoader): each batch's tag says which."""
+    """Return MAIN_PROCESS where the loader has no worker processes, else None.
+
+    Where the loader's torch DataLoader has no worker processes, the process that iterates it
+    makes every batch (with dispatch_batches, rank 0's main process makes them all), so no batch
+    needs a tag to say so. None where workers make them (or the loader is not a DataLoader):
+    each batch's tag says which."""
     workers = getattr(base_loader(loader), "num_workers", None)
     return MAIN_PROCESS if workers == 0 else None
 
 
 class IndexedDataset(torch.utils.data.Dataset):
-    """Stands in for a map-style dataset: returns what it returns, and notes each index (the
-    table row, for a datasets.Dataset view with an indices mapping: hf_rows)."""
+    """Stands in for a map-style dataset: returns what it returns, and notes each index.
+
+    The index noted is the table row for a datasets.Dataset view with an indices mapping
+    (hf_rows)."""
 
     notes_indices = True  # what rank.describe looks for to see through it
 
@@ -69,8 +75,9 @@ class IndexedDataset(torch.utils.data.Dataset):
 
 
 class TaggingCollate:
-    """Wraps a collate function: the user's batch plus, per sample, its worker and (for an
-    IndexedDataset) its index."""
+    """Wraps a collate function: the user's batch plus, per sample, its worker and index.
+
+    The index for an IndexedDataset only."""
 
     def __init__(self, inner: Callable, indexed: Optional[IndexedDataset],
                  auto: bool = True, sliced: bool = True) -> None:
@@ -79,7 +86,8 @@ class TaggingCollate:
         # a batch accelerate's dispatcher slices across the ranks needs its tag per sample, as
         # a tensor sliced with it; any other needs one worker id, and a plain list travels
         # from a worker in the pickle itself, where each tensor takes a shared-memory file of
-        # its own (at 10^8 samples in batches of 4096 with 2 workers, 15.6 s against 9.4)
+        # its own (much slower on a large stream: docs/benchmarks.md, "Figures behind design
+        # choices")
         self.sliced = sliced
         # auto-collation (a batch_size or batch_sampler): `samples` is the list of samples;
         # without it (batch_size=None) it is what one fetch returned, a sample or a batch
@@ -99,14 +107,16 @@ class TaggingCollate:
 
 
 def tag_batches(loader, record_indices: bool, sliced: Optional[bool] = None) -> bool:
-    """Make every batch of `loader` carry its worker id (and, for map-style datasets when
-    `record_indices`, the indices fetched). False when the loader is not a DataLoader whose
-    collate function can be wrapped (the walk then reads batches as they are), and when there
-    is nothing to record: no indices asked for and no workers (the walk knows the main
-    process made every batch, known_worker). A tag costs a tensor and a dict per batch, which
-    accelerate's send_to_device then walks through, and reading it back a few microseconds:
-    on a toy loader as much as the rest of the walk. `sliced`: accelerate's dispatcher may
-    slice the batches (a loader on its way into prepare); by default, where `loader` is one."""
+    """Make every batch of `loader` carry its worker id, and the indices fetched where asked.
+
+    The indices for map-style datasets when `record_indices`. False when the loader is not a
+    DataLoader whose collate function can be wrapped (the walk then reads batches as they are),
+    and when there is nothing to record: no indices asked for and no workers (the walk knows the
+    main process made every batch, known_worker). A tag costs a tensor and a dict per batch,
+    which accelerate's send_to_device then walks through, and reading it back a few
+    microseconds: on a toy loader as much as the rest of the walk. `sliced`: accelerate's
+    dispatcher may slice the batches (a loader on its way into prepare); by default, where
+    `loader` is one."""
     if sliced is None:
         sliced = type(loader).__name__ == "DataLoaderDispatcher"
     if not record_indices and known_worker(loader) == MAIN_PROCESS:
@@ -147,10 +157,11 @@ def unwrap(batch) -> tuple[Any, Optional[dict]]:
 
 @contextlib.contextmanager
 def tagging_prepare(accelerator, record_indices: bool):
-    """While the user's factory runs: every DataLoader it passes to `accelerator.prepare` is
-    tagged (tag_batches) on its way in, so the loader accelerate builds from it carries the
-    tags from its very first iterator. (A stateful loader starts its iterator, and its
-    workers, inside prepare; tagging afterwards would miss that epoch, and replacing the
+    """Tag every DataLoader the user's factory passes to `accelerator.prepare`, on its way in.
+
+    While the factory runs, each is tagged (tag_batches), so the loader accelerate builds from
+    it carries the tags from its very first iterator. (A stateful loader starts its iterator,
+    and its workers, inside prepare; tagging afterwards would miss that epoch, and replacing the
     iterator would change what it yields.) Nothing else about prepare changes."""
     from torch.utils.data import DataLoader
 

@@ -48,15 +48,16 @@ Progress = Callable[..., None]  # (step, total, samples, scope): see progress_re
 
 
 def choose_gather(accelerator, loader, strategy: str, n: Optional[int] = None) -> str:
-    """`batch`, `epoch` or `count`, the same on every rank (for `auto` a collective: the
-    lengths are exchanged). auto: counted from COUNT_FROM samples on, where every rank knows
-    the same dataset length, however few the steps (a few huge batches of a large dataset
-    gathered as they came would put every id on the main process, which the count path
-    exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps per rank; else once
-    per epoch. `count` without a known length falls back to `epoch`. Callers that walk one
-    loader for several epochs choose once, before the first: every strategy reports an epoch
-    right (only its cost and how much it lists differ), so a loader whose length changes
-    between epochs is still reported right."""
+    """Choose how to gather an epoch: `batch`, `epoch` or `count`, the same on every rank.
+
+    For `auto` a collective: the lengths are exchanged. auto: counted from COUNT_FROM samples
+    on, where every rank knows the same dataset length, however few the steps (a few huge
+    batches of a large dataset gathered as they came would put every id on the main process,
+    which the count path exists to avoid); else every batch up to PER_BATCH_GATHER_LIMIT steps
+    per rank; else once per epoch. `count` without a known length falls back to `epoch`. Callers
+    that walk one loader for several epochs choose once, before the first: every strategy
+    reports an epoch right (only its cost and how much it lists differ), so a loader whose
+    length changes between epochs is still reported right."""
     from sharddemo.options import COUNT_FROM, PER_BATCH_GATHER_LIMIT
 
     if strategy == "batch" or strategy == "epoch":
@@ -77,17 +78,18 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
                strategy: str = "auto", progress: Optional[Progress] = None,
                max_steps: Optional[int] = None, n: Optional[int] = None,
                runs: Optional[dict] = None) -> Optional[dict]:
-    """Walk one epoch of `loader` on this rank. A collective: every rank calls it together.
-    `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does
-    (the loader is left where it stopped). `n`: the dataset's length where known (ids are
-    0..n-1), which the count path needs. `runs`: one dict for every epoch of a loader (the id
-    path's record holds a run of ids that the last epoch held as the same list:
-    rank.recorder.list_ids). Returns the epoch record (sharddemo.record) on the
-    main process; None elsewhere.
+    """Walk one epoch of `loader` on this rank, a collective: every rank calls it together.
 
-    A loader that raises inside a library (Guarded) ends its rank's epoch there; once every
-    rank is done the ranks settle it together (settle): LoaderRaised on every rank where every
-    rank raised, else the exception on the ranks that raised and PeerRaised on the others."""
+    `max_steps`: stop after that many batches on this rank, as a run stopped mid-epoch does (the
+    loader is left where it stopped). `n`: the dataset's length where known (ids are 0..n-1),
+    which the count path needs. `runs`: one dict for every epoch of a loader (the id path's
+    record holds a run of ids that the last epoch held as the same list:
+    rank.recorder.list_ids). Returns the epoch record (sharddemo.record) on the main process;
+    None elsewhere.
+
+    A loader that raises inside a library (Guarded) ends its rank's epoch there; once every rank
+    is done the ranks settle it together (settle): LoaderRaised on every rank where every rank
+    raised, else the exception on the ranks that raised and PeerRaised on the others."""
     how = choose_gather(accelerator, loader, strategy, n)
     keys = getattr(read_ids, "keys", None)  # an id field that may hold keys (rank.keys)
     if keys is not None:
@@ -187,12 +189,13 @@ COLLECTIVE_FRAMES = ("torch.distributed.",)
 
 
 class Guarded:
-    """The batches of one pass over `loader`, as `iter(loader)` gives them, except that an
-    exception a library raises in `iter()` or `next()` (errors.library_frame: the innermost
-    frame is an installed library's, not torch.distributed's) ends the pass on this rank
-    instead of the rank: `error` then holds it and `steps` the batches received before it.
-    Any other exception (the user's dataset, sharddemo's own, a failed collective) goes on up
-    at once, as before."""
+    """One pass over `loader`, where a library's exception ends the pass, not the rank.
+
+    The batches as `iter(loader)` gives them, except that an exception a library raises in
+    `iter()` or `next()` (errors.library_frame: the innermost frame is an installed library's,
+    not torch.distributed's) ends the pass on this rank instead of the rank: `error` then holds
+    it and `steps` the batches received before it. Any other exception (the user's dataset,
+    sharddemo's own, a failed collective) goes on up at once, as before."""
 
     def __init__(self, loader) -> None:
         self.loader = loader
@@ -224,14 +227,15 @@ class Guarded:
 
 def settle(accelerator, guarded: Guarded, epoch: int,
            also: Sequence[int] = ()) -> list[list[int]]:
-    """Once every rank has ended its pass: did a library raise in any rank's loader? A
-    collective (one exchange of ints; a second, of each rank's error line, only where one
+    """Settle, once every rank's pass has ended, whether a library raised in any loader.
+
+    A collective (one exchange of ints; a second, of each rank's error line, only where one
     raised), so every rank learns it together and none is left waiting. Every rank raised:
     LoaderRaised on every rank, the entries in rank order. Some: the exception again on the
     ranks that raised (the walker words it as any loader error) and PeerRaised on the others:
     the launch ends with every rank stopped, naming the ranks that raised. `also`: ints of the
-    caller's own (the same count on every rank) sent in the same exchange; returns every
-    rank's, as [rank][k], where no loader raised."""
+    caller's own (the same count on every rank) sent in the same exchange; returns every rank's,
+    as [rank][k], where no loader raised."""
     raised = guarded.error is not None
     flags = exchange_ints(accelerator, [int(raised), *also])
     if not any(row[0] for row in flags):
@@ -251,10 +255,11 @@ def settle(accelerator, guarded: Guarded, epoch: int,
 
 
 def loader_facts(accelerator, loader) -> dict:
-    """The numbers a library's error is explained by (errors.ARITHMETIC_CAUSES), read from the
-    loader's objects: the world size, N, the batch size of the loader it wraps (accelerate's
-    dispatcher reads batches of it on rank 0), drop_last, whether it is accelerate's
-    DataLoaderDispatcher and whether it splits batches."""
+    """Return the numbers a library's error is explained by, read from the loader's objects.
+
+    For errors.ARITHMETIC_CAUSES: the world size, N, the batch size of the loader it wraps
+    (accelerate's dispatcher reads batches of it on rank 0), drop_last, whether it is
+    accelerate's DataLoaderDispatcher and whether it splits batches."""
     from sharddemo.rank.describe import base_loader, loader_batch_size
 
     dispatcher = type(loader).__name__ == "DataLoaderDispatcher"
@@ -275,13 +280,15 @@ _END = object()
 def _walk_per_batch(accelerator, batches: Guarded, read_ids, epoch: int,
                     progress: Optional[Progress],
                     max_steps: Optional[int] = None) -> Optional[dict]:
-    """The reference's way, for small runs: every step each rank says whether it still has a
-    batch and how long it is, then the batch goes through `accelerator.gather` (padded to the
-    longest, trimmed back) and, for prepared loaders, `accelerator.gather_for_metrics`. The
-    ranks walk in lockstep until EVERY rank is exhausted (a rank with fewer steps answers "no
-    batch"), so where a training loop would hang this is recorded, not suffered; a rank whose
-    loader raised inside a library (Guarded) answers "no batch" too, and walk_epoch settles it
-    after the walk. The record is what the gathers returned."""
+    """Walk an epoch the reference's way, for small runs: every batch gathered as it comes.
+
+    Every step each rank says whether it still has a batch and how long it is, then the batch
+    goes through `accelerator.gather` (padded to the longest, trimmed back) and, for prepared
+    loaders, `accelerator.gather_for_metrics`. The ranks walk in lockstep until EVERY rank is
+    exhausted (a rank with fewer steps answers "no batch"), so where a training loop would hang
+    this is recorded, not suffered; a rank whose loader raised inside a library (Guarded)
+    answers "no batch" too, and walk_epoch settles it after the walk. The record is what the
+    gathers returned."""
     loader = batches.loader
     known = known_worker(loader)
     main = accelerator.is_main_process
@@ -336,9 +343,10 @@ def _walk_per_batch(accelerator, batches: Guarded, read_ids, epoch: int,
 
 
 def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> list[int]:
-    """accelerate's own gather_for_metrics on this step's batch, called as a user would:
-    tensors when every rank's batch has the same shape, objects (`use_gather_object`) when
-    they differ, since a tensor gather of unequal shapes aborts on gloo."""
+    """Call accelerate's own gather_for_metrics on this step's batch, as a user would.
+
+    Tensors when every rank's batch has the same shape, objects (`use_gather_object`) when they
+    differ, since a tensor gather of unequal shapes aborts on gloo."""
     if max(sizes) == 0:
         return []
     if len(set(sizes)) == 1:
@@ -349,17 +357,20 @@ def _gather_for_metrics(accelerator, ids: torch.Tensor, sizes: list[int]) -> lis
 
 
 def _remainders(accelerator, loader) -> list[Optional[int]]:
-    """Every rank's `remainder` (accelerate's count of real samples in the last global batch;
-    -1 when it does not know). A collective."""
+    """Return every rank's `remainder`, a collective.
+
+    accelerate's count of real samples in the last global batch; -1 when it does not know."""
     return [row[0] for row in exchange_ints(accelerator, [remainder(loader)])]
 
 
 def progress_reporter(accelerator, label: str,
                       env_var: str = "SHARDDEMO_PROGRESS") -> Optional[Progress]:
-    """On the main rank, when the launcher asked for it (`env_var` = 1): a line on stdout at
-    most twice a second, `sharddemo-progress LABEL STEP TOTAL SAMPLES SCOPE`, turned into one
-    bar there. SAMPLES counts what every rank received so far (SCOPE `all`, known where the
-    walk exchanges each batch's size) or what the main rank received (`rank0`)."""
+    """Return the main rank's progress reporter, when the launcher asked for it (`env_var` = 1).
+
+    A line on stdout at most twice a second, `sharddemo-progress LABEL STEP TOTAL SAMPLES
+    SCOPE`, turned into one bar there. SAMPLES counts what every rank received so far (SCOPE
+    `all`, known where the walk exchanges each batch's size) or what the main rank received
+    (`rank0`)."""
     if not accelerator.is_main_process or os.environ.get(env_var) != "1":
         return None
     last = [0.0]

@@ -1,5 +1,7 @@
-"""`sharddemo.watch` (this package: sharddemo.watching; its state in state.py, its hooks into loaders
-and accelerate in hooks.py, the Trainer and Lightning callbacks in trainer.py and lightning.py): check the real training run's sharding, epoch by epoch, as it trains.
+"""`sharddemo.watch`: check the real training run's sharding, epoch by epoch, as it trains.
+
+This package is sharddemo.watching: its state in state.py, its hooks into loaders and accelerate
+in hooks.py, the Trainer and Lightning callbacks in trainer.py and lightning.py.
 
     from sharddemo import watch
 
@@ -16,14 +18,14 @@ report's analysis (sharddemo.analysis) at the end of each epoch: the same reason
 verdicts as `audit`.
 
 How it sees the ids without touching a batch: for a map-style dataset, the indices that the
-loader's own index sampler (its batch sampler, or its sampler with batch_size=None) hands out
-on this rank are noted in the main process as the loader's iterator asks for them, and each
-batch the loop receives takes the oldest noted indices (a DataLoader yields its batches in the
-order their indices were drawn, workers or not). A Subset's indices are mapped to the root
-dataset's. With `id_field`, the ids are read from each batch instead (any dataset, streams
-included). Each rank counts what reached its loop (one byte per sample where the dataset's
-length is known, else the ids), and at the end of the epoch one exchange brings it together:
-no collective and no host sync per step.
+loader's own index sampler (its batch sampler, or its sampler with batch_size=None) hands out on
+this rank are noted in the main process as the loader's iterator asks for them, and each batch
+the loop receives takes the oldest noted indices (a DataLoader yields its batches in the order
+their indices were drawn, workers or not). A Subset's indices are mapped to the root dataset's.
+With `id_field`, the ids are read from each batch instead (any dataset, streams included). Each
+rank counts what reached its loop (one byte per sample where the dataset's length is known, else
+the ids), and at the end of the epoch one exchange brings it together: no collective and no host
+sync per step.
 
 It follows the loader where accelerate makes a new one from it: `accelerator.prepare(loader)`
 and `accelerator.skip_first_batches(loader, k)` return watched loaders when `accelerator` was
@@ -107,9 +109,10 @@ def watch(loader, accelerator=None, *, name: str = "train",
 
 
 def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
-    """watch()'s arguments, checked when it is called, so that a mistake stops the script
-    before its first step (never at an epoch's end, hours later): one error naming the
-    argument. The report's folder is made here if it does not exist."""
+    """Check watch()'s arguments when it is called: one error naming the argument.
+
+    So that a mistake stops the script before its first step (never at an epoch's end, hours
+    later). The report's folder is made here if it does not exist."""
     if on_violation not in ON_VIOLATION:
         raise ValueError(f"sharddemo.watch: on_violation must be one of "
                          f"{', '.join(ON_VIOLATION)}, got {on_violation!r}")
@@ -159,10 +162,12 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
 
 
 def check_report(report, accelerator) -> None:
-    """The report file can be appended to: its folder is made (by the main process, which
-    writes it) if it does not exist; a folder in its place, or one that cannot be made or
-    written, is refused. Checked on every rank, so that every rank stops at watch() with the
-    same error (the others only look: they make nothing)."""
+    """Check that the report file can be appended to.
+
+    Its folder is made (by the main process, which writes it) if it does not exist; a folder in
+    its place, or one that cannot be made or written, is refused. Checked on every rank, so that
+    every rank stops at watch() with the same error (the others only look: they make nothing).
+    """
     if not isinstance(report, (str, os.PathLike)):
         raise TypeError("sharddemo.watch: report must be a file path (str) or None, got "
                         f"{type(report).__name__}")
@@ -206,9 +211,11 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
            check_every: Union[int, str, None] = CHECK_EVERY, dataset_size: Optional[int] = None,
            lineage: Optional[str] = None):
-    """watch(), for the framework callbacks too: `role` "eval" adds the eval verdict
-    (eval-counts-each-sample-once); `start_epoch` numbers the first epoch (a resumed run);
-    `lineage`: the folder of the lineage writer (checked by the caller)."""
+    """Watch a loader: watch(), for the framework callbacks too.
+
+    `role` "eval" adds the eval verdict (eval-counts-each-sample-once); `start_epoch` numbers
+    the first epoch (a resumed run); `lineage`: the folder of the lineage writer (checked by the
+    caller)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     shared = ray_watch(loader)
@@ -240,10 +247,11 @@ RAY_WATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def ray_watch(loader) -> Optional[WatchState]:
-    """The watch of the Ray DataIterator behind `loader` (Ray Data's batches), where an earlier
-    iter_torch_batches() of the same DataIterator was watched: a loop that calls
-    iter_torch_batches() each epoch, and watches each, goes on with one watch (its epochs
-    counted on, each pass compared with the one before)."""
+    """Return the watch of the Ray DataIterator behind `loader`, where one was watched before.
+
+    Ray Data's batches, where an earlier iter_torch_batches() of the same DataIterator was
+    watched: a loop that calls iter_torch_batches() each epoch, and watches each, goes on with
+    one watch (its epochs counted on, each pass compared with the one before)."""
     from sharddemo.watching.raydata import data_iterator, is_ray_batches
 
     if not is_ray_batches(loader):

@@ -1,8 +1,10 @@
-"""How the watch sees a loader without touching a batch: a tap on the loader's own index
-sampler notes the indices it hands out (in the main process, as the loader's iterator asks
-for them), the loader's class is swapped in place for a subclass whose __iter__ hands each
-batch to the watch, and accelerate's prepare / skip_first_batches return watched loaders for
-a watched one. Classes are kept for isinstance, and everything pickles as it was."""
+"""How the watch sees a loader without touching a batch.
+
+A tap on the loader's own index sampler notes the indices it hands out (in the main process, as
+the loader's iterator asks for them), the loader's class is swapped in place for a subclass
+whose __iter__ hands each batch to the watch, and accelerate's prepare / skip_first_batches
+return watched loaders for a watched one. Classes are kept for isinstance, and everything
+pickles as it was."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import torch
 # -- noting the indices the loader's own index sampler hands out ------------------------------
 
 class Tap:
-    """The indices a loader's index sampler handed out, oldest first, noted while that loader
-    (not another built over the same sampler) is being iterated."""
+    """The indices a loader's index sampler handed out, oldest first.
+
+    Noted while that loader (not another built over the same sampler) is being iterated."""
 
     def __init__(self) -> None:
         self.fifo: collections.deque = collections.deque()
@@ -50,9 +53,10 @@ class TapIter:
 
 
 class StatefulTapIter(TapIter):
-    """The same, for an iterator with a state of its own (torchdata's StatefulDataLoader saves
-    and restores it): the state passes through. Only such an iterator gets these methods, since
-    torchdata asks any iterator that has them for its state."""
+    """The same, for an iterator with a state of its own: the state passes through.
+
+    torchdata's StatefulDataLoader saves and restores it. Only such an iterator gets these
+    methods, since torchdata asks any iterator that has them for its state."""
 
     def state_dict(self):
         return self._inner.state_dict()
@@ -62,8 +66,9 @@ class StatefulTapIter(TapIter):
 
 
 def _set_class(obj, cls) -> None:
-    """obj.__class__ = cls, also where a class answers __class__ with a property of its own
-    (accelerate's DataLoaderShard names the DataLoader it wraps)."""
+    """Set obj.__class__ = cls, also where a class answers __class__ with a property.
+
+    accelerate's DataLoaderShard names the DataLoader it wraps with a property of its own."""
     object.__dict__["__class__"].__set__(obj, cls)
 
 
@@ -74,10 +79,11 @@ def _rebuild(cls, state: dict):
 
 
 def _as_plain(cls, *ours: str):
-    """__reduce_ex__ of a watched object: it pickles (accelerate's save_state pickles a
-    sampler; a spawned worker, a dataset) as the plain object it was, without the watch. A
-    watched loader pickled for another process (not copied in this one: copy.copy and
-    copy.deepcopy call this too) tells its watch, which says where it must be called."""
+    """Return __reduce_ex__ of a watched object: it pickles as the plain object it was.
+
+    Pickled without the watch (accelerate's save_state pickles a sampler; a spawned worker, a
+    dataset). A watched loader pickled for another process (not copied in this one: copy.copy
+    and copy.deepcopy call this too) tells its watch, which says where it must be called."""
     def __reduce_ex__(self, protocol):
         watch = self.__dict__.get("_sharddemo_watch")
         if watch is not None and sys._getframe(1).f_globals.get("__name__") != "copy":
@@ -89,8 +95,10 @@ def _as_plain(cls, *ours: str):
 
 
 def tap_sampler(sampler) -> Tap:
-    """Give `sampler` (the loader's batch sampler, or its sampler) a tap, keeping its class
-    for isinstance and every attribute (set_epoch, batch_size, state_dict) as it was."""
+    """Give `sampler` (the loader's batch sampler, or its sampler) a tap.
+
+    Its class is kept for isinstance and every attribute (set_epoch, batch_size, state_dict) as
+    it was."""
     tap = sampler.__dict__.get("_sharddemo_tap")
     if tap is not None:
         return tap
@@ -112,8 +120,9 @@ def tap_sampler(sampler) -> Tap:
 # -- attaching to a loader -----------------------------------------------------------------
 
 def attach(loader, state):
-    """Make `loader` (in place, its class kept for isinstance) hand its batches to `state` as
-    they reach the loop, and end the epoch when it is exhausted."""
+    """Make `loader` hand its batches to `state` as they reach the loop.
+
+    In place, its class kept for isinstance; the epoch ends when it is exhausted."""
     from sharddemo.rank.describe import base_loader
 
     if "_sharddemo_watch" in loader.__dict__:
@@ -136,10 +145,12 @@ def attach(loader, state):
     cls = type(loader)
 
     def __iter__(self):
-        """As eager as the loader's own __iter__: a torch DataLoader draws its sampler's order
-        (and starts its workers) when iter() is called, so a set_epoch after iter() and before
-        the first batch must not reach this pass here either (a watch that deferred it would
-        change what the training receives, and hide a framework's late set_epoch)."""
+        """Start a watched pass, as eager as the loader's own __iter__.
+
+        A torch DataLoader draws its sampler's order (and starts its workers) when iter() is
+        called, so a set_epoch after iter() and before the first batch must not reach this pass
+        here either (a watch that deferred it would change what the training receives, and hide
+        a framework's late set_epoch)."""
         watch_state = self.__dict__["_sharddemo_watch"]
         my_tap = self.__dict__.get("_sharddemo_loader_tap")
         this_pass = object()
@@ -152,8 +163,10 @@ def attach(loader, state):
         return watched_pass(self, own_pass(cls, self), watch_state, my_tap, this_pass)
 
     def close(self):
-        """The end of the watched run, on every rank at the same point: the epoch the loop
-        left open (a `break`, max_steps) is reported as partial (docs/watch.md)."""
+        """End the watched run, on every rank at the same point.
+
+        The epoch the loop left open (a `break`, max_steps) is reported as partial
+        (docs/watch.md)."""
         self.__dict__["_sharddemo_watch"].close()
         if hasattr(cls, "close"):
             return cls.close(self)
@@ -203,10 +216,12 @@ def watched_pass(loader, batches, watch_state, my_tap, this_pass):
 
 
 def own_pass(cls, loader):
-    """One pass of `loader` as its class makes it. A loader that is its own iterator (Ray
-    Train's _WrappedDataLoader: __iter__ sets up an inner iterator and returns self, __next__
-    yields) is driven through its class's __next__ until StopIteration: iterating the
-    returned object again would call the watched __iter__ once more, without end."""
+    """Yield one pass of `loader` as its class makes it.
+
+    A loader that is its own iterator (Ray Train's _WrappedDataLoader: __iter__ sets up an inner
+    iterator and returns self, __next__ yields) is driven through its class's __next__ until
+    StopIteration: iterating the returned object again would call the watched __iter__ once
+    more, without end."""
     made = cls.__iter__(loader)
     if made is not loader:
         return made
@@ -223,8 +238,9 @@ def next_until_exhausted(cls, loader):
 
 
 def stateful_loaders(loader) -> list:
-    """The torchdata StatefulDataLoader(s) behind `loader`: itself, or the one accelerate's
-    stateful DataLoaderShard wraps (base_dataloader)."""
+    """Return the torchdata StatefulDataLoader(s) behind `loader`.
+
+    Itself, or the one accelerate's stateful DataLoaderShard wraps (base_dataloader)."""
     found = []
     for candidate in (loader, loader.__dict__.get("base_dataloader")):
         if candidate is not None and "_initial_iter_for_state_dict" in candidate.__dict__:
@@ -233,11 +249,13 @@ def stateful_loaders(loader) -> list:
 
 
 def drop_untapped_iterator(loader) -> None:
-    """A StatefulDataLoader's state_dict() builds its first iterator ahead of time (accelerate
-    calls it as it prepares one), and the first pass reuses it: built before the tap, it
-    would draw the first epoch's indices unnoted (and, with workers, it has drawn some
-    already). Dropped, so that the first pass builds its own through the tap, as every later
-    pass does; the state it would have given is the fresh state a new one gives."""
+    """Drop the first iterator a StatefulDataLoader built before the tap.
+
+    A StatefulDataLoader's state_dict() builds its first iterator ahead of time (accelerate
+    calls it as it prepares one), and the first pass reuses it: built before the tap, it would
+    draw the first epoch's indices unnoted (and, with workers, it has drawn some already).
+    Dropped, so that the first pass builds its own through the tap, as every later pass does;
+    the state it would have given is the fresh state a new one gives."""
     for base in stateful_loaders(loader):
         built = base.__dict__.get("_iterator")
         if base.__dict__.get("_initial_iter_for_state_dict") and built is not None:
@@ -249,13 +267,15 @@ def drop_untapped_iterator(loader) -> None:
 
 
 def resume_skip(loader) -> int:
-    """How many indices a StatefulDataLoader resuming from a loaded state (torchdata) draws
-    from its index sampler and throws away before its first batch: where the sampler has no
-    state of its own it is fast-forwarded past what was drawn before the save
-    (itertools.islice over `_sampler_iter_yielded`; a sampler, or a sampler's iterator, that
-    saved a state is restored from it instead, drawing nothing through the tap), and a loader
-    with workers also fetches and drops the batches made since its last snapshot
-    (`_steps_since_snapshot`). 0 for a pass that does not resume."""
+    """Return how many indices a resuming StatefulDataLoader draws and throws away.
+
+    A StatefulDataLoader resuming from a loaded state (torchdata) draws them from its index
+    sampler before its first batch: where the sampler has no state of its own it is
+    fast-forwarded past what was drawn before the save (itertools.islice over
+    `_sampler_iter_yielded`; a sampler, or a sampler's iterator, that saved a state is restored
+    from it instead, drawing nothing through the tap), and a loader with workers also fetches
+    and drops the batches made since its last snapshot (`_steps_since_snapshot`). 0 for a pass
+    that does not resume."""
     for base in stateful_loaders(loader):
         state = base.__dict__.get("next_iter_state")
         if not state:
@@ -272,13 +292,14 @@ def resume_skip(loader) -> int:
 
 
 def follow(accelerator, state) -> None:
-    """A loader that accelerate prepares or skips from a watched one is watched too
-    (instance attributes: this Accelerator only, nothing global).
+    """Watch the loaders that accelerate prepares or skips from a watched one.
 
-    The hook is on `prepare_data_loader`, which `accelerator.prepare` calls for each
-    DataLoader when it runs, not on `prepare` itself: in `accelerator.prepare(model,
-    watch(loader, accelerator))` Python looks `accelerator.prepare` up before watch() runs, so
-    a patched `prepare` would come too late and the watch would be lost without a word."""
+    Instance attributes: this Accelerator only, nothing global.
+
+    The hook is on `prepare_data_loader`, which `accelerator.prepare` calls for each DataLoader
+    when it runs, not on `prepare` itself: in `accelerator.prepare(model, watch(loader,
+    accelerator))` Python looks `accelerator.prepare` up before watch() runs, so a patched
+    `prepare` would come too late and the watch would be lost without a word."""
     if accelerator.__dict__.get("_sharddemo_follows"):
         return
     prepare_loader, skip = accelerator.prepare_data_loader, accelerator.skip_first_batches
@@ -303,15 +324,16 @@ def follow(accelerator, state) -> None:
 
 
 def checkpoint(accelerator, state) -> None:
-    """Save and load the watch with accelerate's own checkpoint (save_state / load_state), as
-    a file of its own beside accelerate's (state_file), written and read by save_state's and
+    """Save and load the watch with accelerate's own checkpoint (save_state / load_state).
+
+    As a file of its own beside accelerate's (state_file), written and read by save_state's and
     load_state's pre-hooks, which accelerate runs on every rank. Not an object registered for
-    checkpointing: accelerate's load_state refuses a folder whose count of such objects
-    differs from the run's, so a checkpoint saved before the watch was added could not be
-    loaded with it, nor one saved with it after it was removed, and the user's own registered
-    objects would be numbered differently with and without the watch. Here a checkpoint
-    without the watch's file loads, and the watch says the part before the stop is unknown
-    (resumed_without_state); a run without the watch ignores the file."""
+    checkpointing: accelerate's load_state refuses a folder whose count of such objects differs
+    from the run's, so a checkpoint saved before the watch was added could not be loaded with
+    it, nor one saved with it after it was removed, and the user's own registered objects would
+    be numbered differently with and without the watch. Here a checkpoint without the watch's
+    file loads, and the watch says the part before the stop is unknown (resumed_without_state);
+    a run without the watch ignores the file."""
 
     def save(models, weights, output_dir) -> None:
         payload = state.state_dict()  # (a collective: every rank, at the same point)
@@ -335,14 +357,16 @@ def checkpoint(accelerator, state) -> None:
 
 
 def state_file(folder: str, name: str) -> str:
-    """The watch's file in an accelerate checkpoint: sharddemo_watch-<name>.pt (one a watched
-    loader, by its name)."""
+    """Return the watch's file in an accelerate checkpoint: sharddemo_watch-<name>.pt.
+
+    One a watched loader, by its name."""
     return os.path.join(folder, "sharddemo_watch-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)
                         + ".pt")
 
 
 def index_sampler(loader):
-    """The sampler a DataLoader's iterator draws indices from, as torch picks it
-    (DataLoader._index_sampler): its batch sampler, or its sampler where batch_size=None."""
+    """Return the sampler a DataLoader's iterator draws indices from, as torch picks it.
+
+    DataLoader._index_sampler: its batch sampler, or its sampler where batch_size=None."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     return batch_sampler if batch_sampler is not None else loader.sampler

@@ -40,15 +40,18 @@ def _loaders(combined) -> list:
 
 
 def _resumable(loader) -> bool:
-    """Whether Lightning restores the loader's position from a checkpoint: a loader with
-    state_dict and load_state_dict (Lightning's own test, its _Stateful protocol)."""
+    """Say whether Lightning restores the loader's position from a checkpoint.
+
+    A loader with state_dict and load_state_dict does (Lightning's own test, its _Stateful
+    protocol)."""
     return callable(getattr(loader, "state_dict", None)) and \
         callable(getattr(loader, "load_state_dict", None))
 
 
 def _capped(trainer, loader) -> bool:
-    """Whether Lightning takes fewer batches an epoch than the loader has
-    (limit_train_batches): each epoch is then a part, as the user asked."""
+    """Say whether Lightning takes fewer batches an epoch than the loader has.
+
+    limit_train_batches: each epoch is then a part, as the user asked."""
     try:
         return int(trainer.num_training_batches) < len(loader)
     except (TypeError, ValueError, OverflowError):  # no length (a stream), or inf
@@ -56,8 +59,9 @@ def _capped(trainer, loader) -> bool:
 
 
 class LightningWatch(*_BASES):
-    """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every
-    validation pass (docs/watch.md); an epoch cut by max_steps or limit_train_batches is
+    """Watch a Lightning Trainer's train loaders every epoch and its val loaders at every pass.
+
+    Every validation pass (docs/watch.md); an epoch cut by max_steps or limit_train_batches is
     reported as partial.
 
     Args:

@@ -1,20 +1,21 @@
-"""The watch's lineage writer (`watch(..., lineage=DIR)`): each rank appends the ids of every
-batch its loop receives to its own file, DIR/rank{r}.lineage, in the format of
-sharddemo.lineage_format (read by sharddemo.lineage, torch-free). No collective: every rank
-writes its own file; rank 0 writes the run file.
+"""The watch's lineage writer (`watch(..., lineage=DIR)`): each rank's ids, batch by batch.
 
-A step never waits for a device: the batch's ids (a tensor, on a GPU perhaps) are kept as
-they are, and every FLUSH_BATCHES batches or FLUSH_IDS ids they are joined on their device,
-copied to the host once, encoded and appended with one write. The buffer is also written at
-each epoch's end and at the watch's close() (state.py calls flush(): a process that ends with
-os._exit, as Ray Train's workers do, runs no exit handler), at an epoch's change, when the
-watch's state is saved for a checkpoint, and at the process's exit. What was written stays
-readable after a crash; a record cut short is skipped by the reader, and cut off by the writer
-before a resumed run appends.
+Each rank appends the ids of every batch its loop receives to its own file, DIR/rank{r}.lineage,
+in the format of sharddemo.lineage_format (read by sharddemo.lineage, torch-free). No collective: every rank writes its
+own file; rank 0 writes the run file.
+
+A step never waits for a device: the batch's ids (a tensor, on a GPU perhaps) are kept as they
+are, and every FLUSH_BATCHES batches or FLUSH_IDS ids they are joined on their device, copied to
+the host once, encoded and appended with one write. The buffer is also written at each epoch's
+end and at the watch's close() (state.py calls flush(): a process that ends with os._exit, as
+Ray Train's workers do, runs no exit handler), at an epoch's change, when the watch's state is
+saved for a checkpoint, and at the process's exit. What was written stays readable after a
+crash; a chunk cut short is skipped by the reader, and cut off by the writer before a resumed
+run appends.
 
 The lineage is the watch's own output: a fault in writing it (the folder removed, a full disk)
-is one RuntimeWarning on the rank it happens on, after which that rank writes no more of it;
-the training goes on. Only a folder that holds another run's lineage is refused (ValueError).
+is one RuntimeWarning on the rank it happens on, after which that rank writes no more of it; the
+training goes on. Only a folder that holds another run's lineage is refused (ValueError).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
 
 
 def check_lineage_folder(lineage) -> None:
-    """watch()'s check of `lineage=`: a folder this rank can write its file in (made if
-    missing)."""
+    """Check watch()'s `lineage=`: a folder this rank can write its file in.
+
+    Made if missing."""
     if not isinstance(lineage, (str, os.PathLike)):
         raise TypeError("sharddemo.watch: lineage must be a folder path (str) or None, got "
                         f"{type(lineage).__name__}")
@@ -76,9 +78,11 @@ def flush_all() -> None:
 
 
 class LineageWriter:
-    """One watched loader's lineage on this rank. `append(epoch, ids)` once per batch the loop
-    receives (ids: a tensor, or None for a batch whose ids are not known); `place()` and
-    `resume(place)` carry the step count and the run id through the watch's checkpoint."""
+    """One watched loader's lineage on this rank.
+
+    `append(epoch, ids)` once per batch the loop receives (ids: a tensor, or None for a batch
+    whose ids are not known); `place()` and `resume(place)` carry the step count and the run id
+    through the watch's checkpoint."""
 
     def __init__(self, folder: str, state) -> None:
         self.folder = os.fspath(folder)
@@ -138,8 +142,9 @@ class LineageWriter:
                        pending[0][1], error)
 
     def fault(self, what: str, first: int, error: Exception) -> None:
-        """A write of the lineage failed: one warning on this rank, and no more writes (what
-        is on disk stays readable: the reader says where this rank's lineage ends)."""
+        """Handle a failed write of the lineage: one warning on this rank, and no more writes.
+
+        What is on disk stays readable: the reader says where this rank's lineage ends."""
         self.broken = True
         self.pending, self.pending_ids = [], 0
         OPEN.discard(self)
@@ -167,9 +172,10 @@ class LineageWriter:
 
     # -- the files
     def open(self) -> None:
-        """This rank's file, at the first batch: a new run refuses a folder that holds
-        another run's lineage; a resumed one continues its own (cut to its whole records,
-        then a restart record)."""
+        """Open this rank's file, at the first batch.
+
+        A new run refuses a folder that holds another run's lineage; a resumed one continues its
+        own (cut to its whole records, then a restart record)."""
         from sharddemo.watching.state import run_stamp
 
         rank, world = rank_and_world(self.state.accelerator)
@@ -232,9 +238,10 @@ class LineageWriter:
         OPEN.discard(self)
 
     def write_restart(self) -> None:
-        """The restart record in this rank's file; rank 0 also adds the launch (its first
-        step, its world size) to the run file's `launches`, so that the reader knows the
-        ranks of each launch (a resume on more ranks, or on fewer)."""
+        """Write the restart record in this rank's file, and rank 0 the launch in the run file.
+
+        Rank 0 adds the launch (its first step, its world size) to the run file's `launches`, so
+        that the reader knows the ranks of each launch (a resume on more ranks, or on fewer)."""
         from sharddemo.watching.state import run_stamp
 
         self.resumed_at = None

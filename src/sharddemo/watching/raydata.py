@@ -1,9 +1,11 @@
-"""Ray Data's batches for the watch: the iterable `DataIterator.iter_torch_batches()` (or
-`iter_batches()`) returns, read with `id_field`, and what the DataIterator behind it says about
-how the dataset was split among the workers. Ray is imported only for the one remote call
-below, where Ray's own batches were handed to the watch: the iterable is recognised by its
-class's name (`ray.data.iterator._IterableFromIterator`, ray 2.60), and the DataIterator is
-found in the closure that makes each pass (its `self`).
+"""Ray Data's batches for the watch, and how the dataset was split among the workers.
+
+The iterable `DataIterator.iter_torch_batches()` (or `iter_batches()`) returns, read with
+`id_field`, and what the DataIterator behind it says about how the dataset was split among the
+workers. Ray is imported only for the one remote call below, where Ray's own batches were handed
+to the watch: the iterable is recognised by its class's name
+(`ray.data.iterator._IterableFromIterator`, ray 2.60), and the DataIterator is found in the
+closure that makes each pass (its `self`).
 
 What a worker's DataIterator tells (ray 2.60, ray/train/_internal/data_config.py):
 
@@ -23,16 +25,18 @@ from typing import Any, Optional
 
 
 def is_ray_batches(obj) -> bool:
-    """Whether `obj` is the iterable Ray Data's DataIterator.iter_batches / iter_torch_batches
-    returns (each iteration a new pass over the worker's data)."""
+    """Say whether `obj` is the iterable Ray Data's iter_batches / iter_torch_batches returns.
+
+    Those of a DataIterator: each iteration a new pass over the worker's data."""
     cls = type(obj)
     return any(c.__module__ == "ray.data.iterator" and c.__name__ == "_IterableFromIterator"
                for c in cls.__mro__)
 
 
 def pass_settings(batches) -> dict[str, Any]:
-    """The arguments the iterable was made with, as its pass-making closure holds them
-    (`self`: the DataIterator; `batch_size`, `drop_last`, `local_shuffle_buffer_size`)."""
+    """Return the arguments the iterable was made with, as its pass-making closure holds them.
+
+    `self`: the DataIterator; `batch_size`, `drop_last`, `local_shuffle_buffer_size`."""
     make = batches.__dict__.get("iterator_gen")
     code, cells = getattr(make, "__code__", None), getattr(make, "__closure__", None)
     if code is None or not cells:
@@ -56,9 +60,10 @@ EQUAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def equal_split(iterator) -> Optional[bool]:
-    """Whether a StreamSplitDataIterator's split was made with equal=True: the StreamingSplit
-    operator of the split's plan, read in its coordinator actor (one remote call, once per
-    DataIterator). None where it cannot be read."""
+    """Say whether a StreamSplitDataIterator's split was made with equal=True.
+
+    Read from the StreamingSplit operator of the split's plan, in its coordinator actor (one
+    remote call, once per DataIterator). None where it cannot be read."""
     try:
         return EQUAL[iterator]
     except (KeyError, TypeError):
@@ -85,10 +90,11 @@ def read_equal(coordinator) -> bool:
 
 
 def describe_batches(batches) -> tuple[dict, Optional[int]]:
-    """The loader description the analysis reads (rank.describe.describe_loader's keys) for Ray
-    Data's batches, and the batch size. `ray_data`: the DataIterator's class, how it was split
-    (`"equal"`, `"unequal"`, `"none"`: the whole dataset, or None where not known) and the
-    world size it was split for."""
+    """Return the loader description for Ray Data's batches, and the batch size.
+
+    The description the analysis reads: rank.describe.describe_loader's keys. `ray_data`: the
+    DataIterator's class, how it was split (`"equal"`, `"unequal"`, `"none"`: the whole dataset,
+    or None where not known) and the world size it was split for."""
     settings = pass_settings(batches)
     iterator = settings.get("self")
     kind = type(iterator).__name__ if iterator is not None else None

@@ -33,8 +33,9 @@ STATE_FILE = "sharddemo_watch.pt"
 
 
 def _trainer_frames():
-    """The frames of the Trainer methods on the call stack (innermost first): the callback
-    handler's event is fired from one of them."""
+    """Return the frames of the Trainer methods on the call stack, innermost first.
+
+    The callback handler's event is fired from one of them."""
     frame = inspect.currentframe()
     while frame is not None:
         if isinstance(frame.f_locals.get("self"), Trainer):
@@ -43,15 +44,17 @@ def _trainer_frames():
 
 
 def _resuming_from() -> Optional[str]:
-    """The checkpoint folder the calling Trainer resumes from (its training loop's own
-    `resume_from_checkpoint`, resolved by Trainer.train), or None."""
+    """Return the checkpoint folder the calling Trainer resumes from, or None.
+
+    Its training loop's own `resume_from_checkpoint`, resolved by Trainer.train."""
     return next((f.f_locals["resume_from_checkpoint"] for f in _trainer_frames()
                  if isinstance(f.f_locals.get("resume_from_checkpoint"), str)), None)
 
 
 def mid_epoch(folder: str) -> bool:
-    """Whether the Trainer's checkpoint in `folder` was saved in the middle of an epoch (its
-    trainer_state.json's epoch is not a whole number); False where it cannot be read."""
+    """Say whether the Trainer's checkpoint in `folder` was saved in the middle of an epoch.
+
+    Its trainer_state.json's epoch is not a whole number; False where it cannot be read."""
     try:
         with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as handle:
             epoch = float(json.load(handle).get("epoch") or 0)
@@ -65,15 +68,18 @@ def _calling_trainer() -> Optional[Trainer]:
 
 
 def _watch_resumed(dataloader, made) -> None:
-    """The loader a resume makes from a watched one (accelerate's skip_first_batches) is
-    watched by the same watch: it is what the resumed epoch's loop receives."""
+    """Watch the loader a resume makes from a watched one, by the same watch.
+
+    accelerate's skip_first_batches makes it: it is what the resumed epoch's loop receives."""
     state = getattr(dataloader, "__dict__", {}).get("_sharddemo_watch")
     if state is not None and made is not dataloader:
         attach(made, state)
 
 
 def _follow_module_skip() -> None:
-    """For a transformers without Trainer.get_resumed_dataloader (5.17.0, which the extra's
+    """Make transformers' own skip_first_batches return a watched loader for a watched one.
+
+    For a transformers without Trainer.get_resumed_dataloader (5.17.0, which the extra's
     transformers>=5.0 allows): its training loop calls accelerate's skip_first_batches, imported
     into transformers.trainer, directly. That name is made to return a watched loader for a
     watched one, once per process (a loader no watch holds passes through unchanged, so other
@@ -94,9 +100,10 @@ def _follow_module_skip() -> None:
 
 
 class TrainerWatch(TrainerCallback):
-    """Watch a transformers Trainer's train loader every epoch and its eval loader at every
-    evaluation (docs/watch.md); the epoch open at on_train_end (max_steps) is reported as
-    partial.
+    """Watch a Trainer's train loader every epoch and its eval loader at every evaluation.
+
+    A transformers Trainer (docs/watch.md); the epoch open at on_train_end (max_steps) is
+    reported as partial.
 
     Args:
         report: the JSON-lines file (default <output_dir>/sharddemo-watch.jsonl).
@@ -184,8 +191,9 @@ class TrainerWatch(TrainerCallback):
                     f"{folder} holds no {STATE_FILE}")
 
     def on_save(self, args, state, control, train_dataloader=None, **kwargs):
-        """Beside the Trainer's checkpoint: the watch's place, reduced across the ranks (every
-        rank is here; the main process writes it)."""
+        """Save the watch's place beside the Trainer's checkpoint, reduced across the ranks.
+
+        Every rank is here; the main process writes it."""
         watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
         if watched is None or self.trainer is None:
             return
@@ -214,8 +222,9 @@ class TrainerWatch(TrainerCallback):
             watched.close_epoch(train_dataloader)
 
     def on_train_end(self, args, state, control, train_dataloader=None, **kwargs):
-        """The end of training, on every rank: an epoch left open (max_steps, a stop) is
-        reported as partial, and the watches are closed."""
+        """End training, on every rank: report an epoch left open as partial, close the watches.
+
+        An epoch left open: max_steps, a stop."""
         watched = getattr(train_dataloader, "__dict__", {}).get("_sharddemo_watch")
         for one in (watched, self.eval_state):
             if one is not None:

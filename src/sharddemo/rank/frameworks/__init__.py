@@ -31,8 +31,9 @@ class Audited:
 
 
 def call_factory(factory: Callable, target: str, *args: Any) -> Any:
-    """The user's factory, called with `args` (make_loader(accelerator), make_trainer(),
-    make_datamodule()); what it raises is a failed run, ours pass through."""
+    """Call the user's factory with `args`; what it raises is a failed run.
+
+    make_loader(accelerator), make_trainer(), make_datamodule(); our own errors pass through."""
     from sharddemo.errors import RunFailed, describe_exception
 
     try:

@@ -1,12 +1,13 @@
-"""Lightning: the train and val loaders a LightningDataModule gives each rank under
-`Trainer(strategy="ddp")`, through Lightning's own code.
+"""Lightning: the loaders a LightningDataModule gives each rank, through Lightning's own code.
+
+The train and val loaders, under `Trainer(strategy="ddp")`.
 
 `make_datamodule()` returns a LightningDataModule, or `(datamodule, trainer_kwargs)` to pass
 Trainer arguments such as `use_distributed_sampler=False`. On every rank sharddemo builds a
 Lightning Trainer for this launch (strategy "ddp", this rank's devices and nodes), attaches the
 datamodule, and does what `Trainer.fit` does before its first step: `prepare_data` (Lightning's
-data connector, on the ranks it chooses), the `setup("fit")` hook, then each loader hook
-through Lightning's `_request_dataloader` and `_process_dataloader` (which inject the
+data connector, on the ranks it chooses), the `setup("fit")` hook, then each loader hook through
+Lightning's `_request_dataloader` and `_process_dataloader` (which inject the
 DistributedSampler), and `_set_sampler_epoch` at the top of each epoch, as the fit loop does.
 These are Lightning's internal functions (checked with lightning 2.6); no step is trained.
 """
@@ -25,8 +26,9 @@ FIXED = ("accelerator", "strategy", "devices", "num_nodes")
 
 
 def _package(obj) -> str:
-    """`lightning.pytorch` or `pytorch_lightning`: whichever the datamodule's class comes from
-    (a Trainer of the other package would not accept it)."""
+    """Return `lightning.pytorch` or `pytorch_lightning`, whichever the datamodule comes from.
+
+    A Trainer of the other package would not accept it."""
     for cls in type(obj).__mro__:
         if cls.__module__.startswith("pytorch_lightning"):
             return "pytorch_lightning"
@@ -131,9 +133,11 @@ def lightning_loaders(accelerator, factory, opts) -> list[Audited]:
 
 
 def shuffle_note(written, processed):
-    """Where the loader the user wrote does not shuffle (shuffle=False: a SequentialSampler) and
+    """Return the report's sentence where Lightning shuffles a loader the user wrote unshuffled.
+
+    Where the loader the user wrote does not shuffle (shuffle=False: a SequentialSampler) and
     the one Lightning made of it does (its _process_dataloader asks a shuffling
-    DistributedSampler for every train loader): the sentence the report shows. Else None."""
+    DistributedSampler for every train loader). Else None."""
     from torch.utils.data import DistributedSampler, SequentialSampler
 
     theirs = getattr(processed, "sampler", None)

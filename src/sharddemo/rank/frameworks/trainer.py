@@ -22,9 +22,10 @@ DATALOADER_CONFIG = ("split_batches", "dispatch_batches", "even_batches", "use_s
 
 
 def start_epoch(loader) -> Any:
-    """What Trainer._run_epoch does before it iterates epoch `epoch` (transformers 5): set the
-    epoch on the prepared loader, and on the batch sampler that accelerate's BatchSamplerShard
-    wraps (DataLoaderShard.set_epoch does not reach it)."""
+    """Do what Trainer._run_epoch does before it iterates epoch `epoch` (transformers 5).
+
+    Set the epoch on the prepared loader, and on the batch sampler that accelerate's
+    BatchSamplerShard wraps (DataLoaderShard.set_epoch does not reach it)."""
 
     def call(epoch: int) -> None:
         if hasattr(loader, "set_epoch"):

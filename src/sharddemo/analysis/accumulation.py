@@ -13,8 +13,10 @@ WINDOW_CAP = 100
 
 
 def window_counts(steps: list[int], k: int) -> dict:
-    """What the windows are from each rank's step count alone (all a counted epoch keeps):
-    optimizer steps, and how many batches the last window takes on each rank.
+    """Return what the windows are from each rank's step count alone.
+
+    A counted epoch keeps only the step counts: they give the optimizer steps, and how many batches
+    the last window takes on each rank.
 
     >>> window_counts([977, 977], 3)
     {'k': 3, 'optimizer_steps': 326, 'steps_per_rank': [977, 977], 'last_batches': [2, 2], 'uneven_last': True}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sharddemo.analysis.windows import WINDOW_CAP, accumulation_windows
+from sharddemo.analysis.accumulation import WINDOW_CAP, accumulation_windows
 
 
 def test_windows_worked_by_hand():
