@@ -1,6 +1,6 @@
 """The watch's check of a window of steps, pure (no torch): what a part of an epoch can already
 show, judged from one exchange in which every rank sent its figures and the ids it received in
-the window (sharddemo.watching.state.WatchState.check_window).
+the window (sharddemo.watching.step_windows.StepWindows.check).
 
 Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at step 51 both ranks
 send ids 0..399 (judged a batch later, at step 52: the exchange runs in the background
@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from sharddemo.analysis.reasons import draws_repeat
-from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail, plural
+from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail
+from sharddemo.analysis.watch_line import plural
 
 # A window's verdicts, in the order they are listed (order-changes-each-epoch only where a rank
 # compared its window with the previous epoch's; ids-in-range only where an id fell outside).
