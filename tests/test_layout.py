@@ -179,3 +179,13 @@ def test_every_module_that_imports_torch_at_its_top_lives_under_rank_or_watching
     for module, targets in _imports().items():
         if any(t.split(".")[0] in HEAVY and top for t, top in targets.items()):
             assert _side(module) in ("rank", "watching"), module
+
+
+# the most lines a source file may have: one job a file (docs/architecture.md)
+MOST_LINES = 600
+
+
+def test_no_source_file_is_over_the_limit():
+    long = {str(path.relative_to(SRC)): n for path in (SRC / "sharddemo").rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MOST_LINES}
+    assert not long, f"split these by noun (at most {MOST_LINES} lines a file): {long}"

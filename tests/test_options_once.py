@@ -117,7 +117,7 @@ def _audit_reader(field):
 
 
 def _watch_reader(field):
-    from sharddemo.watching.state import read_field
+    from sharddemo.watching.recording import read_field
 
     return lambda batch, tag: read_field(batch, field)
 

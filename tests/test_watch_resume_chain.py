@@ -19,7 +19,7 @@ from conftest import accelerate_launch, ended_or_aborted_at_teardown
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from sharddemo import watch
-from sharddemo.analysis.watch import resume_check, restart
+from sharddemo.analysis.watch_resume import restart, resume_check
 from sharddemo.check import check_report, entry_line
 from test_frameworks import fresh_accelerate_state  # noqa: F401
 from test_watch import entries
@@ -363,7 +363,7 @@ def test_a_checkpoint_saved_with_the_watch_loads_without_it(tmp_path, fresh_acce
 ])
 def test_the_fill_of_a_resumed_part_is_read_from_each_ranks_last_batch(n, batch, world,
                                                                         skipped, fill):
-    from sharddemo.analysis.watch import fill_ids
+    from sharddemo.analysis.watch_resume import fill_ids
 
     inner = BatchSampler(SequentialSampler(range(n)), batch, drop_last=False)
     ranks = []

@@ -43,7 +43,8 @@ from sharddemo.errors import ShardingViolation
 from sharddemo.rank.collect import guard_forks
 from sharddemo.watching.hooks import attach, checkpoint, follow
 from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
-from sharddemo.watching.state import CHECK_EVERY, ON_VIOLATION, WatchState
+from sharddemo.watching.state import ON_VIOLATION, WatchState
+from sharddemo.watching.step_windows import CHECK_EVERY
 
 
 def watch(loader, accelerator=None, *, name: str = "train",

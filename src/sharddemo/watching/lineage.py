@@ -176,7 +176,7 @@ class LineageWriter:
 
         A new run refuses a folder that holds another run's lineage; a resumed one continues its
         own (cut to its whole records, then a restart record)."""
-        from sharddemo.watching.state import run_stamp
+        from sharddemo.watching.output import run_stamp
 
         rank, world = rank_and_world(self.state.accelerator)
         self.rank, self.world = rank, world
@@ -210,7 +210,7 @@ class LineageWriter:
 
     def open_files(self, path: str, run: Optional[dict]) -> None:
         """The run file (rank 0, a new run) and this rank's file, cut to its whole records."""
-        from sharddemo.watching.state import run_stamp
+        from sharddemo.watching.output import run_stamp
 
         rank, world = self.rank, self.world
         if rank == 0 and run is None:
@@ -242,7 +242,7 @@ class LineageWriter:
 
         Rank 0 adds the launch (its first step, its world size) to the run file's `launches`, so
         that the reader knows the ranks of each launch (a resume on more ranks, or on fewer)."""
-        from sharddemo.watching.state import run_stamp
+        from sharddemo.watching.output import run_stamp
 
         self.resumed_at = None
         if self.broken:

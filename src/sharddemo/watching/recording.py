@@ -1,0 +1,181 @@
+"""What the watch records of each batch on one rank: the loader described once per loader
+attached (its dataset's length, batch size, whether it is meant to shuffle), each batch's
+ids (read by id_field, or the indices its sampler's tap noted) into the epoch's recorder,
+the open window (watching/step_windows.py) and the lineage.
+
+Recording is a part of WatchState (watching/state.py), kept here: its methods read and set
+the watch's own attributes (recorder, n, batch_size, description, mapping, noted,
+unattributed, field_error, windows, lineage)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from sharddemo.watching.hooks import Tap
+
+# Batches whose indices (a batch sampler's lists) the watch keeps as they came before
+# converting them in one go (WatchState.note_batches): one conversion and one booking for
+# these many, instead of one a batch (about 3 us a step less in the MLP loop of
+# benchmarks/watch_overhead.py). Every read of the record converts them first.
+NOTED_BATCHES = 32
+
+
+class Recording:
+    """The per-batch part of WatchState: describe the loader, open the epoch's recorder, and
+    take each batch's ids (add, note_batches)."""
+
+    def describe(self, loader) -> None:
+        """What `loader` is made of (the loader that runs now: prepare and skip_first_batches
+        make new ones), its batch size, its dataset's length and a Subset's mapping to the
+        root dataset's ids."""
+        from sharddemo.rank.describe import (base_loader, describe_loader, loader_batch_size,
+                                             root_length, subset_mapping)
+        from sharddemo.watching.raydata import describe_batches, is_ray_batches
+
+        if is_ray_batches(loader):  # Ray Data's batches: no DataLoader behind them
+            self.description, self.batch_size = describe_batches(loader)
+            return
+        # the loader that runs now (prepare and skip_first_batches make new ones)
+        self.described = loader
+        self.description = describe_loader(loader)
+        # (a skip_first_batches loader's SkipBatchSampler names no batch size: the same)
+        self.batch_size = loader_batch_size(loader) or self.batch_size
+        dataset = getattr(base_loader(loader), "dataset", None)
+        if self.description.get("shuffled") is None and self.description.get("iterable_dataset"):
+            # a stream: its own object says whether it is built to shuffle (workers
+            # interleaving its shards are no shuffle)
+            self.description["shuffled"] = stream_shuffles(dataset)
+        if self.n is None:
+            self.n = root_length(dataset)
+        if self.id_field is None and self.mapping is None:
+            self.mapping = subset_mapping(dataset)
+
+    def new_recorder(self):
+        """The open epoch's recorder (rank.recorder.Recorder, as `audit`'s), on the watch's
+        ranks."""
+        from sharddemo.rank.recorder import Recorder
+
+        how = "count" if self.n is not None else "epoch"
+        # the epoch's end: one all-reduce (the count path, up to 15 ranks), after which every
+        # rank holds the record, so that on_violation="raise" needs no collective of its own;
+        # from BITS_FROM samples the count path's two bits a sample instead (two_bits)
+        whole = not self.two_bits()
+        return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=whole,
+                        one_collective=whole, batch=self.batch_size)
+
+    def two_bits(self) -> bool:
+        """From BITS_FROM (2^26) samples the watch counts as `audit` does there: two bits a
+        sample a rank (rank.counting.BitCounts), not the byte counter's one byte (100 MB a
+        rank at 10^8, and several times that at the epoch's end). What it gives up there: the
+        epoch's end takes the bitmaps' collectives (a small exchange, a ragged gather, then
+        the code reduced a chunk at a time) instead of one all-reduce, and one exchange more
+        with on_violation="raise"; the windows check within a window only (no look-up of
+        earlier ones); a checkpoint keeps no per-sample state (a resumed epoch is judged from
+        the resume on, as a stream without a length is)."""
+        from sharddemo.options import BITS_FROM
+
+        return self.n is not None and self.n >= BITS_FROM
+
+    def add(self, batch, tap: Optional[Tap]) -> None:
+        """One batch the loop received: its ids (by id_field, or the indices the sampler's
+        tap noted for it) into the recorder, the window and the lineage."""
+        if self.recorder is None:
+            self.recorder = self.new_recorder()
+        windows = self.windows
+        windows.at_batch(self.open_steps())  # (a window's exchange started or judged)
+        if self.id_field is not None:
+            try:
+                ids = read_field(batch, self.id_field) if self.field_error is None else None
+            except ValueError as error:
+                if self.ranks.num_processes == 1:
+                    raise
+                # the ranks must learn it together (a rank raising alone leaves the others
+                # waiting in the next exchange): said to every rank at the next exchange (a
+                # window, the epoch's end, close()), where every rank raises it; until then
+                # this rank's batches are counted as steps without ids
+                self.field_error = str(error)
+                ids = None
+            if ids is None:
+                ids = torch.empty(0, dtype=torch.int64)
+        elif tap.fifo and type(tap.fifo[0]) is list and self.lineage is None:
+            # the index sampler's batch, as a list of ints: kept as it is (a copy: a sampler
+            # may reuse its list) and converted with the next NOTED_BATCHES in one go
+            # (note_batches), a few microseconds less a step than one at a time
+            self.noted.append(tap.fifo.popleft().copy())
+            if len(self.noted) >= NOTED_BATCHES:
+                self.note_batches()
+            return
+        elif not tap.fifo:
+            # no index noted for this batch (a loader that yields batches its sampler did not
+            # draw): counted as unattributed, never a failure of the user's loop
+            self.unattributed += 1
+            if self.lineage:
+                self.lineage.append(self.epoch, None)
+            return
+        else:
+            self.note_batches()  # (those kept before this one come first)
+            index = tap.fifo.popleft()
+            # (numpy then a view: a third of torch.as_tensor's 6 us for a list of 64)
+            ids = torch.from_numpy(np.asarray(index if isinstance(index, (list, tuple))
+                                              else [index], dtype=np.int64))
+            if self.mapping is not None:
+                ids = self.mapping[ids]
+        if self.lineage:
+            self.lineage.append(self.epoch, ids)
+        self.recorder.add_ids(ids)
+        if windows.check_every:
+            windows.ids.append(ids)
+
+    def note_batches(self) -> None:
+        """The batches whose indices add() kept as lists, into the recorder (and the window):
+        those of one size as one 2-D block (one conversion, one booking), the rest one by one.
+        Called before anything reads the recorder or the window (every exchange, a
+        checkpoint, the epoch's end), so that they see every batch received so far."""
+        if not self.noted:
+            return
+        noted, self.noted = self.noted, []
+        windows = self.windows
+        size = len(noted[0])
+        if all(len(index) == size for index in noted):
+            blocks = [torch.from_numpy(np.array(noted, dtype=np.int64).reshape(len(noted), size))]
+        else:
+            blocks = [torch.from_numpy(np.asarray(index, dtype=np.int64)).reshape(1, -1)
+                      for index in noted]
+        for block in blocks:
+            if self.mapping is not None:
+                block = self.mapping[block]
+            self.recorder.add_rows(block)
+            if windows.check_every:
+                windows.ids.append(block)
+
+
+def stream_shuffles(dataset) -> bool:
+    """Whether a stream is built to deal a new order: a datasets IterableDataset after
+    .shuffle() (a BufferShuffledExamplesIterable in its chain of example iterables). Anything
+    else (a stream of the user's, workers interleaving shards) is not known to shuffle."""
+    inner = getattr(dataset, "_ex_iterable", None)
+    for _ in range(32):
+        if inner is None:
+            return False
+        if "Shuffled" in type(inner).__name__:
+            return True
+        inner = getattr(inner, "ex_iterable", None)
+    return False
+
+
+def read_field(batch, field) -> torch.Tensor:
+    """The ids of a batch by `id_field`, by the rule `audit --id-field` follows
+    (rank.ids.field_values, integer_ids); keys are refused: the watch counts integer ids."""
+    from sharddemo.rank.ids import field_values, integer_ids
+    from sharddemo.rank.keys import key_values
+
+    label = f"sharddemo.watch: id_field {field!r}"
+    values = field_values(batch, field, label, ValueError)
+    if not torch.is_tensor(values) and key_values(values) is not None:
+        raise ValueError(f"{label} holds keys (str, bytes); the watch counts integer ids "
+                         "0..N-1 (audit a keyed loader with `sharddemo audit --id-field`, which "
+                         "names samples by key)")
+    return integer_ids(values, label, ValueError, keep_device=True)
