@@ -12,8 +12,8 @@ GATHER_STRATEGIES = ("auto", "batch", "epoch", "count")
 COUNT_FROM = 1_000_000
 # `auto` below COUNT_FROM: up to this many steps per rank and epoch, every batch is gathered as
 # it comes. Beyond it, ids stay on the rank and are gathered once at the end of the epoch: a
-# small gather costs 0.3-1.5 ms on gloo here, more than a whole step of a toy loader
-# (docs/benchmarks.md). (rank.walk.choose_gather decides; the parent estimates the report's
+# small gather costs more than a whole step of a toy loader (docs/benchmarks.md, "Figures
+# behind design choices"). (rank.walk.choose_gather decides; the parent estimates the report's
 # size with it: reportsize.)
 PER_BATCH_GATHER_LIMIT = 100
 

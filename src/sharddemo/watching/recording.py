@@ -18,8 +18,8 @@ from sharddemo.watching.hooks import Tap
 
 # Batches whose indices (a batch sampler's lists) the watch keeps as they came before
 # converting them in one go (WatchState.note_batches): one conversion and one booking for
-# these many, instead of one a batch (about 3 us a step less in the MLP loop of
-# benchmarks/watch_overhead.py). Every read of the record converts them first.
+# these many, instead of one a batch (cheaper a step: docs/benchmarks.md, "Figures behind
+# design choices"). Every read of the record converts them first.
 NOTED_BATCHES = 32
 
 
@@ -118,7 +118,7 @@ class Recording:
         else:
             self.note_batches()  # (those kept before this one come first)
             index = tap.fifo.popleft()
-            # (numpy then a view: a third of torch.as_tensor's 6 us for a list of 64)
+            # (numpy then a view: cheaper than torch.as_tensor; docs/benchmarks.md)
             ids = torch.from_numpy(np.asarray(index if isinstance(index, (list, tuple))
                                               else [index], dtype=np.int64))
             if self.mapping is not None:

@@ -186,7 +186,7 @@ class StepWindows:
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             # (torch's own all-gather: accelerate's gather of the same row costs several
-            # times more on gloo here, about 1 ms against 0.2)
+            # times more on gloo; docs/benchmarks.md, "Figures behind design choices")
             rows = row.new_empty(ranks.num_processes * row.numel())
             work = collective(all_gather_flat(), rows, row, async_op=not wait)
             return rows if wait else (work, rows)
@@ -239,7 +239,8 @@ class StepWindows:
             again = ordered[1:][ordered[1:] == ordered[:-1]]
         else:
             again = mine[copies > 1]
-        # distinct (a sort: np.unique's first call imports numpy.ma, 80 ms)
+        # distinct (a sort: np.unique costs more, and its first call imports numpy.ma;
+        # docs/benchmarks.md, "Figures behind design choices")
         again = np.sort(again)
         again = again[np.concatenate(([True], again[1:] != again[:-1]))] if again.size else again
         return int(again.size), again[:REPEAT_EXAMPLES].tolist()

@@ -58,7 +58,8 @@ class Counts:
         # the reduce in gloo's background thread while the small exchanges go on (sharddemo's
         # own ranks); False in a user's process (sharddemo.watch): a gloo process group that
         # ran async work and is left to the interpreter's teardown can abort the process at
-        # exit ("terminate called without an active exception", 2 exits in 6 here)
+        # exit ("terminate called without an active exception"; docs/benchmarks.md, "Figures
+        # behind design choices")
         self.background = background
         # keep, on the main process, how many ranks received each sample (the record's
         # "_present"; sharddemo.watch compares a resumed epoch with what came before the stop)
@@ -215,8 +216,8 @@ class Counts:
         inside_total = samples - outside_total
         distinct = int(np.count_nonzero(counts))
         # A sharded loader gives a rank each sample at most once: then the counter is 0/1, its
-        # sum is `distinct` and nothing repeats (a max and a count, 0.1 ms at 10^6, instead of
-        # a sum and a scan).
+        # sum is `distinct` and nothing repeats (a max and a count, cheaper than a sum and a
+        # scan: docs/benchmarks.md, "Figures behind design choices").
         once = int(counts.max()) <= 1
         # The counter wraps silently past MAX_COPIES: its sum tells (every rank, same branch).
         wrapped = (distinct if once else int(counts.sum(dtype=np.int64))) != inside_total

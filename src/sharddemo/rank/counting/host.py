@@ -22,7 +22,8 @@ class Running:
 
     def __init__(self, counter: torch.Tensor, ones: torch.Tensor, n: int) -> None:
         self.counter, self.ones, self.n = counter, ones, n
-        # 9 us per 65,536 ids where sha256 took 300 (xxhash: a dependency of datasets)
+        # xxh3, far cheaper than sha256 (docs/benchmarks.md, "Figures behind design
+        # choices"); xxhash is a dependency of datasets
         self.order = xxhash.xxh3_128()
         self.falls, self.last = 0, None  # ids below the one before them
         self.fall_at = 0  # the position in the epoch of the first of them
