@@ -209,7 +209,7 @@ def test_a_torn_tail_is_detected_and_skipped_on_read(tmp_path, monkeypatch):
     (folder / "rank0.lineage").write_bytes(whole[:-2])
     result = lineage_cli(folder, "--step", 1)
     assert result.exit_code == 0
-    assert result.stderr.startswith("Warning: rank0.lineage ends in a record cut short (32 "
+    assert result.stderr.startswith("Warning: rank0.lineage ends in a chunk cut short (32 "
                                     "bytes")
     assert result.stdout == f"rank 0 epoch 0 step 1: 2 samples: {received[1][0]} " \
         f"{received[1][1]}\n"
@@ -673,6 +673,14 @@ def test_real_ranks_ending_with_os_exit_keep_every_step_written(tmp_path):
     assert (result.exit_code, result.output) == (2, "Error: no rank's written lineage has "
                                                     "--step 10 (rank 0: written up to step 9; "
                                                     "rank 1: written up to step 7)\n")
+    # an id's places, with where each rank's written lineage ends (they differ here)
+    sample = received[0][9][1][0]  # in rank 0's last batch
+    places = sorted((step, rank) for rank in range(2)
+                    for step, (_, ids) in enumerate(received[rank]) if sample in ids)
+    result = lineage_cli(folder, "--id", sample)
+    assert result.output.splitlines() == [
+        f"epoch {received[rank][step][0]} step {step} rank {rank}" for step, rank in places] + [
+        "(written: rank 0 up to step 9, rank 1 up to step 7)"]
 
 
 def test_real_ranks_a_lineage_folder_gone_warns_once_per_rank_and_training_goes_on(tmp_path):

@@ -502,7 +502,7 @@ def lineage(folder: str, step: Optional[int], rank: Optional[int], epoch: Option
     rank's lineage may end before the steps it trained (the last unwritten chunk), and a rank
     whose written lineage has no step K is named with where its lineage ends ("written up to
     step J"). Exit 2, with one Error: line, where no rank's written lineage has step K, and
-    for an id outside the dataset (0..N-1). A last record cut short by a crash is skipped
+    for an id outside the dataset (0..N-1). A last chunk cut short by a crash is skipped
     with a warning.
 
     Example:

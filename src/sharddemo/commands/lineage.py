@@ -45,10 +45,14 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
                          for w in written)
         lines = ([f"epoch {h['epoch']} step {h['step']} rank {h['rank']}" for h in hits]
                  or [f"id {sample}: not in the written lineage (written: {ends})"])
+        if hits and len({w["last_step"] for w in written}) > 1:
+            # the ranks' lineages end at different steps (unequal step counts, or a crash):
+            # what is listed is what is written, and where each rank's written part ends
+            lines.append(f"(written: {ends})")
         if outside:  # held all the same: ids the watch found outside the dataset
             click.echo(f"Warning: id {outside[len('--id '):]}, yet the lineage holds it (an "
                        "id_field that gave ids outside the dataset)", err=True)
     for r, size in found.torn().items():
-        click.echo(f"Warning: rank{r}.lineage ends in a record cut short ({size} bytes, a "
+        click.echo(f"Warning: rank{r}.lineage ends in a chunk cut short ({size} bytes, a "
                    "crash while it was written): skipped", err=True)
     click.echo(json.dumps(result) if fmt == "json" else "\n".join(lines))
