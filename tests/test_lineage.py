@@ -423,14 +423,10 @@ def test_real_ranks_resumed_in_the_middle_keep_every_step(tmp_path):
     assert (run["world_size"], run["dataset_size"]) == (2, 40)
 
 
-def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
-                                                                 fresh_accelerate_state):  # noqa: F811
-    """TrainerWatch(lineage=DIR), one process, 40 samples in batches of 4, 2 epochs, gradient
-    accumulation 2 (5 optimizer steps an epoch), stopped after optimizer step 7 with a
-    checkpoint there and resumed from it. Expected: the ids each training forward received,
-    logged by the model itself (its x is [i, i] for sample i), launch after launch; and the
-    Trainer's own global_step at each optimizer step, against the forwards made so far: step
-    s is made of the batches (s-1)*G .. s*G-1 (docs/watch.md)."""
+def logged_trainer():
+    """The watch_trainer example with its own account of the run: a model that logs the ids
+    each training forward received (its x is [i, i] for sample i), and a callback that logs,
+    at each optimizer step, the Trainer's global_step and the forwards made so far."""
     pytest.importorskip("transformers")
     from test_frameworks import example
     from transformers import TrainerCallback
@@ -448,6 +444,19 @@ def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
     class Steps(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             made_at.append((state.global_step, len(received)))
+
+    return wt, received, made_at, Logged, Steps
+
+
+def test_trainer_lineage_with_gradient_accumulation_and_a_resume(tmp_path,
+                                                                 fresh_accelerate_state):  # noqa: F811
+    """TrainerWatch(lineage=DIR), one process, 40 samples in batches of 4, 2 epochs, gradient
+    accumulation 2 (5 optimizer steps an epoch), stopped after optimizer step 7 with a
+    checkpoint there and resumed from it. Expected: the ids each training forward received,
+    logged by the model itself (its x is [i, i] for sample i), launch after launch; and the
+    Trainer's own global_step at each optimizer step, against the forwards made so far: step
+    s is made of the batches (s-1)*G .. s*G-1 (docs/watch.md)."""
+    wt, received, made_at, Logged, Steps = logged_trainer()
 
     out, folder = tmp_path / "run", tmp_path / "lineage"
     for stop, resume in ((7, None), (None, True)):
@@ -470,23 +479,7 @@ def test_the_optimizer_steps_of_an_epoch_whose_batches_g_does_not_divide(
     and (s-1)*G .. s*G-1 over the run is wrong from step 4 on. Expected: the forwards the model
     itself made before each optimizer step (the Trainer's on_step_end), and the lineage's ids
     of those forwards."""
-    pytest.importorskip("transformers")
-    from test_frameworks import example
-    from transformers import TrainerCallback
-
-    wt = example("watch_trainer")
-    received: list[list[int]] = []
-    made_at: list[tuple[int, int]] = []  # (global_step, forwards so far)
-
-    class Logged(wt.TinyModel):
-        def forward(self, x, labels=None):
-            if self.training:
-                received.append(x[:, 0].long().tolist())
-            return super().forward(x, labels)
-
-    class Steps(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            made_at.append((state.global_step, len(received)))
+    wt, received, made_at, Logged, Steps = logged_trainer()
 
     folder = tmp_path / "lineage"
     wt.make_trainer(str(tmp_path / "run"), 2, lineage=str(folder), model=Logged(),
