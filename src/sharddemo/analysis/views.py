@@ -15,6 +15,8 @@ replication when a rank with several workers received some sample more than once
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Any, Optional
 
 import numpy as np
@@ -129,11 +131,13 @@ def exactly_once(ids: list[int], n: int, share: Optional[int] = None) -> bool:
     return len(ids) == n and sorted(ids) == list(range(n))
 
 
-class EpochView:
-    """What both epoch views answer.
+class EpochView(ABC):
+    """What both epoch views answer, from every id (IdsEpoch) or from the counts (CountsEpoch).
 
     `cov`: seen, unique, missing (a list, capped on the count path), missing_count,
-    out_of_range, duplicates [(id, copies)], duplicate_count, most_copies, most_copies_exact."""
+    out_of_range, duplicates [(id, copies)], duplicate_count, most_copies, most_copies_exact.
+    `steps` and `samples`: each rank's batches and ids. A view that leaves a method out cannot
+    be made (an abstract method), so the two paths answer the same questions."""
 
     gather: str
     epoch: int
@@ -141,22 +145,63 @@ class EpochView:
     steps: list[int]
     samples: list[int]
 
-    def workers_known(self) -> bool: ...
-    def worker_sets(self) -> list[set]: ...
+    @abstractmethod
+    def workers_known(self) -> bool:
+        """Say whether the DataLoader worker of every batch is known on every rank."""
+
+    @abstractmethod
+    def worker_sets(self) -> list[set]:
+        """Return each rank's set of DataLoader workers (empty where they are not known)."""
+
     def several_workers(self) -> bool:
+        """Say whether more than one DataLoader worker made the batches."""
         return len({k for ws in self.worker_sets() for k in ws if k >= 0}) > 1
-    def repeats_head(self, order: str) -> Optional[int]: ...
-    def fill_per_worker(self, limit: int) -> Optional[int]: ...
-    def replicated(self) -> bool: ...
-    def ranks_disagree(self, n: int) -> bool: ...
-    def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]: ...
-    def ragged(self) -> tuple[list[int], int]: ...
+
+    @abstractmethod
+    def repeats_head(self, order: str) -> Optional[int]:
+        """Return how many ids at the dealt order's end repeat its start (None: none)."""
+
+    @abstractmethod
+    def fill_per_worker(self, limit: int) -> Optional[int]:
+        """Return the fill a worker's last global batch took from its start (None: none)."""
+
+    @abstractmethod
+    def replicated(self) -> bool:
+        """Say whether the loader is not sharded: every rank walked the same samples."""
+
+    @abstractmethod
+    def ranks_disagree(self, n: int) -> bool:
+        """Say whether the ranks' clean slices overlap and leave holes (of `n` samples)."""
+
+    @abstractmethod
+    def stream_causes(self, fill: int = 0) -> tuple[dict[int, list[str]], set[str]]:
+        """Return the cause of each duplicated id, and the epoch's causes."""
+
+    @abstractmethod
+    def ragged(self) -> tuple[list[int], int]:
+        """Return the steps where the ranks' batches differ in size (capped) and their count."""
+
+    @abstractmethod
     def for_metrics(self, n: int, share: int) -> tuple[Optional[list[int]], Optional[int],
-                                                       Optional[bool]]: ...
-    def made_by(self) -> list[dict[int, list[int]]]: ...
-    def order_key(self) -> tuple[str, list]: ...
-    def same_ids(self) -> bool: ...
-    def rank_entries(self) -> list[dict]: ...
+                                                       Optional[bool]]:
+        """Return what accelerator.gather_for_metrics returned over the epoch: its ids, their
+        count, and whether it counted each of the `share` samples once."""
+
+    @abstractmethod
+    def made_by(self) -> list[dict[int, list[int]]]:
+        """Return, per rank, each DataLoader worker's batches and samples."""
+
+    @abstractmethod
+    def order_key(self) -> tuple[str, list]:
+        """Return what the order is compared by: ("ids", ids) or ("hash", order hashes)."""
+
+    @abstractmethod
+    def same_ids(self) -> bool:
+        """Say whether every rank received the same set of ids."""
+
+    @abstractmethod
+    def rank_entries(self) -> list[dict]:
+        """Return each rank's entry of the report's epoch."""
 
 
 class IdsEpoch(EpochView):
