@@ -20,6 +20,9 @@ read it without importing each other.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 # Most ids any list in a counted record holds (missing, duplicated, out of range, ragged steps,
 # a rank's repeats); the totals are always exact.
 LIST_CAP = 1000
@@ -28,7 +31,7 @@ LIST_CAP = 1000
 KEPT_BATCH_CAP = 4096
 
 
-def loader_share(loader: dict, n: int) -> int:
+def loader_share(loader: Mapping[str, Any], n: int) -> int:
     """Return how many distinct ids a loader deals in an epoch, from its description.
 
     From rank.describe.index_domain: the ids a Subset or SubsetRandomSampler leaves it

@@ -8,6 +8,8 @@ rank's window j. Pure and torch-free: it reads the per-rank batches of an epoch 
 
 from __future__ import annotations
 
+from typing import Any
+
 # Windows listed one by one in the report; the counts cover them all.
 WINDOW_CAP = 100
 
@@ -36,7 +38,7 @@ def accumulation_windows(ranks: list[list[list[int]]], k: int) -> dict:
     """
     steps = [len(batches) for batches in ranks]
     count = max((-(-s // k) for s in steps), default=0)
-    windows = []
+    windows: list[dict[str, Any]] = []
     for j in range(count):
         per_rank = [[i for batch in batches[j * k:(j + 1) * k] for i in batch] for batches in ranks]
         sizes = [len(batches[j * k:(j + 1) * k]) for batches in ranks]

@@ -5,12 +5,13 @@ once, over an epoch view (analysis.views), whether every id or only counts lie b
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from sharddemo.analysis.modes import REPLICATED, global_batch, mode_kind, opts
 from sharddemo.analysis.reasons import (REASON_SENTENCE, explain_duplicates, explain_missing,
                                         is_double_split, reason_sentence)
-from sharddemo.analysis.views import EpochView, interleave_steps
+from sharddemo.analysis.types import LoaderDescription, Trace
+from sharddemo.analysis.views import EpochView, IdsEpoch, interleave_steps
 from sharddemo.record import loader_share
 
 
@@ -36,7 +37,7 @@ def worker_shares(view: EpochView, configured: int,
     return rows, idle
 
 
-def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w: int,
+def _duplicates(view: EpochView, loader: LoaderDescription, hint: Optional[str], kind: str, w: int,
                 per_rank_batch: int, n: int) -> tuple[Optional[str], bool, dict[int, list[str]],
                                                      dict[str, str]]:
     """Return why the epoch's samples repeat, and whether that explains them all.
@@ -75,13 +76,13 @@ def _duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str, w
     return code, explained, {}, {code: reason_sentence(code, loader, n)}
 
 
-def analyse_epoch(mode: str, trace: dict, view: EpochView, previous: Optional[EpochView],
-                  loader: Optional[dict] = None, hint: Optional[str] = None) -> dict:
+def analyse_epoch(mode: str, trace: Trace, view: EpochView, previous: Optional[EpochView],
+                  loader: Optional[LoaderDescription] = None, hint: Optional[str] = None) -> dict:
     """Return the report's epoch object (docs/report.md) for one epoch view.
 
     `previous`: the view of the epoch before (order_changed), None for the first."""
     n, w = trace["dataset_size"], trace["world_size"]
-    loader = dict(loader or {})
+    loader = cast(LoaderDescription, dict(loader or {}))
     # drop_last as the loader's objects say it, or as the run was asked for (older traces).
     loader["drop_last"] = bool(loader.get("drop_last") or opts(trace).get("drop_last"))
     kind = mode_kind(mode, trace)
@@ -131,7 +132,7 @@ def analyse_epoch(mode: str, trace: dict, view: EpochView, previous: Optional[Ep
         "reasons": reasons,
     }
     if view.gather == "batch":  # what the per-batch gathers returned, step after step
-        out["gathered"] = interleave_steps(view.ranks)
+        out["gathered"] = interleave_steps(cast(IdsEpoch, view).ranks)  # (the ids view's gather)
     if loader.get("prepared"):
         listed, count, exact = view.for_metrics(n, loader_share(loader, n))
         out["gathered_for_metrics"] = listed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sharddemo.analysis.types import Trace
+
 # What each mode promises: sharded modes split the dataset, replicated ones repeat it.
 SHARDED = "sharded"
 REPLICATED = "replicated"
@@ -15,20 +17,20 @@ def is_audit_mode(mode: str) -> bool:
     return mode == "audit" or mode.startswith(FRAMEWORK_PREFIXES)
 
 
-def mode_kind(mode: str, trace: dict) -> str:
+def mode_kind(mode: str, trace: Trace) -> str:
     if is_audit_mode(mode):
         return REPLICATED if expect(trace) == "replicated" else SHARDED
     return MODE_KIND.get(mode, SHARDED)
 
 
-def opts(trace: dict) -> dict:
+def opts(trace: Trace) -> dict:
     return trace.get("options", {})
 
 
-def expect(trace: dict) -> str:
+def expect(trace: Trace) -> str:
     return opts(trace).get("audit", {}).get("expect", "sharded")
 
 
-def global_batch(trace: dict) -> int:
+def global_batch(trace: Trace) -> int:
     """Samples per step over all ranks, as the trace states it."""
     return int(trace.get("global_batch") or trace["batch_size"] * trace["world_size"])

@@ -10,11 +10,12 @@ around, drop_last drops), and found in the records: which id repeats, where, on 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 from sharddemo.analysis.modes import REPLICATED
 from sharddemo.analysis.views import EpochView
 from sharddemo.record import loader_share
+from sharddemo.analysis.types import Draws, LoaderDescription
 
 # A few words for each reason code, for the one-sentence conclusion.
 REASON_LABEL = {
@@ -77,21 +78,23 @@ def missing_ok(e: dict) -> bool:
                                       and e["missing_explained"])
 
 
-def draws_repeat(loader: dict, n: int) -> bool:
+def draws_repeat(loader: LoaderDescription, n: int) -> bool:
     """Say whether the sampler itself deals some ids more than once.
 
     It does with replacement, or with more draws than ids to draw from."""
     draws = loader.get("draws")
-    return bool(draws) and (draws["replacement"]
-                            or (draws["count"] or 0) > (loader.get("domain") or n))
+    if not draws:
+        return False
+    return draws["replacement"] or (draws["count"] or 0) > (loader.get("domain") or n)
 
 
-def by_design_sentence(code: str, loader: dict, n: int, missing: int,
+def by_design_sentence(code: str, loader: LoaderDescription, n: int, missing: int,
                        explained: bool = True) -> str:
     """Return the sentence for the subset and sampler-draws reasons, with this loader's numbers.
 
     Where they do not account for every missing sample (`explained` False), it says so."""
-    draws, domain = loader.get("draws"), loader.get("domain")
+    # Called for these two reasons only: the loader says how it draws, or from what domain.
+    draws, domain = cast(Draws, loader.get("draws")), cast(int, loader.get("domain"))
     share = loader_share(loader, n)
     if code == "subset":
         text = (f"subset: the loader deals from {domain} of the {n} samples (a torch Subset, "
@@ -118,7 +121,7 @@ def by_design_sentence(code: str, loader: dict, n: int, missing: int,
     return text + (", and drop_last drops the rest" if missing > n - share else "")
 
 
-def not_its_data(e: dict, loader: Optional[dict], n: int) -> int:
+def not_its_data(e: dict, loader: Optional[LoaderDescription], n: int) -> int:
     """Count the epoch's missing samples that the loader could never deal.
 
     Counted where something else lost the rest (a double split, or no known reason): the part of
@@ -131,7 +134,7 @@ def not_its_data(e: dict, loader: Optional[dict], n: int) -> int:
     return outside if 0 < outside < e["missing_count"] else 0
 
 
-def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
+def reason_sentence(code: str, loader: LoaderDescription, n: int, missing: int = 0,
                     explained: bool = True) -> str:
     """Return the sentence for a reason code, with this loader's numbers.
 
@@ -167,7 +170,7 @@ def reason_sentence(code: str, loader: dict, n: int, missing: int = 0,
     return REASON_SENTENCE[code]
 
 
-def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
+def ray_split_sentence(loader: LoaderDescription, missing: int, explained: bool) -> str:
     """Return the sentence for Ray Data's equal split.
 
     Dataset.streaming_split(W, equal=True), as Ray Train's DataConfig splits each dataset: every
@@ -184,7 +187,7 @@ def ray_split_sentence(loader: dict, missing: int, explained: bool) -> str:
     return text
 
 
-def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
+def ray_split_slack(loader: LoaderDescription, global_size: int) -> Optional[int]:
     """Return how many rows Ray's equal split may leave out of an epoch.
 
     W - 1, and with iter_torch_batches(drop_last=True) each worker's short last batch too (W x
@@ -198,7 +201,7 @@ def ray_split_slack(loader: dict, global_size: int) -> Optional[int]:
     return world - 1 + (world * (batch - 1) if loader.get("drop_last") else 0)
 
 
-def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
+def padding_mechanism(loader: LoaderDescription) -> tuple[Optional[str], str]:
     """Return the reason code of the padding the loader can do, and the order it deals from.
 
     The order: 'sample' (a DistributedSampler interleaves single ids) or 'batch' (accelerate
@@ -214,7 +217,7 @@ def padding_mechanism(loader: dict) -> tuple[Optional[str], str]:
     return None, ""
 
 
-def loader_pads(loader: Optional[dict]) -> bool:
+def loader_pads(loader: Optional[LoaderDescription]) -> bool:
     """Say whether the loader's own objects add repeats to an epoch.
 
     They do in a DistributedSampler whose order is padded (its own total_size past N: N not a
@@ -229,7 +232,7 @@ def loader_pads(loader: Optional[dict]) -> bool:
                                      and loader.get("sampler_padding") == 0)
 
 
-def shards(loader: dict) -> bool:
+def shards(loader: LoaderDescription) -> bool:
     """Whether anything in the loader deals each rank a share: a DistributedSampler,
     accelerate's BatchSamplerShard, IterableDatasetShard or dispatcher, a prepared loader, or
     Ray Data's equal split of a dataset."""
@@ -239,13 +242,13 @@ def shards(loader: dict) -> bool:
                 or (loader.get("ray_data") or {}).get("split") == "equal")
 
 
-def is_double_split(loader: dict) -> bool:
+def is_double_split(loader: LoaderDescription) -> bool:
     """A DistributedSampler inside a loader that accelerate shards again."""
     return bool(loader.get("distributed_sampler") and loader.get("prepared")
                 and (loader.get("batch_sampler_shard") or loader.get("iterable_shard")))
 
 
-def dispatched_from_other_workers(loader: dict, worker_sets: list[set]) -> bool:
+def dispatched_from_other_workers(loader: LoaderDescription, worker_sets: list[set]) -> bool:
     """Say whether each rank's dispatched slices came from workers of its own.
 
     With dispatch_batches rank 0's loader makes every batch and each rank gets a slice. Where
@@ -256,7 +259,7 @@ def dispatched_from_other_workers(loader: dict, worker_sets: list[set]) -> bool:
     return len(worker_sets) > 1 and sum(map(len, worker_sets)) == len(set().union(*worker_sets))
 
 
-def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind: str,
+def explain_duplicates(view: EpochView, loader: LoaderDescription, hint: Optional[str], kind: str,
                        world: int, batch: int, n: int) -> tuple[str, bool]:
     """Find why samples appear more than once in this epoch, from the records.
 
@@ -266,7 +269,8 @@ def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind:
         return "double-split", True
     if hint:
         return hint, True
-    count = loader["draws"]["count"] if loader.get("draws") else None
+    draws = loader.get("draws")
+    count = draws["count"] if draws else None
     if draws_repeat(loader, n) and (count is None or sum(view.samples) < count + world * batch):
         # the ranks together dealt one draw (and less than a round of fill): its own repeats
         return "sampler-draws", True
@@ -295,7 +299,7 @@ def explain_duplicates(view: EpochView, loader: dict, hint: Optional[str], kind:
     return code or "unexplained", False
 
 
-def explain_missing(missing: int, loader: dict, hint: Optional[str],
+def explain_missing(missing: int, loader: LoaderDescription, hint: Optional[str],
                     global_size: int, dup_code: Optional[str] = None, n: Optional[int] = None,
                     unique: Optional[int] = None) -> tuple[Optional[str], bool]:
     """Find why samples were never seen, and whether that reason accounts for all of them.
@@ -323,7 +327,7 @@ def explain_missing(missing: int, loader: dict, hint: Optional[str],
         return "sampler-draws", True
     short = loader.get("shard_batch_size") is not None
     share = loader_share(loader, n) if n is not None else None
-    if share is not None and share < n and unique is not None:
+    if share is not None and n is not None and share < n and unique is not None:
         slack = global_size - 1 if loader.get("drop_last") else 0
         code = "subset" if share == loader.get("domain") else "sampler-draws"
         explained = share - slack <= unique <= share

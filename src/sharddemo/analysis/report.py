@@ -5,20 +5,21 @@ ranks' placement. Plain data in, plain data out, no torch: tested without proces
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from sharddemo.analysis.keys import keys_section, name_epoch, name_windows
 from sharddemo.analysis.epoch import analyse_epoch
 from sharddemo.analysis.modes import global_batch, is_audit_mode, mode_kind
 from sharddemo.analysis.verdicts import (audit_verdicts, broken_promises, conclude,
                                          raised_promise, raised_sentence, raised_verdict)
-from sharddemo.analysis.views import epoch_view
+from sharddemo.analysis.types import Trace, TraceMode
+from sharddemo.analysis.views import IdsEpoch, epoch_view
 from sharddemo.analysis.accumulation import accumulation_windows, window_counts
 
 REPORT_SCHEMA = "sharddemo.report/1"
 
 
-def build_report(trace: dict, *, launch_command: Optional[str] = None,
+def build_report(trace: Trace, *, launch_command: Optional[str] = None,
                  config_file: Optional[str] = None, keys: Optional[dict] = None,
                  key_field: Optional[str] = None) -> dict:
     """Trace (what the ranks did) -> report (what it means). Deterministic for a given trace.
@@ -44,7 +45,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     problems: list[str] = []
     for mode, data in trace["modes"].items():
         # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
-        sized = {**trace, **data.get("sizes", {})}
+        sized = cast(Trace, {**trace, **data.get("sizes", {})})
         if data.get("raised") and not data["epochs"]:
             modes[mode] = raised_mode(mode, data, sized)
             problems += modes[mode]["broken_promises"]
@@ -97,16 +98,18 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         if data.get("grad_accum"):
             k = data["grad_accum"]
             for e, v in zip(epochs, views):
-                e["grad_accum"] = (accumulation_windows(v.ranks, k) if v.gather != "count" else
+                # (a view not counted is the ids view)
+                e["grad_accum"] = (accumulation_windows(cast(IdsEpoch, v).ranks, k)
+                                   if v.gather != "count" else
                                    {**window_counts(v.steps, k), "counted": True})
                 if keys is not None and v.gather != "count":
                     name_windows(e["grad_accum"], keys["names"])
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
-    where = trace.get("placement") or [
+    placement = trace.get("placement") or [
         {"rank": r, "local_rank": r, "node": 0, "host": None} for r in range(trace["world_size"])]
     nodes: dict[str, list[int]] = {}
-    for p in where:
+    for p in placement:
         nodes.setdefault(str(p["node"]), []).append(p["rank"])
     for data in modes.values():
         for e in data["epochs"]:
@@ -128,7 +131,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
         "options": trace.get("options", {}),
         "config_file": config_file,
         "launch_command": launch_command,
-        "placement": where,
+        "placement": placement,
         "nodes": nodes,
         "modes": modes,
         "broken_promises": problems,
@@ -145,7 +148,7 @@ def build_report(trace: dict, *, launch_command: Optional[str] = None,
     return report
 
 
-def raised_mode(mode: str, data: dict, sized: dict) -> dict:
+def raised_mode(mode: str, data: TraceMode, sized: Trace) -> dict:
     """Return the report of a mode whose loader raised before any epoch completed.
 
     It has no epochs; the conclusion quotes the error. Where the mode raises by design

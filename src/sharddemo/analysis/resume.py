@@ -7,6 +7,7 @@ uninterrupted one, and the verdict). Pure Python."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 from sharddemo.options import ResumePlan, demo_scenarios
 
@@ -92,11 +93,12 @@ def compare_chain(plan: ResumePlan, references: dict, base_world: int,
                 got_ranks = got_ranks + parts[j][epoch]
         one_world = len({sizes[j] for j in walked}) == 1
         ref_ids = _ids(base.get(epoch, []))
-        got_ids = Counter()
+        got_ids: Counter[int] = Counter()
         for j in walked:
             got_ids += _ids(parts[j][epoch])
         repeated, skipped = got_ids - ref_ids, ref_ids - got_ids
-        fill_repeated, fill_skipped = Counter(), Counter()
+        fill_repeated: Counter[int] = Counter()
+        fill_skipped: Counter[int] = Counter()
         if finisher != base_world and epoch in refs.get(finisher, {}):
             own = _ids(refs[finisher][epoch])
             fill_repeated, fill_skipped = (own - ref_ids) & repeated, (ref_ids - own) & skipped
@@ -139,7 +141,7 @@ def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: l
 
     Used by compare_chain. `lost_by_epoch`: the ids each epoch never received, its fill taken
     out."""
-    out = []
+    out: list[dict] = []
     starts: dict[int, list] = {}  # epoch -> [(restart, first position launch i+1 received)]
     positions: dict[int, dict] = {}
     for i in range(len(launches) - 1):
@@ -147,11 +149,11 @@ def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: l
         epoch, step = resume_point(stop)
         before_ranks = parts[i].get(epoch, [])
         after_ranks = parts[i + 1].get(epoch, [])
-        before = Counter()
+        before: Counter[int] = Counter()
         for j in range(i + 1):
             before += _ids(parts[j].get(epoch, []))
         repeated = before & _ids(after_ranks)
-        fill = Counter()
+        fill: Counter[int] = Counter()
         if sizes[i + 1] != base_world and epoch in refs.get(sizes[i + 1], {}):
             fill = (_ids(refs[sizes[i + 1]][epoch]) - _ids(refs[base_world].get(epoch, []))) \
                 & repeated
@@ -177,7 +179,8 @@ def _restarts(plan: ResumePlan, launches: list[dict], sizes: list[int], parts: l
             own = refs.get(sizes[i + 1], {}).get(epoch)
             same = deterministic and epoch == 0 and own is not None and \
                 _global_order(own)[:len(order)] == reference[:len(order)] and (
-                    not dealt or dealt[:span] == reference[start:start + span])
+                    not dealt or dealt[:cast(int, span)]
+                    == reference[cast(int, start):cast(int, start + span)])
             starts.setdefault(epoch, []).append((len(out), start, same))
         batch = next((len(b[0]) for b in after_ranks + before_ranks if b), 0)
         out.append({

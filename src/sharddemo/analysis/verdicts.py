@@ -5,11 +5,12 @@ conclusion in plain words."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 from sharddemo.analysis.idtext import ids_text
 from sharddemo.analysis.modes import REPLICATED, SHARDED, expect, global_batch, mode_kind
 from sharddemo.analysis.reasons import REASON_LABEL, loader_pads, missing_ok, not_its_data
+from sharddemo.analysis.types import LoaderDescription, Trace
 
 def replicated_ok(e: dict) -> bool:
     """Say whether every rank saw every sample the loader kept.
@@ -20,7 +21,7 @@ def replicated_ok(e: dict) -> bool:
     return missing_ok(e) and e["same_ids_on_every_rank"] and (samples[0] > 0 or not any(samples))
 
 
-def broken_promises(mode: str, trace: dict, epochs: list[dict]) -> list[str]:
+def broken_promises(mode: str, trace: Trace, epochs: list[dict]) -> list[str]:
     """List what `--check` fails on.
 
     A sharded mode with missing samples or unequal step counts, a replicated one whose ranks did
@@ -138,8 +139,8 @@ def eval_verdict(e: dict, prepared: bool, n: int) -> tuple[bool, str]:
     return False, "; ".join(parts)
 
 
-def audit_verdicts(trace: dict, epochs: list[dict], role: str = "train",
-                   prepared: bool = False, loader: Optional[dict] = None,
+def audit_verdicts(trace: Trace, epochs: list[dict], role: str = "train",
+                   prepared: bool = False, loader: Optional[LoaderDescription] = None,
                    set_epoch_called: bool = False) -> list[dict]:
     """Return the audit's verdicts per epoch: [{"verdict", "epoch", "ok", "detail"}].
 
@@ -229,7 +230,8 @@ def _most_copies(e: dict) -> str:
     return f"up to {'' if e['most_copies_exact'] else 'at least '}{e['most_copies']} times"
 
 
-def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] = None) -> str:
+def conclude(mode: str, trace: Trace, epochs: list[dict],
+             loader: Optional[LoaderDescription] = None) -> str:
     """Return one sentence in plain words, with the arithmetic stated.
 
     `loader`: its description (rank.describe.describe_loader), where it deals only part of the
@@ -272,7 +274,7 @@ def conclude(mode: str, trace: dict, epochs: list[dict], loader: Optional[dict] 
     elif ((loader or {}).get("draws") or {}).get("replacement") and not copies:
         text = (f"The {w} ranks drew {seen} samples per epoch between them for a dataset of "
                 f"{n} = {times} {sums}, with replacement "
-                f"({loader['draws']['sampler']})")
+                f"({cast(dict, loader)['draws']['sampler']})")
     elif copies == {"worker-replication"} and not copies_across_ranks(first):
         # the ranks split the stream; within each, every worker yielded its share
         text = (f"The {w} ranks split each epoch between them, but within each rank every "

@@ -16,11 +16,11 @@ replication when a rank with several workers received some sample more than once
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
+from sharddemo.analysis.types import Coverage, EpochRecord
 from sharddemo.record import KEPT_BATCH_CAP, LIST_CAP, interleave_steps
 
 
@@ -96,7 +96,7 @@ def fill_per_worker(orders: list[list[int]], limit: int) -> Optional[int]:
     return total
 
 
-def coverage(flat_ids: list[list[int]], n: int) -> dict:
+def coverage(flat_ids: list[list[int]], n: int) -> Coverage:
     """Count the unique, missing, out-of-range and duplicated ids over all ranks' ids.
 
     Counted with numpy's bincount: a dict of counts, sorted, is many times slower at millions
@@ -141,7 +141,7 @@ class EpochView(ABC):
 
     gather: str
     epoch: int
-    cov: dict
+    cov: Coverage
     steps: list[int]
     samples: list[int]
 
@@ -207,7 +207,7 @@ class EpochView(ABC):
 class IdsEpoch(EpochView):
     """Every id each rank received, batch by batch (the `batch` and `epoch` records)."""
 
-    def __init__(self, record: dict, n: int) -> None:
+    def __init__(self, record: EpochRecord, n: int) -> None:
         self.record = record
         self.epoch = record["epoch"]
         self.gather = record.get("gather", "batch")
@@ -311,7 +311,7 @@ class IdsEpoch(EpochView):
                     and len(set(remainders)) == 1:
                 done = [i for batches in self.ranks for batch in batches[:-1] for i in batch]
                 last = [i for batches in self.ranks for i in (batches[-1] if batches else [])]
-                keep = remainders[0]
+                keep = cast(int, remainders[0])  # (None is not among them)
                 metrics = done + (last[:keep] if keep > 0 else last)
         if metrics is None:
             return None, None, None
@@ -362,7 +362,7 @@ class CountedEpoch(EpochView):
     Per-sample counts reduced on the main rank, each rank's first and last batches and its order
     hash."""
 
-    def __init__(self, record: dict, n: int) -> None:
+    def __init__(self, record: EpochRecord, n: int) -> None:
         self.record = record
         self.epoch = record["epoch"]
         self.gather = "count"
@@ -382,7 +382,7 @@ class CountedEpoch(EpochView):
     # -- the dealt order's ends, from the kept batches
     def _complete(self) -> Optional[list[list[list[int]]]]:
         """Every rank's whole epoch, where each kept all its batches (short epochs)."""
-        out = []
+        out: list[list[list[int]]] = []
         for r in self.rank_records:
             if r["steps"] > len(r["head"]) + len(r["tail"]):
                 return None
@@ -416,7 +416,7 @@ class CountedEpoch(EpochView):
         longest = max((t for t, _ in units), default=0)
 
         def at(pos: int):
-            out = []
+            out: list[int] = []
             for total, known in units:
                 if pos < total:
                     if pos not in known:
@@ -595,6 +595,6 @@ class CountedEpoch(EpochView):
                 for r in self.rank_records]
 
 
-def epoch_view(record: dict, n: int) -> EpochView:
+def epoch_view(record: EpochRecord, n: int) -> EpochView:
     """The view of one epoch record, ids or counts behind it."""
     return CountedEpoch(record, n) if record.get("gather") == "count" else IdsEpoch(record, n)

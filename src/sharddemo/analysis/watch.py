@@ -8,7 +8,7 @@ of steps within the epoch is judged in analysis/watch_window.py.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 
@@ -16,24 +16,25 @@ from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.watch_line import partial_line, plural, watch_line
 from sharddemo.analysis.watch_resume import (fill_ids, fill_source, replay_cause,
                                              restart_cause, resume_check, unknown_resume)
+from sharddemo.analysis.types import EpochRecord, LoaderDescription, Trace
 from sharddemo.record import largest_id, loader_share
 
 WATCH_SCHEMA = "sharddemo.watch/1"
 
 
-def watch_trace(header: dict, *, name: str, role: str, description: dict, n: int,
-                batch_size: Optional[int], records: list[dict]) -> dict:
+def watch_trace(header: dict, *, name: str, role: str, description: LoaderDescription, n: int,
+                batch_size: Optional[int], records: list[EpochRecord]) -> Trace:
     """A trace of one watched loader (`records`: the previous epoch's, for the order, and
     this one's), as a rank command would write it, for build_report."""
     world = header["world_size"]
     per_rank = batch_size or 1
-    return {**header, "dataset_size": n, "batch_size": per_rank,
+    return cast(Trace, {**header, "dataset_size": n, "batch_size": per_rank,
             "global_batch": per_rank * world, "epochs": len(records), "seed": 0,
             "options": {"audit": {"expect": "sharded"},
                         "drop_last": bool(description.get("drop_last"))},
             "modes": {"audit": {"description": name, "epochs": records,
                                 "loader": description, "role": role,
-                                "prepared": bool(description.get("prepared"))}}}
+                                "prepared": bool(description.get("prepared"))}}})
 
 
 # A stream watched with no dataset_size has N inferred from its largest id. Where its ids are
@@ -99,8 +100,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     # shuffled stream, says so): a loader not known to shuffle (workers interleaving a stream,
     # rows stored in any order) is never told it forgot set_epoch.
     description = {**description, "shuffled": bool(description.get("shuffled"))}
-    trace = watch_trace(header, name=name, role=role, description=description, n=n,
-                        batch_size=batch_size, records=records)
+    trace = watch_trace(header, name=name, role=role,
+                        description=cast(LoaderDescription, description), n=n,
+                        batch_size=batch_size, records=cast("list[EpochRecord]", records))
     report = build_report(trace)["modes"]["audit"]
     e = report["epochs"][-1]
     verdicts = [v for v in report["verdicts"] if v["epoch"] == epoch]
@@ -179,8 +181,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         entry["resume"] = resume
         entry["seen"] += resume["seen_before"]
         if partial:  # (no skipped: the samples of the chain so far, in any part)
-            n_ = min(len(before), len(present))
-            entry["unique"] = int(np.count_nonzero((before[:n_] > 0) | (present[:n_] > 0)))
+            had, got = cast(np.ndarray, before), cast(np.ndarray, present)  # given when partial
+            n_ = min(len(had), len(got))
+            entry["unique"] = int(np.count_nonzero((had[:n_] > 0) | (got[:n_] > 0)))
         else:
             entry["unique"] = n - resume["skipped"]["count"]
             entry["missing"] = {"count": resume["skipped"]["count"],

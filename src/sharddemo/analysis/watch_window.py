@@ -16,10 +16,13 @@ previous epoch fails `order-changes-each-epoch`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.reasons import draws_repeat
+from sharddemo.analysis.types import LoaderDescription
 from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail
 from sharddemo.analysis.watch_line import plural
 
@@ -67,7 +70,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     every = _distinct(pooled)
     # a sampler that draws with replacement deals some samples to two ranks by design: only
     # the whole window alike on every rank (replication) is a fault then
-    by_design = draws_repeat(loader or {}, n or 0)
+    by_design = draws_repeat(cast(LoaderDescription, loader or {}), n or 0)
     same = bool(shared) and len(sets) > 1 and all(np.array_equal(s, sets[0]) for s in sets)
     if by_design and not same:
         shared, earlier = [], 0
