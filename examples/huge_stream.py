@@ -53,5 +53,5 @@ def billion(accelerator):
 def just_past_bits(accelerator):
     """2^26 + 16,384 ids (16,388 whole blocks, as many for each of 2 or 4 ranks), made in each
     rank's own process (no workers), just past where the count path keeps 2 bits a sample
-    (counting.BITS_FROM)."""
+    (options.BITS_FROM)."""
     return make(accelerator, (1 << 26) + 4 * BLOCK, workers=0)
