@@ -35,6 +35,7 @@ class LoaderDescription(TypedDict, total=False):
     drop_last: bool
     seedable_sampler: bool
     sampler_padding: int
+    split_over: Optional[int]  # the ranks its sampler or shard splits over
     classes: list[str]
     num_workers: int
     iterable_dataset: bool

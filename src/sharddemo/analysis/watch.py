@@ -18,6 +18,7 @@ from sharddemo.analysis.watch_resume import (fill_ids, fill_source, replay_cause
                                              restart_cause, resume_check, unknown_resume)
 from sharddemo.analysis.types import EpochRecord, LoaderDescription, Trace
 from sharddemo.record import largest_id, loader_share
+from sharddemo.mesh import explain_on_mesh, peer_verdict
 
 WATCH_SCHEMA = "sharddemo.watch/1"
 
@@ -71,8 +72,13 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 before: Optional[np.ndarray] = None, present: Optional[np.ndarray] = None,
                 loaded: bool = False, unattributed: int = 0, partial: bool = False,
                 id_field: object = None, restarts: Optional[list] = None,
-                again: Optional[np.ndarray] = None, unknown_before: bool = False) -> dict:
+                again: Optional[np.ndarray] = None, unknown_before: bool = False,
+                mesh: Optional[dict] = None, peers: Optional[dict] = None) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
+
+    On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
+    data-parallel group (its first), numbered by group, and `header` their count; `peers` is
+    sharddemo.mesh.peer_check's finding (None: every peer received the same batches).
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
@@ -150,6 +156,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         verdicts.append({"verdict": "ids-in-range", "epoch": epoch, "ok": False,
                          "detail": out_of_range_detail(sorted(e["out_of_range"]),
                                                        None if inferred else n, id_field)})
+    if mesh is not None:
+        verdicts.append(peer_verdict(mesh, peers, description, epoch))
+        explain_on_mesh(verdicts, mesh, description)
     failed = [v for v in verdicts if not v["ok"]]
     entry = {
         "schema": WATCH_SCHEMA, "loader": name, "epoch": epoch,
@@ -188,6 +197,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             entry["unique"] = n - resume["skipped"]["count"]
             entry["missing"] = {"count": resume["skipped"]["count"],
                                 "ids": resume["skipped"]["ids"], "reason": None}
+    if mesh is not None:
+        entry["mesh"] = {**mesh, "peers_differ": peers}
+        entry["world_size"] = mesh["world"]
     if unattributed:
         entry["unattributed_batches"] = unattributed
     if names is not None:

@@ -21,10 +21,10 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
     verdicts after FAIL."""
     from sharddemo.analysis.reasons import REASON_LABEL
 
-    n, world, deals = entry["dataset_size"], entry["world_size"], entry["deals"]
+    n, deals = entry["dataset_size"], entry["deals"]
     steps = entry["steps"]
     each = (f"{plural(steps[0], 'step')} each" if len(set(steps)) == 1
-            else f"steps per rank {steps}")
+            else f"steps per {'group' if entry.get('mesh') else 'rank'} {steps}")
     again = entry["seen"] - entry["unique"]
     labels = [REASON_LABEL.get(r, r) for r in entry["duplicated"]["reasons"]]
     # the loader's padding or fill is named beside a failed verdict about the counts, which it
@@ -55,9 +55,8 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
                 f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
                 f"{resumed['skipped']['count']:,} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
-            f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once} across "
-            f"{plural(world, 'rank')}, "
-            f"{each}, order changed: {order}")
+            f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once} "
+            f"{across(entry)}, {each}, order changed: {order}")
     missing = entry["missing"]
     if not failed and missing and missing["count"] and missing["reason"] == "ray-equal-split":
         # rows Ray's equal split drops by design: said, not an alarm, in the reason's own
@@ -76,6 +75,19 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
     return text + ": FAIL " + details + (f" ({'; '.join(reasons)})" if reasons else "")
 
 
+def across(entry: dict) -> str:
+    """'across 2 ranks', or on a mesh 'across 2 data-parallel groups (mesh dp=2 x tp=2, data
+    dims dp)': what the counts are over (a mesh's groups are counted once each)."""
+    mesh = entry.get("mesh")
+    if not mesh:
+        return f"across {plural(entry['world_size'], 'rank')}"
+    shape = " x ".join(f"{d}={s}" for d, s in mesh["dims"].items())
+    groups = mesh["data_groups"]
+    data = ", ".join(mesh["data_dims"]) or "none"
+    return (f"across {groups} data-parallel group{'s' if groups != 1 else ''} (mesh {shape}, "
+            f"data dims {data})")
+
+
 def partial_line(entry: dict) -> str:
     """sharddemo: epoch 0 train (partial): 160 samples, 160 distinct, across 2 ranks, 20 steps
     each: ok"""
@@ -84,7 +96,7 @@ def partial_line(entry: dict) -> str:
             if len(set(steps)) == 1 else f"steps per rank {steps}")
     alone = entry.get("ranks") == "main-only"
     where = (f"on the main process alone of {world} ranks (the ranks could not meet)" if alone
-             else f"across {plural(world, 'rank')}")
+             else across(entry))
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
             f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct, {where}, {each}")
     text += partial_resume_words(entry.get("resume"))

@@ -25,12 +25,14 @@ from sharddemo.analysis.reasons import draws_repeat
 from sharddemo.analysis.types import LoaderDescription
 from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail
 from sharddemo.analysis.watch_line import plural
+from sharddemo.mesh import explain_on_mesh, peer_verdict
 
 
 def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                  heads: list[dict], ids: list, earlier: int,
                  n: int | None, loader: dict | None = None,
-                 id_field: object = None) -> dict:
+                 id_field: object = None, mesh: dict | None = None,
+                 peers: dict | None = None) -> dict:
     """Judge one window of steps from every rank's part of its exchange.
 
     The window is steps `first`..`last` of epoch `epoch`, checked at rank steps `at`: `heads[r]`
@@ -42,6 +44,9 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     rank found, at the previous window, that another rank received in an earlier window of this
     epoch. `loader`: the loader's description (its `draws`: a sampler that repeats by design);
     `id_field`: where the ids come from a batch's field (named where they fall outside 0..N-1).
+    On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()) `heads` and `ids` are each
+    data-parallel group's first rank's, by group, and `peers` the peer check's finding (None:
+    every peer received the same batches so far).
     Returns the entry (docs/watch.schema.json, with `window`) and its line."""
     world = len(heads)
     running = [r for r, h in enumerate(heads) if not h["done"]]
@@ -114,6 +119,9 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     outside = outside[(outside < 0) | (outside >= n)] if n is not None else outside[outside < 0]
     if outside.size:
         add("ids-in-range", False, out_of_range_detail(outside.tolist(), n, id_field))
+    if mesh is not None:
+        verdicts.append(peer_verdict(mesh, peers, loader, epoch))
+        explain_on_mesh(verdicts, mesh, loader)
     failed = [v for v in verdicts if not v["ok"]]
     seen = sum(len(ids[r]) for r in running)
     top = int(every[-1]) + 1 if every.size else 0
@@ -130,6 +138,9 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         "verdicts": verdicts, "reasons": {}, "ok": not failed,
     }
     entry["deals"] = entry["dataset_size"]
+    if mesh is not None:
+        entry["mesh"] = {**mesh, "peers_differ": peers}
+        entry["world_size"] = mesh["world"]
     entry["line"] = (f"sharddemo: epoch {epoch} {name} steps {first}-{last} (checked at step "
                      f"{at}): " + ("ok" if not failed else "FAIL " + "; ".join(
                          f"{v['verdict']}: {v['detail']}" for v in failed)))

@@ -76,6 +76,7 @@ def describe_loader(loader) -> dict:
             info["drop_last"] = True
         if name == "DistributedSampler" or (hasattr(obj, "num_replicas") and hasattr(obj, "rank")):
             info["distributed_sampler"] = True
+            info.setdefault("split_over", getattr(obj, "num_replicas", None))  # (over ranks)
             # how many ids it adds to its order, by its own numbers (total_size is
             # num_replicas x num_samples): 0 where N is a multiple of num_replicas, or it cuts
             # (drop_last); kept out where it does not say (a sampler of the user's)
@@ -83,10 +84,9 @@ def describe_loader(loader) -> dict:
                 info["sampler_padding"] = max(int(obj.total_size) - len(obj.dataset), 0)
             except (AttributeError, TypeError, ValueError):
                 pass
-        if name == "BatchSamplerShard":
-            info["batch_sampler_shard"] = True
-        if name == "IterableDatasetShard":
-            info["iterable_shard"] = True
+        if name in ("BatchSamplerShard", "IterableDatasetShard"):
+            info["batch_sampler_shard" if name == "BatchSamplerShard" else "iterable_shard"] = True
+            info.setdefault("split_over", getattr(obj, "num_processes", None))
         if name == "SeedableRandomSampler":
             info["seedable_sampler"] = True
         for key in ("even_batches", "split_batches"):

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from sharddemo.errors import ShardingViolation
 from sharddemo.rank.collect import guard_forks
@@ -50,7 +50,8 @@ from sharddemo.watching.step_windows import CHECK_EVERY
 def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
           on_violation: str = "warn", check_every: Union[int, str, None] = CHECK_EVERY,
-          dataset_size: Optional[int] = None, lineage: Optional[str] = None):
+          dataset_size: Optional[int] = None, lineage: Optional[str] = None,
+          mesh: Any = None, data_dims: Optional[Sequence[str]] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     Args:
@@ -78,6 +79,12 @@ def watch(loader, accelerator=None, *, name: str = "train",
             for a stream, inferred from the largest id seen, and the line says so).
         lineage: a folder where each rank appends the ids of every batch its loop receives,
             for `sharddemo lineage DIR --step K` (docs/watch.md, "The batch behind a step").
+        mesh: the run's torch DeviceMesh (default: the accelerator's own, where accelerate's
+            ParallelismConfig made one): within each data-parallel group every rank must
+            receive the same batches (its replica peers: tp, cp, ...), and the groups split the
+            epoch, each counted once (docs/mesh.md).
+        data_dims: the mesh's dims that split the data (default: those named dp,
+            dp_replicate, dp_shard or fsdp); every other dim holds replica peers.
 
     Example::
 
@@ -104,9 +111,30 @@ def watch(loader, accelerator=None, *, name: str = "train",
             raise ValueError(f"sharddemo.watch: {label} must be {wanted} or None, got {value!r}")
     if lineage is not None:
         check_lineage_folder(lineage)
+    place = mesh_place(accelerator, mesh, data_dims)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
                         on_violation=on_violation, check_every=check_every,
-                        dataset_size=dataset_size, lineage=lineage)
+                        dataset_size=dataset_size, lineage=lineage, mesh=place)
+
+
+def mesh_place(accelerator, mesh, data_dims):
+    """(the mesh's layout, this rank) where the run is a device mesh (given, or the
+    accelerator's own), else None; refused in one line where the mesh is not this run's, or
+    lacks `data_dims` (every rank reads the same mesh, so every rank stops alike)."""
+    from sharddemo.watching.mesh import mesh_of, read_mesh
+
+    if mesh is None and accelerator is not None:
+        mesh = mesh_of(accelerator)
+    if mesh is None:
+        if data_dims is not None:
+            raise ValueError("sharddemo.watch: data_dims needs a mesh: give mesh=your "
+                             "DeviceMesh (init_device_mesh(..., mesh_dim_names=...))")
+        return None
+    import torch.distributed as dist
+
+    up = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if up else (1, 0)
+    return read_mesh(mesh, data_dims, world), rank
 
 
 def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
@@ -211,12 +239,12 @@ def check_report(report, accelerator) -> None:
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
            check_every: Union[int, str, None] = CHECK_EVERY, dataset_size: Optional[int] = None,
-           lineage: Optional[str] = None):
+           lineage: Optional[str] = None, mesh=None):
     """Watch a loader: watch(), for the framework callbacks too.
 
     `role` "eval" adds the eval verdict (eval-counts-each-sample-once); `start_epoch` numbers
     the first epoch (a resumed run); `lineage`: the folder of the lineage writer (checked by the
-    caller)."""
+    caller); `mesh`: (sharddemo.mesh.MeshLayout, this rank) on a device mesh (mesh_place)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     shared = ray_watch(loader)
@@ -229,6 +257,8 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     # a worker (rank.collect.guard_forks, docs/reliability.md)
     guard_forks()
     state.epoch = start_epoch
+    if mesh is not None:
+        state.on_mesh(*mesh)
     if dataset_size is not None:
         state.n = int(dataset_size)  # (before attach: the loader's own length comes second)
     if lineage is not None:

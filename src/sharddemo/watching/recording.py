@@ -21,6 +21,9 @@ from sharddemo.watching.hooks import Tap
 # these many, instead of one a batch (cheaper a step: docs/benchmarks.md, "Figures behind
 # design choices"). Every read of the record converts them first.
 NOTED_BATCHES = 32
+# What a rank that does not speak for its data-parallel group counts of each step (a mesh's
+# replica peers: watching/mesh.py): a step, no ids
+NO_IDS = torch.empty(0, dtype=torch.int64)
 
 
 class Recording:
@@ -63,8 +66,12 @@ class Recording:
         # rank holds the record, so that on_violation="raise" needs no collective of its own;
         # from BITS_FROM samples the count path's two bits a sample instead (two_bits)
         whole = not self.two_bits()
+        # (the slots of that all-reduce must be as wide on every rank: sized from this rank's
+        # batch size they would not be on a mesh whose peers differ there, the fault the peer
+        # check is for; sized for 64 ids a batch, a larger batch costs a second collective)
+        batch = None if self.mesh is not None else self.batch_size
         return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=whole,
-                        one_collective=whole, batch=self.batch_size)
+                        one_collective=whole, batch=batch)
 
     def two_bits(self) -> bool:
         """From BITS_FROM (2^26) samples the watch counts as `audit` does there: two bits a
@@ -114,6 +121,8 @@ class Recording:
             self.unattributed += 1
             if self.lineage:
                 self.lineage.append(self.epoch, None)
+            if self.peer_log is not None:
+                self.peer_log.add(NO_IDS)
             return
         else:
             self.note_batches()  # (those kept before this one come first)
@@ -125,6 +134,11 @@ class Recording:
                 ids = self.mapping[ids]
         if self.lineage:
             self.lineage.append(self.epoch, ids)
+        if self.peer_log is not None:  # a mesh: every rank's ids hashed; its group's first counts
+            self.peer_log.add(ids)
+            if not self.speaks:
+                self.recorder.add_ids(NO_IDS)
+                return
         self.recorder.add_ids(ids)
         if windows.check_every:
             windows.ids.append(ids)
@@ -147,6 +161,12 @@ class Recording:
         for block in blocks:
             if self.mapping is not None:
                 block = self.mapping[block]
+            if self.peer_log is not None:  # (a mesh: see add)
+                self.peer_log.add(block)
+                if not self.speaks:
+                    for _ in range(block.shape[0]):
+                        self.recorder.add_ids(NO_IDS)
+                    continue
             self.recorder.add_rows(block)
             if windows.check_every:
                 windows.ids.append(block)

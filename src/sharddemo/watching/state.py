@@ -120,6 +120,34 @@ class WatchState(Checkpointing, Recording):
         self.noted: list = []  # batches' indices not yet in the recorder (note_batches)
         # windows of steps checked within the epoch (watching/step_windows.py)
         self.windows = StepWindows(self, check_every)
+        # a device mesh (watching/mesh.py): its layout, this rank's hashes of each step, and
+        # whether this rank speaks for its data-parallel group (its first rank)
+        self.mesh = None
+        self.peer_log = None
+        self.speaks = True
+
+    def on_mesh(self, layout, rank: int) -> None:
+        """The run is a device mesh (sharddemo.mesh.MeshLayout): this rank is `rank` in it."""
+        from sharddemo.watching.mesh import PeerLog
+
+        self.mesh = layout
+        self.peer_log = PeerLog()
+        self.speaks = layout.replica_index(rank) == 0
+
+    def data_world(self) -> int:
+        """The ranks the counts are over: the data-parallel groups on a mesh, else every rank."""
+        return self.mesh.data_size if self.mesh is not None else self.ranks.num_processes
+
+    def check_peers(self, chains=None):
+        """On a mesh of several ranks, the peer check of the epoch so far (one small exchange,
+        every rank alike): None where every peer received the same batches, else the first
+        difference (sharddemo.mesh.peer_check). None off a mesh."""
+        from sharddemo.watching.mesh import peer_exchange
+
+        if self.mesh is None or self.ranks.num_processes == 1:
+            return None
+        self.note_batches()
+        return peer_exchange(self.ranks, self.mesh, self.peer_log, chains)
 
     @property
     def ranks(self):
@@ -262,13 +290,20 @@ class WatchState(Checkpointing, Recording):
         windows.next_epoch(resumed=self.before is not None)
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
+        peers = self.check_peers()
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
+        if self.peer_log is not None:
+            self.peer_log.reset()
+        if record is not None and self.mesh is not None:
+            from sharddemo.mesh import project_record
+
+            record = project_record(record, self.mesh)
         self.recorder = None
         self.closed = True
         entry = None
         try:  # the watch's own reporting: a failure here never stops the training by itself
             if record is not None:
-                entry = self.judge(record, partial=partial)
+                entry = self.judge(record, partial=partial, peers=peers)
                 if not partial:  # (a part's order is no epoch's order to compare the next with)
                     self.previous = record
                 self.entries.append(entry)
@@ -294,7 +329,8 @@ class WatchState(Checkpointing, Recording):
                                     entry or {})
         return entry
 
-    def judge(self, record: dict, partial: bool = False, ranks=None) -> dict:
+    def judge(self, record: dict, partial: bool = False, ranks=None,
+              peers: Optional[dict] = None) -> dict:
         """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
         partial epoch's order is not compared; a resumed one is checked against what came
         before the stop as far as it went (the samples repeated so far; none is called
@@ -304,29 +340,35 @@ class WatchState(Checkpointing, Recording):
         from sharddemo.rank.session import trace_header
 
         present = record.pop("_present", None)
+        header = trace_header(ranks or self.ranks)
+        mesh = None
+        if self.mesh is not None and ranks is None:  # (counted over groups, peers checked)
+            header["world_size"] = self.mesh.data_size
+            mesh = self.mesh.describe()
         if partial:
             resumed = {}
             if ranks is None:  # (every rank's part: the resume as far as it went)
                 resumed = dict(before=self.before, present=present, restarts=self.restarts,
                                again=self.again, unknown_before=self.unknown_before)
-            entry = judge_epoch(trace_header(ranks or self.ranks), record, None,
+            entry = judge_epoch(header, record, None,
                                 epoch=self.epoch, name=self.name, role=self.role,
                                 description=self.description, n=self.n,
                                 batch_size=self.batch_size, unattributed=self.unattributed,
-                                partial=True, id_field=self.id_field, **resumed)
+                                partial=True, id_field=self.id_field, mesh=mesh, peers=peers,
+                                **resumed)
             self.unattributed = 0
             self.forget_resume(present)  # (the epoch ends here)
             return entry
         previous = self.previous
-        if previous is not None and len(previous.get("ranks", ())) != self.ranks.num_processes:
+        if previous is not None and len(previous.get("ranks", ())) != self.data_world():
             previous = None  # saved on another number of ranks: its order is no comparison
-        entry = judge_epoch(trace_header(self.ranks), record, previous, epoch=self.epoch,
+        entry = judge_epoch(header, record, previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
                             unattributed=self.unattributed, id_field=self.id_field,
                             restarts=self.restarts, again=self.again,
-                            unknown_before=self.unknown_before)
+                            unknown_before=self.unknown_before, mesh=mesh, peers=peers)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         self.forget_resume(present)
         self.loaded = False

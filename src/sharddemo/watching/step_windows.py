@@ -58,9 +58,10 @@ WINDOW_IDS = 1024
 # its window it has received more than once so far this epoch, whether its window repeats the
 # previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), whether what
 # follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids), and how
-# many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS); then
+# many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS), and on a mesh
+# the chain of its steps' hashes so far (watching/mesh.py's PeerLog; 0 off a mesh); then
 # REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 9
+WINDOW_HEAD = 10
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -171,7 +172,8 @@ class StepWindows:
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
         row[:WINDOW_HEAD] = (done, steps, -1 if watch.n is None else watch.n, sent.size,
                              self.found_earlier, repeats, order,
-                             int(watch.field_error is not None), mine.size)
+                             int(watch.field_error is not None), mine.size,
+                             watch.peer_log.chain() if watch.peer_log is not None else 0)
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
         return torch.from_numpy(row).to(watch.ranks.device), mine
@@ -203,7 +205,7 @@ class StepWindows:
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
-                  "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8],
+                  "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8], "chain": r[9],
                   "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
@@ -320,10 +322,23 @@ class StepWindows:
             watch.raise_field_error(bytes(ids[errors[0]].tolist()).decode(errors="replace"),
                                     errors)
         lag = WINDOW_LAG if any(not h["done"] for h in heads) else 0
+        at = max(h["steps"] for h in heads) + 1 + lag
+        mesh = peers = None
+        if watch.mesh is not None:
+            # a mesh: peers compared (their chains; an exchange of hashes only where they
+            # differ, once an epoch), then the groups judged, each by its first rank
+            from sharddemo.mesh import PEER_VERDICT
+
+            if PEER_VERDICT not in self.reported:
+                peers = watch.check_peers(chains=[h["chain"] for h in heads])
+            mesh = watch.mesh.describe()
+            reps = watch.mesh.representatives()
+            heads, ids = [heads[r] for r in reps], [ids[r] for r in reps]
         entry = judge_window(epoch=watch.epoch, name=watch.name, first=first, last=last,
-                             at=max(h["steps"] for h in heads) + 1 + lag, heads=heads, ids=ids,
+                             at=at, heads=heads, ids=ids,
                              earlier=sum(h["earlier"] for h in heads), n=watch.n,
-                             loader=watch.description, id_field=watch.id_field)
+                             loader=watch.description, id_field=watch.id_field, mesh=mesh,
+                             peers=peers)
         failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
         if failed - self.reported:
             self.reported |= failed

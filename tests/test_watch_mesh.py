@@ -1,0 +1,250 @@
+"""The watch on a device mesh: within each data-parallel group every rank must receive the same
+batches (its replica peers: tp, cp), and the groups split the epoch, each counted once.
+
+Real ranks: torchrun, gloo, torch's init_device_mesh, 4 and 8 processes (tests/mesh_loop.py,
+a user's loop that logs the ids every step received and each rank's mesh coordinate). The
+expected values come from the ids the loop logged, with each rank's place from torch's own
+mesh (get_coordinate), from torch's DistributedSampler(num_replicas=the data size, rank=the
+data coordinate), and, in one process, from the BatchSamplerShard accelerate's
+prepare_data_loader(torch_device_mesh=) builds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler
+
+from conftest import free_port, run_cmd
+from sharddemo.mesh import layout_of, parse_mesh
+
+LOOP = str(Path(__file__).resolve().parent / "mesh_loop.py")
+N, BATCH, EPOCHS = 24, 4, 2  # (tests/mesh_loop.py's)
+DATA_NAMES = ("dp", "dp_replicate", "dp_shard")
+
+
+def torchrun(tmp_path, nproc: int, cases: list[str]):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), LOOP, str(tmp_path), *cases]
+    proc = run_cmd(cmd, timeout=240)
+    logs = [json.loads((tmp_path / f"ids{r}.json").read_text()) for r in range(nproc)]
+    report = tmp_path / "report.jsonl"
+    entries = ([json.loads(line) for line in report.read_text().splitlines()]
+               if report.exists() else [])
+    schema = json.loads((Path(LOOP).parent.parent / "docs" / "watch.schema.json").read_text())
+    for entry in entries:
+        jsonschema.validate(entry, schema)
+    return proc, logs, entries
+
+
+def received(logs, case: str, epoch: int) -> dict[int, list[list[int]]]:
+    """rank -> the batches its loop logged in `case`, epoch `epoch`."""
+    return {log["rank"]: [row["ids"] for row in log["log"]
+                          if row.get("case") == case and row["epoch"] == epoch]
+            for log in logs}
+
+
+def places(logs, case: str) -> dict[int, dict[str, int]]:
+    """rank -> its coordinate on the case's mesh, as torch's mesh.get_coordinate() said."""
+    return {log["rank"]: next(row["coordinate"] for row in log["log"]
+                              if row.get("case") == case and "coordinate" in row)
+            for log in logs}
+
+
+def truth(logs, case: str, epoch: int) -> dict:
+    """What the loop received, read on the mesh: the groups (ranks sharing their data
+    coordinates), each group's first rank (replica coordinates all 0), whether every peer got
+    the same batches and, where not, the first step and pair; seen and unique over the
+    groups' first ranks."""
+    got, where = received(logs, case, epoch), places(logs, case)
+    groups: dict[tuple, list[int]] = {}
+    for rank in sorted(got):
+        key = tuple(v for d, v in where[rank].items() if d in DATA_NAMES)
+        groups.setdefault(key, []).append(rank)
+    firsts, differ = [], None
+    for key in sorted(groups):
+        members = groups[key]
+        first = next(r for r in members
+                     if all(v == 0 for d, v in where[r].items() if d not in DATA_NAMES))
+        firsts.append(first)
+        for other in members:
+            a, b = got[first], got[other]
+            step = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y),
+                        None if len(a) == len(b) else min(len(a), len(b)))
+            if step is not None and (differ is None or step < differ[0]):
+                differ = (step, first, other)
+    ids = [i for r in firsts for batch in got[r] for i in batch]
+    return {"groups": len(groups), "seen": len(ids), "unique": len(set(ids)), "differ": differ,
+            "firsts": firsts, "got": got, "where": where}
+
+
+def epoch_entries(entries, case: str) -> list[dict]:
+    return [e for e in entries if e["loader"] == case and "window" not in e]
+
+
+def peer(entry: dict) -> dict:
+    return next(v for v in entry["verdicts"] if v["verdict"] == "peers-receive-the-same-batches")
+
+
+def check_case(logs, entries, case: str) -> list[dict]:
+    """Every epoch entry of `case` against what the loop received: the groups' count, seen
+    and unique over the groups, the peer verdict and its first differing step and ranks."""
+    got = epoch_entries(entries, case)
+    assert [e["epoch"] for e in got] == list(range(EPOCHS)), case
+    for e in got:
+        t = truth(logs, case, e["epoch"])
+        assert e["mesh"]["data_groups"] == t["groups"]
+        assert (e["seen"], e["unique"]) == (t["seen"], t["unique"]), case
+        assert e["world_size"] == len(logs)
+        v = peer(e)
+        assert v["ok"] == (t["differ"] is None), (case, v)
+        if t["differ"] is not None:
+            step, first, other = t["differ"]
+            assert f"differ from step {step}: rank {first} (" in v["detail"]
+            assert f"and rank {other} (" in v["detail"]
+    return got
+
+
+def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_path):
+    """4 processes, one launch, a mesh per loader: (dp, tp) and (tp, dp) with a DistributedSampler
+    over the data dim (workers 0 and 2), (dp_replicate, tp) and (dp_shard, cp) through
+    accelerate's prepare_data_loader(torch_device_mesh=), and the planted faults: a sampler over
+    the whole world, one tp peer with batches of 2; and accelerate's two misreadings of a mesh
+    (a data dim named dp, not split; tp listed first)."""
+    cases = ["ok:dp,tp:2,2:sampler:0", "okt:tp,dp:2,2:sampler:2",
+             "prep:dp_replicate,tp:2,2:prepared:0", "prepcp:dp_shard,cp:2,2:prepared:2",
+             "world:dp,tp:2,2:world:0", "batch:dp,tp:2,2:batch:0",
+             "prepdp:dp,tp:2,2:prepared:0", "preptp:tp,dp_replicate:2,2:prepared:0",
+             "submesh:dp,tp:2,2:submesh", "nodims:dp,tp:2,2:nodims"]
+    proc, logs, entries = torchrun(tmp_path, 4, cases)
+    for case in ("ok", "okt"):
+        # torch's own DistributedSampler over the data dim gives each rank what it received
+        for epoch in range(EPOCHS):
+            t = truth(logs, case, epoch)
+            for rank, batches in t["got"].items():
+                sampler = DistributedSampler(range(N), num_replicas=2,
+                                             rank=t["where"][rank]["dp"], shuffle=True, seed=0)
+                sampler.set_epoch(epoch)
+                order = list(sampler)
+                assert batches == [order[k:k + BATCH] for k in range(0, len(order), BATCH)]
+        assert all(e["ok"] for e in check_case(logs, entries, case))
+    for case in ("prep", "prepcp"):  # accelerate's split on a mesh it reads right: sound
+        got = check_case(logs, entries, case)
+        assert all(e["ok"] and e["unique"] == N for e in got), got
+    world = check_case(logs, entries, "world")
+    assert all("splits over all 4 ranks" in peer(e)["detail"] for e in world)
+    assert "tp peers (dp=0) differ from step 0" in peer(world[0])["detail"]
+    batch = check_case(logs, entries, "batch")
+    assert not any(peer(e)["ok"] for e in batch)
+    # accelerate's prepare_data_loader splits over dims named dp_replicate/dp_shard only: a
+    # mesh's "dp" is not split, and every group receives the whole dataset (t["unique"] == N,
+    # seen 2N, from the ids logged); peers agree, so the fault is the groups' replication
+    prepdp = check_case(logs, entries, "prepdp")
+    for e in prepdp:
+        assert truth(logs, "prepdp", e["epoch"])["seen"] == 2 * N
+        failed = {v["verdict"]: v["detail"] for v in e["verdicts"] if not v["ok"]}
+        assert "no-silent-replication" in failed and peer(e)["ok"]
+        assert "this mesh's dp is not split" in " ".join(failed.values())
+    # rank // tp, with tp listed first: the ranks accelerate puts together are no tp peers
+    preptp = check_case(logs, entries, "preptp")
+    assert all("this mesh is ordered (tp, dp_replicate)" in peer(e)["detail"] for e in preptp)
+    # windows: a fault among peers is named within the epoch, at the first window
+    windows = [e for e in entries if e["loader"] == "world" and "window" in e]
+    assert windows and windows[0]["window"]["first_step"] == 1 and not peer(windows[0])["ok"]
+    # refused at watch(), on every rank, in one line
+    for case, words in (("submesh", "the mesh holds 2 ranks"), ("nodims", "which the mesh lacks")):
+        errors = [row["error"] for log in logs for row in log["log"] if row.get("case") == case]
+        assert len(errors) == 4 and all(words in e and "\n" not in e for e in errors), errors
+    # only the main process talks: each epoch line once
+    assert proc.stdout.count("sharddemo: epoch 0 ok:") == 1
+
+
+def test_eight_ranks_on_a_2x2x2_mesh_cp_peers_shuffled_apart_are_named(tmp_path):
+    """8 processes, (dp, cp, tp) = (2, 2, 2): a sampler over dp is sound; the cp peers
+    shuffling with their own seeds are named (cp, in data group dp=0, from step 0)."""
+    _, logs, entries = torchrun(tmp_path, 8, ["ok:dp,cp,tp:2,2,2:sampler:0",
+                                              "seeds:dp,cp,tp:2,2,2:seeds:0"])
+    assert all(e["ok"] for e in check_case(logs, entries, "ok"))
+    seeds = check_case(logs, entries, "seeds")
+    assert all(peer(e)["detail"].startswith("cp peers (dp=0) differ from step 0") for e in seeds)
+    assert all(e["mesh"]["dims"] == {"dp": 2, "cp": 2, "tp": 2} for e in seeds)
+
+
+class FakeMesh:
+    """What accelerate's prepare_data_loader reads of a mesh: its dim names, each dim's size."""
+
+    def __init__(self, dims, sizes):
+        self.mesh_dim_names, self.sizes = dims, dict(zip(dims, sizes))
+
+    def __getitem__(self, name):
+        size = self.sizes[name]
+        return type("Dim", (), {"size": lambda self: size})()
+
+    def __bool__(self):
+        return True
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_data_rank_is_accelerates_where_its_assumptions_hold(data):
+    """Meshes laid out as accelerate assumes (data dims named dp_replicate / dp_shard first, tp
+    and cp last): every rank's data group and the groups' count are those of the
+    BatchSamplerShard that accelerate's prepare_data_loader(torch_device_mesh=) builds."""
+    from accelerate.data_loader import prepare_data_loader
+
+    data_dims = data.draw(st.lists(st.sampled_from(["dp_replicate", "dp_shard"]), unique=True,
+                                   max_size=2))
+    replica = data.draw(st.lists(st.sampled_from(["cp", "tp"]), unique=True, max_size=2))
+    replica = [d for d in ("cp", "tp") if d in replica]  # (accelerate: tp innermost)
+    dims = tuple(data_dims + replica)
+    if not dims:
+        return
+    sizes = tuple(data.draw(st.integers(1, 3)) for _ in dims)
+    world = 1
+    for s in sizes:
+        world *= s
+    layout = layout_of(dims, sizes, list(range(world)))
+    for rank in range(world):
+        loader = prepare_data_loader(DataLoader(range(40), batch_size=2), num_processes=world,
+                                     process_index=rank, torch_device_mesh=FakeMesh(dims, sizes),
+                                     put_on_device=False)
+        shard = loader.batch_sampler  # (one data group: accelerate leaves it unsharded)
+        assert (getattr(shard, "process_index", 0), getattr(shard, "num_processes", 1)) == (
+            layout.data_index(rank), layout.data_size)
+
+
+def test_a_mesh_listing_tp_first_reads_its_own_coordinates():
+    """torch lays a (tp, dp) = (2, 2) mesh out as [[0, 1], [2, 3]]: rank 1 is (tp=0, dp=1), so
+    the data groups are {0, 2} and {1, 3} (worked by hand), where rank // tp would say {0, 1}."""
+    layout = layout_of(("tp", "dp"), (2, 2), [0, 1, 2, 3])
+    assert layout.groups() == [[0, 2], [1, 3]]
+    assert [layout.data_index(r) for r in range(4)] == [0, 1, 0, 1]
+    assert layout.representatives() == [0, 1]
+    # a mesh whose ranks are laid out in another order: [[3, 2], [1, 0]] on (dp, tp)
+    shuffled = layout_of(("dp", "tp"), (2, 2), [3, 2, 1, 0])
+    assert shuffled.groups() == [[3, 2], [1, 0]] and shuffled.representatives() == [3, 1]
+
+
+@pytest.mark.parametrize("text,error", [("dp=2,tp", "not a mesh"), ("dp=0", "not a mesh"),
+                                        ("dp=2,dp=2", "names a dim twice")])
+def test_a_mesh_that_is_not_one_is_refused_in_one_line(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_mesh(text)
+
+
+def test_data_dims_default_to_the_data_names_in_the_mesh():
+    """Whatever the dims' order, the data dim is the one named dp_shard (size 2 here): 2
+    groups of 3 peers; a mesh with no data dim is one group."""
+    size = {"dp_shard": 2, "cp": 1, "tp": 3}
+    for dims in itertools.permutations(size):
+        layout = layout_of(dims, tuple(size[d] for d in dims), list(range(6)))
+        assert layout.data_dims == ("dp_shard",)
+        assert (layout.data_size, layout.replica_size) == (2, 3)
+        assert sorted(len(g) for g in layout.groups()) == [3, 3]
+    assert layout_of(("tp",), (4,), [0, 1, 2, 3]).data_size == 1
