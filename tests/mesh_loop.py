@@ -98,7 +98,7 @@ def main() -> None:
             continue
         loader, sampler = make_loader(mesh, kind, workers)
         loader = watch(loader, name=name, mesh=mesh, report=os.path.join(out, "report.jsonl"),
-                       check_every=2)
+                       check_every=2, lineage=os.path.join(out, f"lineage-{name}"))
         for epoch in range(EPOCHS):
             if sampler is not None:
                 sampler.set_epoch(epoch)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import free_port, run_cmd
+from conftest import free_port, run_cmd, sharddemo
 from sharddemo.mesh import layout_of, parse_mesh
 
 LOOP = str(Path(__file__).resolve().parent / "mesh_loop.py")
@@ -163,6 +163,21 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
         assert len(errors) == 4 and all(words in e and "\n" not in e for e in errors), errors
     # only the main process talks: each epoch line once
     assert proc.stdout.count("sharddemo: epoch 0 ok:") == 1
+    # the lineage: each rank's batch at a step with its mesh coordinate, and its peers
+    for case, step in (("ok", 4), ("batch", 0), ("okt", 1)):
+        t = truth(logs, case, step // 3)  # (3 steps an epoch on the groups' first ranks)
+        shown = json.loads(sharddemo(["lineage", str(tmp_path / f"lineage-{case}"), "--step",
+                                      str(step), "--format", "json"]).stdout)
+        for b in shown["batches"]:
+            assert b["coordinate"] == t["where"][b["rank"]]
+            assert b["ids"] == t["got"][b["rank"]][step % 3]
+        for g in shown["mesh"]["peers"]:
+            assert g["same"] == (len({str(t["got"][r][step % 3]) for r in g["ranks"]}) == 1)
+        # (the planted fault: the tp=1 peers' batches of 2 differ from step 0)
+        assert all(g["same"] for g in shown["mesh"]["peers"]) == (case != "batch")
+        text = sharddemo(["lineage", str(tmp_path / f"lineage-{case}"), "--step",
+                          str(step)]).stdout
+        assert "rank 1 (" in text and "peers (" in text
 
 
 def test_eight_ranks_on_a_2x2x2_mesh_cp_peers_shuffled_apart_are_named(tmp_path):

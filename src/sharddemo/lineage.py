@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from sharddemo.errors import UsageError
+from sharddemo.mesh import MeshLayout
 
 # The format's names, those the reader uses and the rest, exported here too, so that
 # `from sharddemo.lineage import encode, ...` keeps working.
@@ -187,6 +188,19 @@ class RankLineage:
         return sorted(set(rows))
 
 
+def mesh_layout(mesh: Optional[dict]) -> Optional[MeshLayout]:
+    """A launch's mesh as the run file holds it (dims with sizes, data dims, each rank's
+    coordinates) -> a MeshLayout; None for none, or one that cannot be read."""
+    if not isinstance(mesh, dict):
+        return None
+    try:
+        dims = tuple(mesh["dims"])
+        return MeshLayout(dims, tuple(int(mesh["dims"][d]) for d in dims),
+                          tuple(mesh["data_dims"]), tuple(tuple(c) for c in mesh["coords"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class Lineage:
     """A lineage folder: its run file and every rank's file (UsageError for a folder that is
     not one). The ranks are those whose file is in the folder (a resume on more ranks adds
@@ -207,8 +221,17 @@ class Lineage:
         self.launches = [(int(launch.get("first_step") or 0),
                           int(launch.get("world_size") or self.world_size))
                          for launch in self.run.get("launches") or [{}]]
+        # each launch's device mesh (watch(..., mesh=)), or None
+        self.meshes = [mesh_layout(launch.get("mesh"))
+                       for launch in self.run.get("launches") or [{}]]
         self.loaded: dict[int, RankLineage] = {}
         self.ends: dict[int, int] = {}  # rank: the first step of a later launch without it
+
+    def mesh_at(self, step: int) -> Optional[MeshLayout]:
+        """The device mesh of the launch that ran `step` (None: no mesh)."""
+        launch = max((i for i, (first, _) in enumerate(self.launches) if first <= step),
+                     default=0)
+        return self.meshes[launch]
 
     def ranks(self) -> list[int]:
         """The ranks with a file in the folder, in order."""

@@ -24,7 +24,12 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
     if step is not None:
         batches, missing = found.lookup(step, rank, epoch)
         result = {"step": step, "epoch": epoch, "batches": batches, "not_written": missing}
-        lines = [f"rank {b['rank']} epoch {b['epoch']} step {b['step']}: "
+        mesh = found.mesh_at(batches[0]["step"]) if batches else None
+
+        def place(r: int) -> str:
+            return f" ({mesh.place(r)})" if mesh is not None and r < mesh.world else ""
+
+        lines = [f"rank {b['rank']}{place(b['rank'])} epoch {b['epoch']} step {b['step']}: "
                  + ("ids not known (the watch could not attribute this batch)"
                     if b["ids"] is None else
                     f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
@@ -32,6 +37,12 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
         lines = [line for _, line in sorted(
             [(b["rank"], line) for b, line in zip(batches, lines)]
             + [(m["rank"], m["note"]) for m in missing], key=lambda pair: pair[0])]
+        if mesh is not None:
+            result["mesh"] = mesh_words(mesh, batches)
+            for b in batches:
+                if b["rank"] < mesh.world:
+                    b["coordinate"] = dict(zip(mesh.dims, mesh.coords[b["rank"]]))
+            lines += [g["said"] for g in result["mesh"]["peers"]]
     else:
         hits = found.where(sample)
         outside = found.outside(sample)
@@ -56,3 +67,22 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
         click.echo(f"Warning: rank{r}.lineage ends in a chunk cut short ({size} bytes, a "
                    "crash while it was written): skipped", err=True)
     click.echo(json.dumps(result) if fmt == "json" else "\n".join(lines))
+
+
+def mesh_words(mesh, batches: list[dict]) -> dict:
+    """The step on a device mesh: its dims, and each data-parallel group's ranks (its replica
+    peers, which must have received the same batch), whether those shown did, in a sentence."""
+    ids = {b["rank"]: b["ids"] for b in batches}
+    peers = []
+    for group in mesh.groups():
+        shown = [r for r in group if r in ids]
+        same = len({json.dumps(ids[r]) for r in shown}) <= 1 if shown else None
+        where = mesh.place(group[0], mesh.data_dims) or "one data group"
+        verdict = ("not shown" if same is None else "the same batch" if same
+                   else "DIFFERENT batches")
+        peers.append({"ranks": group, "group": dict(
+            (d, mesh.coords[group[0]][mesh.dims.index(d)]) for d in mesh.data_dims),
+            "same": same, "said": f"peers ({where}): ranks {', '.join(map(str, group))}: "
+                                  f"{verdict}"})
+    return {"dims": dict(zip(mesh.dims, mesh.sizes)), "data_dims": list(mesh.data_dims),
+            "peers": peers}

@@ -219,7 +219,7 @@ class LineageWriter:
                 "world_size": world, "dataset_size": self.state.n,
                 "loader": self.state.name,
                 "launches": [{"first_step": self.step, "world_size": world,
-                              "started": run_stamp()["run_started"]}]})
+                              "started": run_stamp()["run_started"], **self.mesh()}]})
         if os.path.exists(path) and os.path.getsize(path) > 0:
             end = valid_length(path)
             with open(path, "r+b") as handle:
@@ -231,6 +231,16 @@ class LineageWriter:
         else:
             with open(path, "wb") as handle:
                 handle.write(file_header(rank))
+
+    def mesh(self) -> dict:
+        """The launch's device mesh for the run file (each rank's coordinates, for the reader
+        to name a rank's place and its peers), or nothing off a mesh."""
+        layout = self.state.mesh
+        if layout is None:
+            return {}
+        return {"mesh": {"dims": dict(zip(layout.dims, layout.sizes)),
+                         "data_dims": list(layout.data_dims),
+                         "coords": [list(c) for c in layout.coords]}}
 
     def close(self) -> None:
         """Write what is buffered; the process's exit does it too."""
@@ -252,7 +262,7 @@ class LineageWriter:
                 handle.write(encode(RESTART, int(self.state.epoch), self.step))
             run = read_run_file(self.folder) if self.rank == 0 else None
             launch = {"first_step": self.step, "world_size": self.world,
-                      "started": run_stamp()["run_started"]}
+                      "started": run_stamp()["run_started"], **self.mesh()}
             launches = (run or {}).get("launches") or [
                 {"first_step": 0, "world_size": (run or {}).get("world_size")}]
             if run is not None and launches[-1] != launch:  # (open wrote it: a new run file)
