@@ -11,6 +11,7 @@ A CASE is NAME:DIMS:SIZES:LOADER[:WORKERS], e.g. ok:dp,tp:2,2:sampler:0. LOADER:
 - seeds: over the data dims, but each cp coordinate shuffles with its own seed (the bug);
 - batch: over the data dims, but the rank at tp=1 takes batches of 2, not 4 (the bug);
 - prepared: accelerate's prepare_data_loader(DataLoader(shuffle=True), torch_device_mesh=mesh);
+- save, load: a resume (see resume), on an Accelerator(cpu=True) over the same ranks;
 - submesh, nodims: watch() given the mesh's first dim alone, or data_dims the mesh lacks: the
   ValueError each rank got is logged.
 """
@@ -78,6 +79,36 @@ def make_loader(mesh, kind, workers):
     return DataLoader(Ints(), batch_size=batch, sampler=sampler, num_workers=workers), sampler
 
 
+SAVED_AT = 2  # the resume cases: the first launch saves after this many steps of epoch 0
+
+
+def resume(out, name, mesh, kind, log) -> None:
+    """save: epoch 0's first SAVED_AT steps, accelerate's save_state (the watch's state goes
+    with it), then the process ends; load: load_state, skip_first_batches(SAVED_AT), the rest
+    of epoch 0, then epoch 1. A DistributedSampler over the data dims."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader, sampler = make_loader(mesh, "sampler", 0)
+    loader = watch(loader, accelerator, name=name, mesh=mesh,
+                   report=os.path.join(out, "report.jsonl"), check_every=2)
+    where = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    checkpoint = os.path.join(out, "checkpoint")
+    if kind == "load":
+        accelerator.load_state(checkpoint)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        first = SAVED_AT if kind == "load" and epoch == 0 else 0
+        batches = accelerator.skip_first_batches(loader, first) if first else loader
+        for step, batch in enumerate(batches, start=first):
+            log.append({"case": name, "epoch": epoch, "step": step,
+                        "ids": torch.as_tensor(batch).tolist(), "coordinate": where})
+            if kind == "save" and step + 1 == SAVED_AT:
+                accelerator.save_state(checkpoint)
+                return
+    loader.close()
+
+
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -95,6 +126,9 @@ def main() -> None:
                       data_dims=["dp", "ep"] if kind == "nodims" else None, report=None)
             except ValueError as error:
                 log.append({"case": name, "error": str(error)})
+            continue
+        if kind in ("save", "load"):
+            resume(out, name, mesh, kind, log)
             continue
         loader, sampler = make_loader(mesh, kind, workers)
         loader = watch(loader, name=name, mesh=mesh, report=os.path.join(out, "report.jsonl"),

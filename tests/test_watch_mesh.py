@@ -263,3 +263,30 @@ def test_data_dims_default_to_the_data_names_in_the_mesh():
         assert (layout.data_size, layout.replica_size) == (2, 3)
         assert sorted(len(g) for g in layout.groups()) == [3, 3]
     assert layout_of(("tp",), (4,), [0, 1, 2, 3]).data_size == 1
+
+
+def test_a_resume_on_a_mesh_laid_out_anew_counts_each_group_once(tmp_path):
+    """4 processes on (dp, tp) = (2, 2) save after 2 steps of epoch 0 (accelerate's save_state
+    carries the watch's state); a new launch on (tp, dp) loads it, skips the 2 batches and goes
+    on. The mesh lists its dims in another order, so rank 1 is in group dp=0 before and dp=1
+    after: each rank's place is read from the mesh, and the resumed epoch is judged over the
+    groups. Expected from the ids the two launches' loops logged."""
+    torchrun(tmp_path, 4, ["res:dp,tp:2,2:save"])
+    before = [json.loads((tmp_path / f"ids{r}.json").read_text()) for r in range(4)]
+    _, after, entries = torchrun(tmp_path, 4, ["res:tp,dp:2,2:load"])
+
+    def group_ids(logs, epoch):
+        t = truth(logs, "res", epoch)  # (each group once: its first rank)
+        return [i for r in t["firsts"] for batch in t["got"][r] for i in batch]
+
+    got = [e for e in epoch_entries(entries, "res") if not e.get("partial")]
+    assert [e["epoch"] for e in got] == [0, 1]
+    saved, rest = group_ids(before, 0), group_ids(after, 0)
+    resume = got[0]["resume"]
+    assert resume["seen_before"] == len(saved) == 2 * 2 * BATCH  # (2 groups, 2 steps of 4)
+    assert resume["repeated"]["count"] == len(set(saved) & set(rest))
+    assert resume["skipped"]["count"] == N - len(set(saved) | set(rest))
+    assert got[0]["ok"] == (not set(saved) & set(rest) and len(set(saved) | set(rest)) == N)
+    assert got[0]["mesh"]["dims"] == {"tp": 2, "dp": 2} and peer(got[0])["ok"]
+    assert (got[1]["seen"], got[1]["unique"]) == (len(group_ids(after, 1)),
+                                                  len(set(group_ids(after, 1))))
