@@ -446,6 +446,20 @@ def render_doc(results: dict) -> str:
                      f"--pairs {wl['pairs']} --lineage --record`: the watched launch also writes "
                      "each rank's lineage (ids buffered, joined and written every 256 batches "
                      "and at the epoch's change); the time inside the watch includes it.")
+    wm = results.get("watch_mesh")
+    if wm:
+        out.append(f"| `sharddemo.watch(..., mesh=)` on a {wm['mesh'].replace(',', ' x ')} mesh (4 "
+                   f"ranks, a sampler over dp), the same loop | step "
+                   f"{wm['median_step_ms']:.2f} ms; inside the watch, the peer check included, "
+                   f"**{wm['median_watch_share']:.2%}** of the epoch (launches "
+                   f"{min(wm['shares']):.2%}-{max(wm['shares']):.2%}), "
+                   f"{wm['median_watch_us_per_step']:.0f} us a step | <= 1% of the step | "
+                   f"{'met' if wm['median_watch_share'] <= 0.01 else 'NOT met'} |")
+        notes.append(f"- watch on a mesh ({_when(wm)}): `python benchmarks/watch_overhead.py "
+                     f"--pairs {wm['pairs']} --mesh {wm['mesh']} --record`: 4 ranks on the 2 "
+                     "cores (each step's time is shared 2 ranks a core); every rank hashes each "
+                     "step's ids (CRC-32, in bulk), the window rows carry the chain, and one small "
+                     "exchange an epoch compares peers.")
     ln = results.get("lineage")
     if ln:
         step_ok, id_ok = ln["step_max_s"] < 1, ln["id_max_s"] < 10

@@ -2,6 +2,7 @@
 
     python benchmarks/watch_overhead.py --pairs 6          # step time, 2 CPU ranks
     python benchmarks/watch_overhead.py --per-batch        # recording cost per batch, 1 process
+    python benchmarks/watch_overhead.py --pairs 4 --mesh dp=2,tp=2   # 4 CPU ranks on a mesh
 
 Step time: the same script (an MLP 32-256-256-1, batch 64, a prepared shuffled DataLoader,
 1,000 steps per rank, 2 gloo ranks, one epoch after a warm-up epoch) launched with and without
@@ -11,6 +12,11 @@ hits both alike. Each launch reports the main rank's mean step time over the tim
 watch's own code (its per-batch note and count, its end of epoch), timed where it runs: on 2
 cores the launches' step times move by 10-15% pair to pair, far more than the watch costs.
 Printed: every pair, the median ratio, the step time, and the watch's share of the epoch.
+
+With --mesh (e.g. dp=2,tp=2): as many ranks as the mesh holds, the mesh built with torch's
+init_device_mesh after the Accelerator, the loader a DistributedSampler over the data dims (the
+data coordinate from the mesh), not prepared, and `watch(loader, accelerator, mesh=mesh)`: the
+peer check's hashing and exchanges included.
 
 Per batch: `watch` on a DataLoader over a map-style dataset of 10^6 samples, batches of 64, in
 one process, against the same loader unwatched: the difference per batch in microseconds (the
@@ -40,21 +46,37 @@ def check_every():
     return value if value == "auto" else int(value)
 
 
-def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
+def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "") -> None:
     import torch
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     world = accelerator.num_processes
+    mesh, sampler = None, None
+    if mesh_text:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from sharddemo.mesh import DATA_DIM_NAMES, parse_mesh
+
+        dims, sizes = parse_mesh(mesh_text)
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+        coordinate, world, rank = mesh.get_coordinate(), 1, 0
+        for d, size, c in zip(dims, sizes, coordinate):
+            if d in DATA_DIM_NAMES:
+                world, rank = world * size, rank * size + c
     n = STEPS * BATCH * world
     data = TensorDataset(torch.arange(n), torch.randn(n, 32), torch.randn(n, 1))
     model = torch.nn.Sequential(torch.nn.Linear(32, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    if mesh is not None:  # (a sampler over the data dims; the loader is not prepared)
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
+        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    else:
+        loader = DataLoader(data, batch_size=BATCH, shuffle=True)
     spent = [0.0, 0.0]  # seconds inside the watch's own code, this epoch: wall, CPU (thread)
     if watched:
         from sharddemo import watch
@@ -77,10 +99,15 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
         folder = os.path.join(os.path.dirname(out), "lineage") if lineage else None
         loader = watch(loader, accelerator, report=None, lineage=folder,
-                       check_every=check_every())
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+                       check_every=check_every(), mesh=mesh)
+    if mesh is None:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     times = []
     for epoch in range(2):  # epoch 0 warms up; epoch 1 is timed
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         accelerator.wait_for_everyone()
         spent[0] = spent[1] = 0.0
         start, cpu = time.perf_counter(), time.process_time()
@@ -101,12 +128,20 @@ def rank_main(watched: bool, out: str, lineage: bool = False) -> None:
     accelerator.end_training()
 
 
-def launch(watched: bool, lineage: bool = False) -> dict:
+def launch(watched: bool, lineage: bool = False, mesh: str = "") -> dict:
+    processes = 2
+    if mesh:
+        from sharddemo.mesh import parse_mesh
+
+        processes = 1
+        for size in parse_mesh(mesh)[1]:
+            processes *= size
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
-               "--num_processes", "2", __file__, "--rank", "1" if watched else "0", "--out", out,
-               *(["--lineage"] if lineage else [])]
+               "--num_processes", str(processes), __file__, "--rank", "1" if watched else "0",
+               "--out", out, *(["--lineage"] if lineage else []),
+               *(["--mesh", mesh] if mesh else [])]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if not os.path.exists(out):  # (a rank that aborts in its teardown has written it)
@@ -157,12 +192,14 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--lineage", action="store_true",
                         help="the watched launch writes a lineage too (watch(..., lineage=))")
+    parser.add_argument("--mesh", default="",
+                        help="a device mesh, e.g. dp=2,tp=2: as many ranks, watch(mesh=)")
     parser.add_argument("--record", action="store_true",
                         help="write the figures into benchmarks/results.json and render "
                              "docs/benchmarks.md")
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank == "1", args.out, args.lineage)
+        rank_main(args.rank == "1", args.out, args.lineage, args.mesh)
         return
     if args.per_batch:
         print(json.dumps(per_batch(args.passes), indent=1))
@@ -171,7 +208,7 @@ def main() -> None:
     for pair in range(args.pairs):
         # alternate which goes first, so neither always runs on a warmer machine
         order = (False, True) if pair % 2 == 0 else (True, False)
-        got = {watched: launch(watched, args.lineage) for watched in order}
+        got = {watched: launch(watched, args.lineage, args.mesh) for watched in order}
         ratio = got[True]["step_s"] / got[False]["step_s"]
         ratios.append(ratio)
         plain_steps.append(got[False]["step_s"])
@@ -196,10 +233,11 @@ def main() -> None:
                "median_watch_us_per_step": statistics.median(per_step) * 1e6,
                "median_watch_cpu_share": statistics.median(cpu_shares),
                "cpu_shares": [round(s, 5) for s in cpu_shares],
-               "check_every": check_every()}
+               "check_every": check_every(), **({"mesh": args.mesh} if args.mesh else {})}
     print(json.dumps(figures, indent=1))
     if args.record:
-        record(figures, "watch_lineage" if args.lineage else "watch")
+        record(figures, "watch_mesh" if args.mesh else
+               "watch_lineage" if args.lineage else "watch")
 
 
 def record(figures: dict, name: str = "watch") -> None:

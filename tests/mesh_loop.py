@@ -10,6 +10,7 @@ A CASE is NAME:DIMS:SIZES:LOADER[:WORKERS], e.g. ok:dp,tp:2,2:sampler:0. LOADER:
 - world: a DistributedSampler over every rank (the bug: peers get different batches);
 - seeds: over the data dims, but each cp coordinate shuffles with its own seed (the bug);
 - batch: over the data dims, but the rank at tp=1 takes batches of 2, not 4 (the bug);
+- flat-batch: no mesh given to the watch, a sampler over every rank, rank 1 with batches of 2;
 - prepared: accelerate's prepare_data_loader(DataLoader(shuffle=True), torch_device_mesh=mesh);
 - save, load: a resume (see resume), on an Accelerator(cpu=True) over the same ranks;
 - submesh, nodims: watch() given the mesh's first dim alone, or data_dims the mesh lacks: the
@@ -70,6 +71,10 @@ def make_loader(mesh, kind, workers):
                                               num_workers=workers),
                                    torch_device_mesh=mesh, put_on_device=False), None
     seed = coordinate.get("cp", 0) if kind == "seeds" else 0
+    if kind == "flat-batch":  # no mesh for the watch: a flat world where rank 1 takes 2 a batch
+        sampler = DistributedSampler(Ints(), shuffle=True, seed=0)
+        return DataLoader(Ints(), batch_size=2 if dist.get_rank() == 1 else BATCH,
+                          sampler=sampler, num_workers=workers), sampler
     if kind == "world":
         sampler = DistributedSampler(Ints(), shuffle=True, seed=0)
     else:
@@ -131,7 +136,8 @@ def main() -> None:
             resume(out, name, mesh, kind, log)
             continue
         loader, sampler = make_loader(mesh, kind, workers)
-        loader = watch(loader, name=name, mesh=mesh, report=os.path.join(out, "report.jsonl"),
+        loader = watch(loader, name=name, mesh=None if kind == "flat-batch" else mesh,
+                       report=os.path.join(out, "report.jsonl"),
                        check_every=2, lineage=os.path.join(out, f"lineage-{name}"))
         for epoch in range(EPOCHS):
             if sampler is not None:

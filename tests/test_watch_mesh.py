@@ -121,7 +121,7 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
              "prep:dp_replicate,tp:2,2:prepared:0", "prepcp:dp_shard,cp:2,2:prepared:2",
              "world:dp,tp:2,2:world:0", "batch:dp,tp:2,2:batch:0",
              "prepdp:dp,tp:2,2:prepared:0", "preptp:tp,dp_replicate:2,2:prepared:0",
-             "submesh:dp,tp:2,2:submesh", "nodims:dp,tp:2,2:nodims"]
+             "submesh:dp,tp:2,2:submesh", "nodims:dp,tp:2,2:nodims", "flat:dp:4:flat-batch:0"]
     proc, logs, entries = torchrun(tmp_path, 4, cases)
     for case in ("ok", "okt"):
         # torch's own DistributedSampler over the data dim gives each rank what it received
@@ -161,6 +161,12 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
     for case, words in (("submesh", "the mesh holds 2 ranks"), ("nodims", "which the mesh lacks")):
         errors = [row["error"] for log in logs for row in log["log"] if row.get("case") == case]
         assert len(errors) == 4 and all(words in e and "\n" not in e for e in errors), errors
+    # a flat world (no mesh) whose ranks' batch sizes differ: named, never a crash of the
+    # watch's own collectives (their sizes once followed each rank's batch size: gloo aborted)
+    flat = [e for e in entries if e["loader"] == "flat" and "window" not in e]
+    t = received(logs, "flat", 0)
+    assert [e["steps"] for e in flat] == [[len(t[r]) for r in range(4)]] * EPOCHS
+    assert len(set(flat[0]["steps"])) == 2 and not flat[0]["ok"]
     # only the main process talks: each epoch line once
     assert proc.stdout.count("sharddemo: epoch 0 ok:") == 1
     # the lineage: each rank's batch at a step with its mesh coordinate, and its peers

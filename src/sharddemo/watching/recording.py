@@ -67,11 +67,11 @@ class Recording:
         # from BITS_FROM samples the count path's two bits a sample instead (two_bits)
         whole = not self.two_bits()
         # (the slots of that all-reduce must be as wide on every rank: sized from this rank's
-        # batch size they would not be on a mesh whose peers differ there, the fault the peer
-        # check is for; sized for 64 ids a batch, a larger batch costs a second collective)
-        batch = None if self.mesh is not None else self.batch_size
+        # batch size they would not be where the ranks' batch sizes differ, a fault the watch
+        # is there to name, not to crash on: gloo aborts on collectives of unequal sizes. Sized
+        # for 64 ids a batch on every rank, a larger batch costs one more gather an epoch)
         return Recorder(self.ranks, how=how, n=self.n, background=False, keep_present=whole,
-                        one_collective=whole, batch=batch)
+                        one_collective=whole)
 
     def two_bits(self) -> bool:
         """From BITS_FROM (2^26) samples the watch counts as `audit` does there: two bits a
