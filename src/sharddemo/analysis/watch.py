@@ -13,6 +13,7 @@ from typing import Optional, cast
 import numpy as np
 
 from sharddemo.analysis.idtext import MORE_REST, ids_text
+from sharddemo.analysis.tokens import judge_tokens
 from sharddemo.analysis.watch_line import partial_line, plural, watch_line
 from sharddemo.analysis.watch_resume import (fill_ids, fill_source, replay_cause,
                                              restart_cause, resume_check, unknown_resume)
@@ -73,12 +74,16 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 loaded: bool = False, unattributed: int = 0, partial: bool = False,
                 id_field: object = None, restarts: Optional[list] = None,
                 again: Optional[np.ndarray] = None, unknown_before: bool = False,
-                mesh: Optional[dict] = None, peers: Optional[dict] = None) -> dict:
+                mesh: Optional[dict] = None, peers: Optional[dict] = None,
+                tokens: Optional[list] = None, weights: Optional[dict] = None,
+                max_token_skew: Optional[float] = None) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
     data-parallel group (its first), numbered by group, and `header` their count; `peers` is
     sharddemo.mesh.peer_check's finding (None: every peer received the same batches).
+    `tokens`: each data-parallel group's token and source sums (watch's tokens= / sources=),
+    judged by analysis.tokens with `weights` and `max_token_skew`.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
@@ -159,6 +164,10 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     if mesh is not None:
         verdicts.append(peer_verdict(mesh, peers, description, epoch))
         explain_on_mesh(verdicts, mesh, description)
+    measured: dict = {}
+    if tokens is not None:
+        measured, more = judge_tokens(tokens, weights, max_token_skew, epoch)
+        verdicts.extend(more)
     failed = [v for v in verdicts if not v["ok"]]
     entry = {
         "schema": WATCH_SCHEMA, "loader": name, "epoch": epoch,
@@ -197,6 +206,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             entry["unique"] = n - resume["skipped"]["count"]
             entry["missing"] = {"count": resume["skipped"]["count"],
                                 "ids": resume["skipped"]["ids"], "reason": None}
+    entry.update(measured)
     if mesh is not None:
         entry["mesh"] = {**mesh, "peers_differ": peers}
         entry["world_size"] = mesh["world"]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from sharddemo.analysis.tokens import tokens_words
+
 
 # the verdicts about which samples the ranks received, and how often: a failed one may be
 # explained in part by the loader's padding or fill, which the line then names
@@ -65,6 +67,7 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
         said = (entry.get("reasons") or {}).get("ray-equal-split") or REASON_LABEL[
             "ray-equal-split"]
         text += f", missing: {missing['count']:,} ({said})"
+    text += tokens_words(entry)
     if not failed:
         return text + ": ok"
     details = "; ".join(f"{v['verdict']}: {v['detail']}" for v in failed)
@@ -100,6 +103,7 @@ def partial_line(entry: dict) -> str:
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
             f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct, {where}, {each}")
     text += partial_resume_words(entry.get("resume"))
+    text += tokens_words(entry)
     failed = [v for v in entry["verdicts"] if not v["ok"]]
     if not failed:
         return text + ": ok"

@@ -51,7 +51,8 @@ def watch(loader, accelerator=None, *, name: str = "train",
           report: Optional[str] = "sharddemo-watch.jsonl", id_field: Any = None,
           on_violation: str = "warn", check_every: Union[int, str, None] = CHECK_EVERY,
           dataset_size: Optional[int] = None, lineage: Optional[str] = None,
-          mesh: Any = None, data_dims: Optional[Sequence[str]] = None):
+          mesh: Any = None, data_dims: Optional[Sequence[str]] = None, tokens: Any = None,
+          sources: Any = None, weights: Any = None, max_token_skew: Optional[float] = None):
     """Watch `loader` in your own training loop; returns the same loader object.
 
     Args:
@@ -85,6 +86,17 @@ def watch(loader, accelerator=None, *, name: str = "train",
             epoch, each counted once (docs/mesh.md).
         data_dims: the mesh's dims that split the data (default: those named dp,
             dp_replicate, dp_shard or fsdp); every other dim holds replica peers.
+        tokens: the batch field(s) whose tokens are counted (docs/tokens.md): a 0/1 mask
+            (batch x length, e.g. "attention_mask"), per-sample lengths, or labels (a field
+            named with "label": its entries other than -100 are supervised tokens); a tuple
+            gives a mask and labels. Tokens per group, their total, skew and padding share go
+            in the line and the report.
+        sources: the batch field holding each sample's source (an int index or a name): the
+            realized share of each source, in samples and (with tokens) in tokens.
+        weights: the mixture's weights (a list: sources 0, 1, ...; a dict: by name), for the
+            verdict mixture-matches-weights (a binomial band that widens with the count).
+        max_token_skew: a limit on the most tokens a data-parallel group receives over the
+            mean (e.g. 1.1): a verdict only where it is given.
 
     Example::
 
@@ -112,9 +124,56 @@ def watch(loader, accelerator=None, *, name: str = "train",
     if lineage is not None:
         check_lineage_folder(lineage)
     place = mesh_place(accelerator, mesh, data_dims)
+    measure = check_measures(tokens, sources, weights, max_token_skew)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
                         on_violation=on_violation, check_every=check_every,
-                        dataset_size=dataset_size, lineage=lineage, mesh=place)
+                        dataset_size=dataset_size, lineage=lineage, mesh=place,
+                        measure=measure)
+
+
+def check_measures(tokens, sources, weights, max_token_skew) -> Optional[dict]:
+    """tokens=, sources=, weights=, max_token_skew= checked (one error naming the argument),
+    as the watch keeps them; None where none is given."""
+    def field(value) -> bool:
+        return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+    if tokens is not None and not (field(tokens) or (
+            isinstance(tokens, (tuple, list)) and 1 <= len(tokens) <= 2
+            and all(field(f) for f in tokens))):
+        raise TypeError("sharddemo.watch: tokens must be a batch field (a str key or an int "
+                        "position), or a tuple of two (a mask and labels), got "
+                        f"{tokens!r:.60}")
+    if sources is not None and not field(sources):
+        raise TypeError(f"sharddemo.watch: sources must be a batch field (a str key or an int "
+                        f"position), got {sources!r:.60}")
+    normalized = None
+    if weights is not None:
+        from sharddemo.analysis.tokens import normalized as normalize
+
+        if sources is None:
+            raise ValueError("sharddemo.watch: weights need sources=, the batch field that "
+                             "holds each sample's source")
+        values = list(weights.values()) if isinstance(weights, dict) else weights
+        if (not isinstance(weights, (list, tuple, dict)) or not values
+                or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0
+                       for w in values) or sum(values) <= 0):
+            raise ValueError("sharddemo.watch: weights must be a list (sources 0, 1, ...) or a "
+                             "dict (by source name) of numbers >= 0 with a positive sum, got "
+                             f"{weights!r:.60}")
+        normalized = normalize(weights)
+    if max_token_skew is not None:
+        if tokens is None:
+            raise ValueError("sharddemo.watch: max_token_skew needs tokens=, the batch field "
+                             "the tokens are counted from")
+        if isinstance(max_token_skew, bool) or not isinstance(max_token_skew, (int, float)) \
+                or max_token_skew < 1:
+            raise ValueError("sharddemo.watch: max_token_skew must be a number >= 1 (the most "
+                             "tokens a group may receive over the mean), got "
+                             f"{max_token_skew!r}")
+    if tokens is None and sources is None:
+        return None
+    return {"tokens": tokens, "sources": sources, "weights": normalized,
+            "max_token_skew": max_token_skew}
 
 
 def mesh_place(accelerator, mesh, data_dims):
@@ -239,12 +298,13 @@ def check_report(report, accelerator) -> None:
 def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], id_field: Any = None,
            on_violation: str = "warn", role: str = "train", start_epoch: int = 0,
            check_every: Union[int, str, None] = CHECK_EVERY, dataset_size: Optional[int] = None,
-           lineage: Optional[str] = None, mesh=None):
+           lineage: Optional[str] = None, mesh=None, measure: Optional[dict] = None):
     """Watch a loader: watch(), for the framework callbacks too.
 
     `role` "eval" adds the eval verdict (eval-counts-each-sample-once); `start_epoch` numbers
     the first epoch (a resumed run); `lineage`: the folder of the lineage writer (checked by the
-    caller); `mesh`: (sharddemo.mesh.MeshLayout, this rank) on a device mesh (mesh_place)."""
+    caller); `mesh`: (sharddemo.mesh.MeshLayout, this rank) on a device mesh (mesh_place);
+    `measure`: the tokens and sources to count (check_measures)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     shared = ray_watch(loader)
@@ -259,6 +319,8 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     state.epoch = start_epoch
     if mesh is not None:
         state.on_mesh(*mesh)
+    if measure is not None:
+        state.measure(**measure)
     if dataset_size is not None:
         state.n = int(dataset_size)  # (before attach: the loader's own length comes second)
     if lineage is not None:

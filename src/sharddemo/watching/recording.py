@@ -93,6 +93,13 @@ class Recording:
             self.recorder = self.new_recorder()
         windows = self.windows
         windows.at_batch(self.open_steps())  # (a window's exchange started or judged)
+        if self.meter is not None and self.speaks and self.field_error is None:
+            try:  # (tokens= / sources=: summed where they are, no host sync)
+                self.meter.add(batch)
+            except ValueError as error:
+                if self.ranks.num_processes == 1:
+                    raise
+                self.field_error = str(error)  # (said to every rank at the next exchange)
         if self.id_field is not None:
             try:
                 ids = read_field(batch, self.id_field) if self.field_error is None else None

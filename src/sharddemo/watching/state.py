@@ -125,6 +125,27 @@ class WatchState(Checkpointing, Recording):
         self.mesh = None
         self.peer_log = None
         self.speaks = True
+        # tokens= / sources= (watching/tokens.py): this rank's sums, the weights, the limit
+        self.meter = None
+        self.weights: Optional[dict] = None
+        self.max_token_skew: Optional[float] = None
+
+    def measure(self, tokens, sources, weights, max_token_skew) -> None:
+        """Count tokens and sources too (watch's tokens=, sources=, weights=)."""
+        from sharddemo.watching.tokens import TokenMeter
+
+        self.meter = TokenMeter(tokens, sources)
+        self.weights, self.max_token_skew = weights, max_token_skew
+
+    def token_parts(self) -> Optional[list]:
+        """Each data-parallel group's token and source sums for the epoch (one small
+        exchange, every rank alike), None where the watch counts none."""
+        from sharddemo.watching.tokens import exchange_parts
+
+        if self.meter is None:
+            return None
+        speakers = self.mesh.representatives() if self.mesh is not None else None
+        return exchange_parts(self.ranks, self.meter.take(), speakers)
 
     def on_mesh(self, layout, rank: int) -> None:
         """The run is a device mesh (sharddemo.mesh.MeshLayout): this rank is `rank` in it."""
@@ -291,6 +312,7 @@ class WatchState(Checkpointing, Recording):
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
         peers = self.check_peers()
+        measured = self.token_parts()
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
         if self.peer_log is not None:
             self.peer_log.reset()
@@ -303,7 +325,7 @@ class WatchState(Checkpointing, Recording):
         entry = None
         try:  # the watch's own reporting: a failure here never stops the training by itself
             if record is not None:
-                entry = self.judge(record, partial=partial, peers=peers)
+                entry = self.judge(record, partial=partial, peers=peers, tokens=measured)
                 if not partial:  # (a part's order is no epoch's order to compare the next with)
                     self.previous = record
                 self.entries.append(entry)
@@ -330,7 +352,7 @@ class WatchState(Checkpointing, Recording):
         return entry
 
     def judge(self, record: dict, partial: bool = False, ranks=None,
-              peers: Optional[dict] = None) -> dict:
+              peers: Optional[dict] = None, tokens: Optional[list] = None) -> dict:
         """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
         partial epoch's order is not compared; a resumed one is checked against what came
         before the stop as far as it went (the samples repeated so far; none is called
@@ -355,7 +377,8 @@ class WatchState(Checkpointing, Recording):
                                 description=self.description, n=self.n,
                                 batch_size=self.batch_size, unattributed=self.unattributed,
                                 partial=True, id_field=self.id_field, mesh=mesh, peers=peers,
-                                **resumed)
+                                tokens=tokens, weights=self.weights,
+                                max_token_skew=self.max_token_skew, **resumed)
             self.unattributed = 0
             self.forget_resume(present)  # (the epoch ends here)
             return entry
@@ -368,7 +391,9 @@ class WatchState(Checkpointing, Recording):
                             present=present, loaded=self.loaded,
                             unattributed=self.unattributed, id_field=self.id_field,
                             restarts=self.restarts, again=self.again,
-                            unknown_before=self.unknown_before, mesh=mesh, peers=peers)
+                            unknown_before=self.unknown_before, mesh=mesh, peers=peers,
+                            tokens=tokens, weights=self.weights,
+                            max_token_skew=self.max_token_skew)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         self.forget_resume(present)
         self.loaded = False
