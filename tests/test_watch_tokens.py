@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from conftest import free_port, run_cmd
+from test_frameworks import fresh_accelerate_state  # noqa: F401
 from sharddemo import watch
 from sharddemo.analysis.tokens import mixture_check, normalized
 
@@ -155,3 +156,84 @@ def test_one_process_counts_a_mask_and_labels_by_hand(tmp_path):
     (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
     assert entry["tokens"]["total"] == 6 and entry["tokens"]["supervised"] == 3
     assert entry["tokens"]["padding_share"] == pytest.approx(0.5)
+
+
+class Masked(torch.utils.data.Dataset):
+    """Sample i: x = [i, i], a mask of length 1 + i % 4 over 4 slots, source i % 3."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        mask = torch.zeros(4, dtype=torch.int64)
+        mask[:1 + i % 4] = 1
+        return {"x": torch.tensor([float(i), float(i)]), "attention_mask": mask,
+                "source": i % 3}
+
+
+def test_the_trainer_callback_counts_what_the_model_received(tmp_path,
+                                                             fresh_accelerate_state):  # noqa: F811
+    """TrainerWatch(tokens=, sources=, weights=), one process, 24 samples in batches of 4, 1
+    epoch: the tokens and sources the model's forward itself received."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from sharddemo.integrations import TrainerWatch
+
+    seen = {"tokens": 0, "sources": []}
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def forward(self, x, attention_mask, source):
+            seen["tokens"] += int(attention_mask.sum())
+            seen["sources"] += source.tolist()
+            return {"loss": self.layer(x).pow(2).mean()}
+
+    report = tmp_path / "w.jsonl"
+    args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=1,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="no", remove_unused_columns=False)
+    Trainer(model=Model(), args=args, train_dataset=Masked(),
+            callbacks=[TrainerWatch(report=str(report), tokens="attention_mask",
+                                    sources="source", weights=[1, 1, 1])]).train()
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["tokens"]["total"] == seen["tokens"]
+    assert {k: v["samples"] for k, v in entry["sources"].items()} == {
+        str(s): seen["sources"].count(s) for s in (0, 1, 2)}
+
+
+def test_the_lightning_callback_counts_what_the_steps_received(tmp_path):
+    """LightningWatch(tokens=, sources=), one device, 24 samples in batches of 4, 1 epoch: the
+    tokens and sources each training_step itself received."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from sharddemo.integrations import LightningWatch
+
+    seen = {"tokens": 0, "sources": []}
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, index):
+            seen["tokens"] += int(batch["attention_mask"].sum())
+            seen["sources"] += batch["source"].tolist()
+            return self.layer(batch["x"]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    report = tmp_path / "w.jsonl"
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         default_root_dir=str(tmp_path), enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[LightningWatch(report=str(report), tokens="attention_mask",
+                                                   sources="source")])
+    trainer.fit(Module(), DataLoader(Masked(), batch_size=4, shuffle=True))
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["tokens"]["total"] == seen["tokens"]
+    assert {k: v["samples"] for k, v in entry["sources"].items()} == {
+        str(s): seen["sources"].count(s) for s in (0, 1, 2)}

@@ -12,9 +12,9 @@ like any DistributedSampler). The report goes to `<default_root_dir>/sharddemo-w
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
-from sharddemo.watching import watch_loader
+from sharddemo.watching import check_measures, watch_loader
 from sharddemo.watching.lineage import check_lineage_folder
 
 try:  # what most users have
@@ -69,6 +69,8 @@ class LightningWatch(*_BASES):
         on_violation: "warn", "raise" (ShardingViolation on every rank) or "ignore".
         lineage: a folder for the train loader's lineage (watch(..., lineage=DIR); with
             several train loaders, the first one's).
+        tokens, sources, weights, max_token_skew: as sharddemo.watch's, for the train loader
+            (tokens per data-parallel group, the realized mixture of sources; docs/tokens.md).
 
     Example::
 
@@ -78,11 +80,14 @@ class LightningWatch(*_BASES):
     """
 
     def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
-                 lineage: Optional[str] = None) -> None:
+                 lineage: Optional[str] = None, tokens: Any = None, sources: Any = None,
+                 weights: Any = None, max_token_skew: Optional[float] = None) -> None:
         super().__init__()
         if lineage is not None:
             check_lineage_folder(lineage)
         self.lineage = lineage
+        # tokens=, sources=, weights=, max_token_skew=: as watch()'s, for the train loader
+        self.measure = check_measures(tokens, sources, weights, max_token_skew)
         self.report = report
         self.on_violation = on_violation
         self.train_states: list = []  # the train loaders' watches (the checkpoint's part)
@@ -117,7 +122,8 @@ class LightningWatch(*_BASES):
                    start_epoch=(trainer.current_epoch if role == "train" else
                                 self.val_states[named].epoch if named in self.val_states
                                 else int(self.val_passes.get(named, 0))),
-                   lineage=self.lineage if role == "train" and i == 0 else None)
+                   lineage=self.lineage if role == "train" and i == 0 else None,
+                   measure=self.measure if role == "train" else None)
             state = loader.__dict__["_sharddemo_watch"]
             if role == "train" and state not in self.train_states:
                 self.train_states.append(state)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
 
-from sharddemo.watching import watch_loader
+from sharddemo.watching import check_measures, watch_loader
 from sharddemo.watching.hooks import attach
 from sharddemo.watching.lineage import check_lineage_folder
 from sharddemo.watching.state import WatchState
@@ -109,6 +109,8 @@ class TrainerWatch(TrainerCallback):
         report: the JSON-lines file (default <output_dir>/sharddemo-watch.jsonl).
         on_violation: "warn", "raise" (ShardingViolation on every rank) or "ignore".
         lineage: a folder for the train loader's lineage (watch(..., lineage=DIR)).
+        tokens, sources, weights, max_token_skew: as sharddemo.watch's, for the train loader
+            (tokens per data-parallel group, the realized mixture of sources; docs/tokens.md).
 
     Example::
 
@@ -118,10 +120,13 @@ class TrainerWatch(TrainerCallback):
     """
 
     def __init__(self, report: Optional[str] = None, on_violation: str = "warn",
-                 lineage: Optional[str] = None) -> None:
+                 lineage: Optional[str] = None, tokens: Any = None, sources: Any = None,
+                 weights: Any = None, max_token_skew: Optional[float] = None) -> None:
         if lineage is not None:
             check_lineage_folder(lineage)
         self.lineage = lineage
+        # tokens=, sources=, weights=, max_token_skew=: as watch()'s, for the train loader
+        self.measure = check_measures(tokens, sources, weights, max_token_skew)
         self.report = report
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None
@@ -175,7 +180,7 @@ class TrainerWatch(TrainerCallback):
             self.train_loader = train_dataloader
             watch_loader(train_dataloader, name="train", report=self._report(args),
                    on_violation=self.on_violation, start_epoch=int(state.epoch or 0),
-                   lineage=self.lineage)
+                   lineage=self.lineage, measure=self.measure)
             # a resumed run: the watch's place as the checkpoint saved it (on_save below)
             folder = _resuming_from()
             saved = os.path.join(folder, STATE_FILE) if folder else None
