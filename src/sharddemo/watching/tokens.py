@@ -40,61 +40,118 @@ class TokenMeter:
         self.slots: Any = 0
         self.supervised: Any = 0
         self.has_slots = None  # the token field is a mask (its size: the slots)
-        self.by_source: dict = {}  # name -> [samples, tokens] (host ints or device tensors)
+        self.by_source: dict = {}  # name -> [samples, tokens] (host ints)
         self.source_counts: Any = None  # int sources: per-index counts (device)
         self.source_tokens: Any = None
+        # the fields of the batches not yet summed: (token field, labels, sources) a batch,
+        # kept as they came and summed SETTLE_BATCHES at a time (settle): a handful of
+        # operations for them all, not a handful a step
+        self.pending: list = []
+        self.pending_size = 0
+
+    # batches kept before their fields are summed, and the most entries they may hold (32 MB
+    # of int64 at most, on their device)
+    SETTLE_BATCHES = 64
+    SETTLE_SIZE = 1 << 22
 
     def add(self, batch) -> None:
-        """One batch's fields, summed where they are (a ValueError names a field it lacks)."""
+        """One batch's fields, kept to be summed (a ValueError names a field it lacks)."""
+        tokens = labels = sources = None
+        if self.token_fields:
+            tokens = self.read(batch, self.token_fields[0], "tokens")
+        if self.label_fields and self.label_fields[0] != (self.token_fields or [None])[0]:
+            labels = self.read(batch, self.label_fields[0], "tokens")
+        if self.sources is not None:
+            sources = self.read(batch, self.sources, "sources")
+            if not (torch.is_tensor(sources) and not sources.is_floating_point()):
+                self.add_named(sources, tokens)  # (names: host data, counted as they come)
+                sources = None
+        self.pending.append((tokens, labels, sources))
+        self.pending_size += sum(t.numel() for t in (tokens, labels) if t is not None)
+        if len(self.pending) >= self.SETTLE_BATCHES or self.pending_size >= self.SETTLE_SIZE:
+            self.settle()
+
+    @staticmethod
+    def read(batch, field, what: str):
+        """A batch's field: a dict key or a tuple position at once, else by the id field's
+        rule (rank.ids.field_values, with its error)."""
+        try:
+            if isinstance(batch, dict) or isinstance(batch, (tuple, list)) and isinstance(
+                    field, int):
+                value = batch[field]
+                if torch.is_tensor(value):
+                    return value
+                return torch.as_tensor(value) if not isinstance(value, (list, tuple)) or (
+                    value and not isinstance(value[0], str)) else value
+        except (KeyError, IndexError, TypeError):
+            pass
         from sharddemo.rank.ids import field_values
 
-        per_sample = None
-        if self.token_fields:
-            field = self.token_fields[0]
-            values = torch.as_tensor(field_values(batch, field, f"sharddemo.watch: tokens "
-                                                  f"{field!r}", ValueError))
-            if is_labels(field):
-                mask = values != IGNORE_INDEX
-                per_sample = mask.reshape(mask.shape[0], -1).sum(1) if mask.dim() > 1 else mask
-                self.has_slots = False
-            elif values.dim() >= 2:  # a mask: its nonzero entries are the tokens
-                per_sample = (values != 0).reshape(values.shape[0], -1).sum(1)
-                self.slots = self.slots + values[0].numel() * values.shape[0]
-                self.has_slots = True
-            else:  # one length a sample
-                per_sample = values.to(torch.int64)
-                self.has_slots = False
-            self.tokens = self.tokens + per_sample.sum()
-        for field in self.label_fields:
-            values = torch.as_tensor(field_values(batch, field, f"sharddemo.watch: tokens "
-                                                  f"{field!r}", ValueError))
-            self.supervised = self.supervised + (values != IGNORE_INDEX).sum()
-        if self.sources is not None:
-            self.add_sources(field_values(batch, self.sources, f"sharddemo.watch: sources "
-                                          f"{self.sources!r}", ValueError), per_sample)
+        value = field_values(batch, field, f"sharddemo.watch: {what} {field!r}", ValueError)
+        return torch.as_tensor(value) if not isinstance(value, (list, tuple)) or (
+            value and not isinstance(value[0], str)) else value
 
-    def add_sources(self, values, per_sample) -> None:
-        if torch.is_tensor(values) and not values.is_floating_point():
-            index = values.reshape(-1).to(torch.int64)
-            if index.numel() and self.source_counts is None:
-                self.source_counts = torch.zeros(0, dtype=torch.int64, device=index.device)
-                self.source_tokens = torch.zeros(0, dtype=torch.int64, device=index.device)
-            counts = torch.bincount(index, minlength=self.source_counts.numel())
-            self.source_counts = grow(self.source_counts, counts.numel()) + counts
-            if per_sample is not None:
-                tokens = torch.bincount(index, weights=per_sample.to(torch.float64),
-                                        minlength=self.source_counts.numel()).to(torch.int64)
-                self.source_tokens = grow(self.source_tokens, tokens.numel()) + tokens
-            return
+    def settle(self) -> None:
+        """Sum the kept batches' fields: those of one shape together."""
+        pending, self.pending, self.pending_size = self.pending, [], 0
+        by_shape: dict = {}
+        for entry in pending:
+            key = tuple(tuple(t.shape) if t is not None else None for t in entry)
+            by_shape.setdefault(key, []).append(entry)
+        for group in by_shape.values():
+            tokens, labels, sources = (
+                (torch.cat([e[k] for e in group]) if len(group) > 1 else group[0][k])
+                if group[0][k] is not None else None for k in range(3))
+            per_sample = None
+            if tokens is not None:
+                per_sample = self.count(tokens, self.token_fields[0])
+                self.tokens = self.tokens + per_sample.sum()
+            if labels is not None:
+                self.supervised = self.supervised + torch.count_nonzero(labels != IGNORE_INDEX)
+            elif self.label_fields and tokens is not None:  # (the labels are the token field)
+                self.supervised = self.supervised + per_sample.sum()
+            if sources is not None:
+                self.add_indexed(sources, per_sample)
+
+    def count(self, values: torch.Tensor, field) -> torch.Tensor:
+        """Each sample's tokens from a token field (mask, lengths or labels); a mask's size
+        goes to the slots."""
+        if is_labels(field):
+            self.has_slots = False
+            mask = values != IGNORE_INDEX
+            return (torch.count_nonzero(mask.reshape(mask.shape[0], -1), dim=1)
+                    if mask.dim() > 1 else mask.to(torch.int64))
+        if values.dim() >= 2:
+            self.has_slots = True
+            self.slots = self.slots + values.numel()
+            return torch.count_nonzero(values.reshape(values.shape[0], -1), dim=1)
+        self.has_slots = False
+        return values.to(torch.int64)
+
+    def add_indexed(self, values: torch.Tensor, per_sample) -> None:
+        index = values.reshape(-1).to(torch.int64)
+        if self.source_counts is None:
+            self.source_counts = torch.zeros(0, dtype=torch.int64, device=index.device)
+            self.source_tokens = torch.zeros(0, dtype=torch.int64, device=index.device)
+        counts = torch.bincount(index, minlength=self.source_counts.numel())
+        self.source_counts = grow(self.source_counts, counts.numel()) + counts
+        if per_sample is not None:
+            tokens = torch.bincount(index, weights=per_sample.to(torch.float64),
+                                    minlength=self.source_counts.numel()).to(torch.int64)
+            self.source_tokens = grow(self.source_tokens, tokens.numel()) + tokens
+
+    def add_named(self, values, tokens) -> None:
         names = [str(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
-        lengths = per_sample.tolist() if per_sample is not None else [0] * len(names)
-        for name, (count, tokens) in named_counts(names, lengths).items():
+        lengths = ([int(x) for x in self.count(torch.as_tensor(tokens), self.token_fields[0])]
+                   if tokens is not None else [0] * len(names))
+        for name, (count, length) in named_counts(names, lengths).items():
             row = self.by_source.setdefault(name, [0, 0])
             row[0] += count
-            row[1] += tokens
+            row[1] += length
 
     def take(self) -> dict:
         """The epoch's sums as host ints (one read of each device sum), then empty."""
+        self.settle()
         part: dict = {"tokens": int(self.tokens), "slots": int(self.slots) if self.has_slots
                       else None,
                       "supervised": int(self.supervised) if self.label_fields else None}
