@@ -48,7 +48,7 @@ def test_unknown_mode(command, flag):
     assert error_line(result) == (
         "Error: unknown mode 'bogus'; choose 'all', 'pitfalls' or a comma list of: prepared, "
         "sampler, replicated, double-split, unseeded, split, resume, no-nodesplitter, silenced, "
-        "resampled, uneven-shards")
+        "resampled, uneven-shards, world-sampler")
 
 
 def test_unknown_format():

@@ -26,7 +26,8 @@ SHARED = {"sharddemo.options", "sharddemo.options.declare", "sharddemo.options.m
           "sharddemo.options.resume", "sharddemo.options.refusals", "sharddemo.options.handoff",
           "sharddemo.record", "sharddemo.errors", "sharddemo.fileio",
           "sharddemo.sizes", "sharddemo.extras", "sharddemo.config", "sharddemo.targets",
-          "sharddemo.progress", "sharddemo.lifeline", "sharddemo.lineage_format"}
+          "sharddemo.progress", "sharddemo.lifeline", "sharddemo.lineage_format",
+          "sharddemo.mesh"}
 PARENT_ONLY = ("sharddemo.cli", "sharddemo.commands", "sharddemo.launch", "sharddemo.render",
                "sharddemo.plot", "sharddemo.testing", "sharddemo.check")
 # the one module of the parent side that may import the rank side or the watch, lazily (inside

@@ -135,13 +135,14 @@ def declared(cls, *names: str) -> Callable[[Callable], Callable]:
 loader_options = declared(RunOptions, "dataset_size", "batch_size", "epochs", "seed", "shuffle",
                           "drop_last", "set_epoch", "num_workers", "source", "shards",
                           "even_batches", "split_batches", "dispatch_batches", "gather",
-                          "timeout")
+                          "timeout", "mesh")
 
 
 def _options(modes: str, kw: dict[str, Any]) -> RunOptions:
     """`run`'s and `compare`'s options from click's values, each refused alone (validate)."""
     given = {f.name: kw[f.name] for f in dataclasses.fields(RunOptions) if f.name in kw}
-    return RunOptions(**given, modes=parse_modes(modes, kw["source"])).validate()
+    return RunOptions(**given, modes=parse_modes(modes, kw["source"],
+                                                 mesh=kw.get("mesh") is not None)).validate()
 
 
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -245,8 +246,8 @@ plot_option = click.option("--plot", type=click.Path(dir_okay=False),
 @launch_options
 @click.option("--modes", "--mode", "modes", default="all", show_default=True,
               help="all (prepared, sampler, replicated; over --source webdataset its five "
-                   "modes), pitfalls (double-split, unseeded), or a comma list of: "
-                   + ", ".join(MODES) + ".")
+                   "modes), pitfalls (double-split, unseeded; with --mesh also world-sampler), "
+                   "or a comma list of: " + ", ".join(MODES) + ".")
 @loader_options
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")
@@ -331,7 +332,7 @@ def _audit_options(kw: dict) -> AuditOptions:
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="How to print the report.")
 @click.option("--output", type=click.Path(dir_okay=False), help=OUTPUT_HELP)
-@declared(AuditOptions, "max_time", "keys")
+@declared(AuditOptions, "max_time", "keys", "mesh")
 @plot_option
 @declared(ResumeOptions, "resume_at", "resume_strategy", "resume_num_processes")
 @click.option("--keep-checkpoint", type=click.Path(file_okay=False),

@@ -40,12 +40,16 @@ def grid_lines(report: dict, epoch: dict) -> list[str]:
     n = report["dataset_size"]
     if n > GRID_LIMIT or epoch.get("gather") == "count" or report.get("keys"):
         return []  # (keys: samples named, not placed)
+    # on a mesh each data group counts once, by its first rank: the digit is the group's
+    mesh = any("group" in r for r in epoch["ranks"])
     owners: list[list[int]] = [[] for _ in range(n)]
     for r in epoch["ranks"]:
+        if mesh and not r["counted"]:
+            continue
         for batch in r["batches"]:
             for i in batch:
                 if 0 <= i < n:
-                    owners[i].append(r["rank"])
+                    owners[i].append(r["group"] if mesh else r["rank"])
     marks = []
     for who in owners:
         if not who:
@@ -55,6 +59,9 @@ def grid_lines(report: dict, epoch: dict) -> list[str]:
         else:
             marks.append(str(who[0]) if who[0] < 10 else "#")
     head = "".join(str(i % 10) for i in range(n))
+    if mesh:
+        return [f"ids    {head}", f"group  {''.join(marks)}   (digit: the data-parallel group "
+                "that got it, +: several times, -: never)"]
     return [f"ids    {head}", f"rank   {''.join(marks)}   (digit: the rank that got it, "
             "+: several times, -: never)"]
 
@@ -104,8 +111,11 @@ def plot_report(report: dict, path: str) -> dict:
             base = e["epoch"] * rows_per_epoch
             placed = {}
             dup_ids = [d["id"] for d in e["duplicates"]]
-            for r in e["ranks"]:
-                y = base + r["rank"]
+            # on a mesh a data group's peers in adjacent rows (render.side_by_side's order)
+            ordered = sorted(e["ranks"], key=lambda r: (r.get("group", 0),
+                                                        not r.get("counted", True), r["rank"]))
+            for row, r in enumerate(ordered):
+                y = base + row
                 ids = np.fromiter((i for batch in r["batches"] for i in batch), dtype=np.int64)
                 placed[r["rank"]] = int(len(ids))
                 colour = RANK_COLOURS[r["rank"] % len(RANK_COLOURS)]
@@ -118,7 +128,8 @@ def plot_report(report: dict, path: str) -> dict:
                     ax.bar(edges[:-1], np.minimum(counts / width, 1.0) * 0.8, width=width,
                            bottom=y - 0.4, color=colour, align="edge", linewidth=0,
                            label=f"rank {r['rank']}" if e["epoch"] == 0 else None)
-                labels.append(f"e{e['epoch']} r{r['rank']}")
+                labels.append(f"e{e['epoch']} r{r['rank']}"
+                              + (f" ({r['mesh'].replace(' ', '')})" if "mesh" in r else ""))
                 ticks.append(y)
             y = base + w
             if small:
@@ -162,8 +173,11 @@ def plot_report(report: dict, path: str) -> dict:
             ax.set_xticks(range(n))
     axes[-1, 0].set_xlabel("sample id" + ("" if small else f" (binned, {BINS} bins)"))
     config = report.get("config_file") or ""
-    fig.suptitle(f"sharddemo: W = {w} ranks ({report['backend']}), N = {n} samples, per-rank "
-                 f"batch B = {b}" + (f", {config}" if config else ""), fontsize=11)
+    mesh = report.get("mesh")
+    shape = (", mesh " + " x ".join(f"{d}={s}" for d, s in mesh["dims"].items())
+             + f" (data dims {', '.join(mesh['data_dims']) or 'none'})" if mesh else "")
+    fig.suptitle(f"sharddemo: W = {w} ranks ({report['backend']}){shape}, N = {n} samples, "
+                 f"per-rank batch B = {b}" + (f", {config}" if config else ""), fontsize=11)
     fig.tight_layout()
     import io
 

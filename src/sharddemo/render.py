@@ -66,8 +66,33 @@ def header(report: dict) -> list[str]:
         f"world size {report['world_size']} ({report.get('distributed_type')}, backend "
         f"{report['backend']}) | dataset {report['dataset_size']} | per-rank batch "
         f"{up_to}{per_rank} | global batch {report['global_batch']} | {report['epochs']} "
-        f"epoch(s) | {seeded}",
+        f"epoch(s) | {seeded}" + (f" | {mesh_words(report['mesh'])}" if report.get("mesh")
+                                  else ""),
     ]
+
+
+def mesh_words(mesh: dict) -> str:
+    """'mesh dp=2 x tp=2: data dims dp, 2 data-parallel groups [0 1] [2 3] (counted once
+    each; replica peers tp must receive the same batches)'."""
+    shape = " x ".join(f"{d}={s}" for d, s in mesh["dims"].items())
+    replica = [d for d in mesh["dims"] if d not in mesh["data_dims"]]
+    groups = " ".join("[" + " ".join(map(str, g)) + "]" for g in mesh["groups"])
+    peers = (f"; replica peers {'/'.join(replica)} must receive the same batches" if replica
+             else "")
+    return (f"mesh {shape}: data dims {', '.join(mesh['data_dims']) or 'none'}, "
+            f"{mesh['data_groups']} data-parallel group(s) {groups} (counted once each{peers})")
+
+
+def rank_name(rank: dict) -> str:
+    """'rank 1', or on a mesh 'rank 1 (dp=0, tp=1)'."""
+    return f"rank {rank['rank']}" + (f" ({rank['mesh']})" if "mesh" in rank else "")
+
+
+def side_by_side(e: dict) -> list[dict]:
+    """An epoch's ranks, on a mesh each data group's peers together (by group, then replica
+    index: the order of report["mesh"]["groups"], which the ranks' `group` gives)."""
+    return sorted(e["ranks"], key=lambda r: (r.get("group", 0), not r.get("counted", True),
+                                              r["rank"]))
 
 
 def _counted(ids: list[int], total=None) -> str:
@@ -250,12 +275,14 @@ def render_table(report: dict) -> str:
         view = {**report, **{k: data[k] for k in SIZES if k in data}}
         for e in data["epochs"]:
             out.append(f"  epoch {e['epoch']}")
-            for r in e["ranks"]:
-                out.append(f"    rank {r['rank']}  {r['steps']} step(s): {rank_text(r)}")
+            for r in side_by_side(e):
+                out.append(f"    {rank_name(r)}  {r['steps']} step(s): {rank_text(r)}")
             out += ["    " + line for line in grid_lines(view, e)]
             out += ["    " + line for line in _epoch_summary(e)]
             out += ["    " + line for line in window_lines(e.get("grad_accum"))]
         out.append(f"  => {data['conclusion']}")
+        if data.get("peers"):
+            out += ["  " + line for line in verdict_lines(data["peers"])]
         if data.get("resume"):
             out += ["", "  resume:"] + ["    " + line for line in resume_lines(data["resume"])]
         if "verdicts" in data:
@@ -338,8 +365,9 @@ def render_markdown(report: dict) -> str:
                 *([stream_line(data["streams"]), ""] if data.get("streams") else []),
                 "| epoch | rank | steps | ids per batch |", "|---|---|---|---|"]
         for e in data["epochs"]:
-            for r in e["ranks"]:
-                out.append(f"| {e['epoch']} | {r['rank']} | {r['steps']} | {rank_text(r)} |")
+            for r in side_by_side(e):
+                out.append(f"| {e['epoch']} | {rank_name(r)[5:]} | {r['steps']} | "
+                           f"{rank_text(r)} |")
         out.append("")
         own = own_sizes_line(report, data)
         if data.get("settings"):
@@ -350,6 +378,8 @@ def render_markdown(report: dict) -> str:
             out.append(f"- epoch {e['epoch']}: " + "; ".join(_epoch_summary(e)))
             out += [f"  - {line.strip()}" for line in window_lines(e.get("grad_accum"))]
         out += ["", f"**{data['conclusion']}**", ""]
+        if data.get("peers"):
+            out += [f"- {line}" for line in verdict_lines(data["peers"])] + [""]
         if data.get("resume"):
             out += [f"- resume: {line}" for line in resume_lines(data["resume"])] + [""]
         if "verdicts" in data:
@@ -405,13 +435,15 @@ def summary_json(report: dict, path: str, size: int) -> dict:
     modes = {}
     for mode, data in report["modes"].items():
         entry = {"conclusion": data["conclusion"], "broken_promises": data["broken_promises"]}
-        if "verdicts" in data:
-            entry["verdicts"] = verdict_summary(data["verdicts"])
+        if "verdicts" in data or "peers" in data:
+            entry["verdicts"] = verdict_summary(data.get("verdicts") or data["peers"])
         modes[mode] = entry
     out = {"schema": SUMMARY_SCHEMA, "report": path, "bytes": size,
            "command": _command(report), "world_size": report["world_size"],
            "dataset_size": report["dataset_size"], "epochs": report["epochs"],
            "modes": modes, "broken_promises": report["broken_promises"]}
+    if report.get("mesh"):
+        out["mesh"] = report["mesh"]
     if report.get("resume"):
         out["resume"] = [{"workers": r["workers"], "stop": f"{r['at']['epoch']}:{r['at']['step']}",
                           "strategy": r["strategy"], "resume_exact": r["resume_exact"]}
@@ -448,7 +480,8 @@ def summary_lines(report: dict) -> list[str]:
         lines += ["resume: " + line for line in resume_demo_lines(report["resume"])[:-1]]
     for mode, data in report["modes"].items():
         lines.append(f"{mode}: {data['conclusion']}")
-        lines += [f"  {line}" for line in verdict_lines(data.get("verdicts", []))]
+        lines += [f"  {line}" for line in verdict_lines(data.get("verdicts")
+                                                         or data.get("peers") or [])]
         lines += [f"  !! {problem}" for problem in data["broken_promises"]]
     return lines
 
@@ -469,7 +502,8 @@ def render_summary(report: dict, fmt: str, path: str, size: int) -> str:
             out += [f"- resume: {line}" for line in resume_demo_lines(report["resume"])[:-1]]
         for mode, data in report["modes"].items():
             out.append(f"- **{mode}**: {data['conclusion']}")
-            out += [f"  - {line}" for line in verdict_lines(data.get("verdicts", []))]
+            out += [f"  - {line}" for line in verdict_lines(data.get("verdicts")
+                                                            or data.get("peers") or [])]
             out += [f"  - broken: {problem}" for problem in data["broken_promises"]]
         return "\n".join([*out, "", f"The whole report (JSON): `{path}`, {file_size(size)}."]) + "\n"
     return "\n".join([*summary_lines(report), where]) + "\n"

@@ -15,6 +15,9 @@ from sharddemo.analysis.verdicts import (audit_verdicts, broken_promises, conclu
 from sharddemo.analysis.types import Trace, TraceMode
 from sharddemo.analysis.views import IdsEpoch, epoch_view
 from sharddemo.analysis.accumulation import accumulation_windows, window_counts
+from sharddemo.analysis.mesh import (mesh_epochs, mesh_layout, mesh_note, peer_problems,
+                                     report_mesh)
+from sharddemo.mesh import explain_on_mesh
 
 REPORT_SCHEMA = "sharddemo.report/1"
 
@@ -43,6 +46,8 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
     """
     modes: dict[str, Any] = {}
     problems: list[str] = []
+    layout = mesh_layout(trace["mesh"]) if trace.get("mesh") else None
+    mesh = layout.describe() if layout is not None else {}
     for mode, data in trace["modes"].items():
         # A framework's loaders differ in N and batch (train vs eval): each mode's own sizes.
         sized = cast(Trace, {**trace, **data.get("sizes", {})})
@@ -51,10 +56,14 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
             problems += modes[mode]["broken_promises"]
             continue
         n = sized["dataset_size"]
-        views = [epoch_view(record, n) for record in data["epochs"]]
-        epochs = [analyse_epoch(mode, sized, v, views[k - 1] if k else None,
-                                loader=data.get("loader"), hint=data.get("hint"))
-                  for k, v in enumerate(views)]
+        peers = None
+        if layout is not None:  # counted over the data-parallel groups, peers compared
+            sized, views, epochs, peers = mesh_epochs(mode, sized, data, layout)
+        else:
+            views = [epoch_view(record, n) for record in data["epochs"]]
+            epochs = [analyse_epoch(mode, sized, v, views[k - 1] if k else None,
+                                    loader=data.get("loader"), hint=data.get("hint"))
+                      for k, v in enumerate(views)]
         if keys is not None:
             for e in epochs:
                 name_epoch(e, keys["names"], keys.get("outside"))
@@ -69,6 +78,11 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
         else:
             verdicts = None
             broken = broken_promises(mode, sized, epochs)
+        if peers is not None:
+            if verdicts is not None:  # (an audit: a verdict like the others, as the watch's)
+                verdicts += peers
+                explain_on_mesh(verdicts, mesh, cast(Optional[dict], data.get("loader")))
+            broken += peer_problems(mode, peers)
         conclusion = conclude(mode, sized, epochs, data.get("loader"))
         if data.get("raised"):  # after the epochs above, on every rank
             conclusion = (raised_sentence(data["raised"], sized["world_size"]) + " Before it: "
@@ -106,6 +120,12 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
                     name_windows(e["grad_accum"], keys["names"])
         if verdicts is not None:
             modes[mode]["verdicts"] = verdicts
+        elif peers is not None:
+            modes[mode]["peers"] = peers
+        if peers is not None:
+            note = mesh_note(mesh, cast(Optional[dict], data.get("loader")), bool(broken))
+            if note:
+                modes[mode]["note"] = note
     placement = trace.get("placement") or [
         {"rank": r, "local_rank": r, "node": 0, "host": None} for r in range(trace["world_size"])]
     nodes: dict[str, list[int]] = {}
@@ -136,6 +156,8 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
         "modes": modes,
         "broken_promises": problems,
     }
+    if trace.get("mesh"):
+        report["mesh"] = report_mesh(trace["mesh"])
     if keys is not None:
         if keys["seen"] is None:  # counted: the most distinct keys an epoch delivered
             keys = dict(keys, seen=max((e["unique"] for m in modes.values()

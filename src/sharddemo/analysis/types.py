@@ -166,3 +166,6 @@ class Trace(TypedDict, total=False):
     steps: Any
     launch: Any
     stop: Any
+    # the device mesh of --mesh (rank.mesh.RankMesh.trace); True on analysis.mesh's trace over
+    # the data-parallel groups
+    mesh: Any

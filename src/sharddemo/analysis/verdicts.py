@@ -240,7 +240,10 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
     g = global_batch(trace)
     b = g // max(w, 1)
     first = epochs[0]
-    sums = f"(world size {w} x per-rank batch {b} = global batch {g})"
+    # on a device mesh the counts are over its data-parallel groups (analysis.mesh)
+    ranks = "data-parallel groups" if trace.get("mesh") else "ranks"
+    sums = (f"({w} data-parallel groups x per-rank batch {b} = global batch {g})"
+            if trace.get("mesh") else f"(world size {w} x per-rank batch {b} = global batch {g})")
     seen = first["seen"]
     times = f"{first['times_dataset']:g}x"
     kind = mode_kind(mode, trace)
@@ -268,25 +271,29 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
                 "accelerator.prepare or a DistributedSampler.")
     copies = {d["reason"] for d in first["duplicates"]} & {
         "replication", "worker-replication", "stream-replication"}
-    if w == 1:
+    if w == 1 and trace.get("mesh"):
+        text = (f"The mesh has one data-parallel group (no data dim), so every rank walked all "
+                f"{seen} samples per epoch for a dataset of {n} = {times}: nothing was split "
+                f"{sums}")
+    elif w == 1:
         text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
                 f"dataset of {n} = {times}: nothing was sharded {sums}")
     elif ((loader or {}).get("draws") or {}).get("replacement") and not copies:
-        text = (f"The {w} ranks drew {seen} samples per epoch between them for a dataset of "
+        text = (f"The {w} {ranks} drew {seen} samples per epoch between them for a dataset of "
                 f"{n} = {times} {sums}, with replacement "
                 f"({cast(dict, loader)['draws']['sampler']})")
     elif copies == {"worker-replication"} and not copies_across_ranks(first):
         # the ranks split the stream; within each, every worker yielded its share
-        text = (f"The {w} ranks split each epoch between them, but within each rank every "
+        text = (f"The {w} {ranks} split each epoch between them, but within each rank every "
                 f"DataLoader worker yielded the rank's whole share: {seen} samples per epoch "
                 f"for a dataset of {n} = {times} {sums}, samples received "
                 f"{_most_copies(first)} ({REASON_LABEL['worker-replication']})")
     elif copies:
         why = " and ".join(REASON_LABEL[c] for c in sorted(copies))
-        text = (f"The {w} ranks did NOT split the epoch: {seen} samples per epoch for a dataset "
+        text = (f"The {w} {ranks} did NOT split the epoch: {seen} samples per epoch for a dataset "
                 f"of {n} = {times} {sums}, samples received {_most_copies(first)} ({why})")
     else:
-        text = (f"The {w} ranks split each epoch between them: {seen} samples per epoch for a "
+        text = (f"The {w} {ranks} split each epoch between them: {seen} samples per epoch for a "
                 f"dataset of {n} = {times} {sums}")
     missing, why_missing = first["missing_count"], first["missing_reason"]
     if missing and why_missing == "drop-last":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
@@ -10,7 +11,7 @@ from sharddemo.commands.output import (check_files, error, large_report_notice, 
                                        wants_progress)
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, run_launch
-from sharddemo.options import AuditOptions, ResumeOptions, check_audit
+from sharddemo.options import AuditOptions, ResumeOptions, check_audit, mesh_world
 from sharddemo.targets import read_keys
 
 
@@ -67,6 +68,9 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
     opts = check_audit(opts, plot=plot, keep_checkpoint=keep_checkpoint,
                        resume_num_processes=resume_num_processes)
     precheck_target(opts.target, opts.framework)
+    if opts.mesh is not None:  # the mesh is the world (as compare_run)
+        settings = dataclasses.replace(
+            settings, num_processes=mesh_world(opts.mesh, settings.num_processes))
     known = read_keys(opts.keys, opts.dataset_size) if opts.keys else None
     launch = audit_launch(settings, opts)
     notice_size(size_notice, opts, launch)

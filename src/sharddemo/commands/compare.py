@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 from sharddemo.commands.launches import report_of, run_args
 from sharddemo.commands.output import (check_files, error, large_report_notice, show,
                                        wants_progress)
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import RunOptions, check_compare
+from sharddemo.options import RunOptions, check_compare, mesh_world
 
 
 def compare_command(opts: RunOptions, settings: LaunchSettings, *, fmt: str,
@@ -39,6 +40,10 @@ def compare_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(), *
     report. Refuses what the CLI refuses (options.check_compare) before any rank starts.
     `size_notice(bytes, world)`: told, before the launch, how large the JSON report will be
     (reportsize) on the node that writes it."""
+    if opts.mesh is not None:
+        # the mesh is the world: its product of sizes is how many ranks to launch
+        settings = dataclasses.replace(
+            settings, num_processes=mesh_world(opts.mesh, settings.num_processes))
     check_compare(opts, world=settings.num_processes, plot=plot, max_memory=max_memory)
     if opts.modes == ("resume",):
         from sharddemo.commands.resume import resume_demo_run

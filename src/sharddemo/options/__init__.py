@@ -24,8 +24,8 @@ from sharddemo.options.gather import (BITS_FROM, COUNT_FROM, GATHER_STRATEGIES,
                                       counter_bytes)
 from sharddemo.options.handoff import (EXPECT_ENV, NODE_ENV, PARENT_ENV, PROGRESS_ENV,
                                        STATUS_ENV, read_rank_options, write_rank_options)
-from sharddemo.options.modes import (BASIC_MODES, MAP_SOURCES, MODE_GROUPS, MODE_HELP, MODES,
-                                     PITFALL_MODES, SOURCE_HELP, SOURCES, WDS_MODES,
+from sharddemo.options.modes import (BASIC_MODES, MAP_SOURCES, MESH_MODES, MESH_PITFALL,
+                                     MODE_GROUPS, MODE_HELP, MODES, PITFALL_MODES, SOURCE_HELP, SOURCES, WDS_MODES,
                                      mode_description, parse_modes)
 from sharddemo.options.refusals import (COUNTED_NO_PLOT, NO_EPOCHS_TO_PLOT, check_audit,
                                         check_compare, check_memory, parse_size,
@@ -34,17 +34,17 @@ from sharddemo.options.resume import (DEMO_WORKERS, LAST, STRATEGIES, ResumeOpti
                                       ResumeStop, demo_scenarios)
 from sharddemo.options.run import (DEFAULT_BATCH_SIZE, DEFAULT_DATASET_SIZE, DEFAULT_EPOCHS,
                                    DEFAULT_SEED, DEFAULT_SHARDS, DEFAULT_TIMEOUT, RunOptions,
-                                   per_rank_batch)
+                                   mesh_of, mesh_world, per_rank_batch)
 
 __all__ = [
     "AuditOptions", "BASIC_MODES", "BITS_FROM", "COUNTED_NO_PLOT", "COUNT_FROM",
     "DEFAULT_BATCH_SIZE", "DEFAULT_DATASET_SIZE", "DEFAULT_EPOCHS", "DEFAULT_SEED",
     "DEFAULT_SHARDS", "DEFAULT_TIMEOUT", "DEMO_WORKERS", "EXPECTATIONS", "EXPECT_ENV",
-    "GATHER_STRATEGIES", "LAST", "MAP_SOURCES", "MODES", "MODE_GROUPS", "MODE_HELP", "NODE_ENV",
+    "GATHER_STRATEGIES", "LAST", "MAP_SOURCES", "MESH_MODES", "MESH_PITFALL", "MODES", "MODE_GROUPS", "MODE_HELP", "NODE_ENV",
     "NO_EPOCHS_TO_PLOT", "PARENT_ENV", "PER_BATCH_GATHER_LIMIT", "PITFALL_MODES", "PROGRESS_ENV",
     "ResumeOptions", "ResumePlan", "ResumeStop", "RunOptions", "SOURCES", "SOURCE_HELP",
     "STATUS_ENV", "STRATEGIES", "WDS_MODES", "audit_target", "check_audit", "check_compare",
     "check_memory", "code_width", "command_line", "counted", "counter_bytes", "demo_scenarios",
-    "from_dict", "mode_description", "option", "parse_modes", "parse_size", "per_rank_batch",
+    "from_dict", "mesh_of", "mesh_world", "mode_description", "option", "parse_modes", "parse_size", "per_rank_batch",
     "read_rank_options", "refuse_counted_plot", "write_rank_options",
 ]

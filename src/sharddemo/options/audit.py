@@ -9,7 +9,7 @@ from typing import Optional
 from sharddemo.errors import UsageError
 from sharddemo.options.declare import command_line, option
 from sharddemo.options.gather import GATHER_STRATEGIES
-from sharddemo.options.run import DEFAULT_TIMEOUT
+from sharddemo.options.run import DEFAULT_TIMEOUT, mesh_of
 from sharddemo.targets import FACTORY_CALLS, parse_target
 
 EXPECTATIONS = ("sharded", "replicated")
@@ -69,6 +69,19 @@ class AuditOptions:
         "dataset's length, missing samples counted, not named, and keys on the id path only].",
         type=str, metavar="FILE", path=True)
 
+    # A device mesh, as NAME=SIZE,... (sharddemo.mesh.parse_mesh): formed with torch's
+    # init_device_mesh over the launch's ranks and set as the Accelerator's device mesh
+    # (rank/mesh.py); the factory is given it (docs/audit.md, "--mesh").
+    mesh: Optional[str] = option(
+        None, "--mesh",
+        "Audit the loader on a device mesh of these dims, e.g. dp=2,tp=2 (world = the product "
+        "of the sizes; data dims: those named dp, dp_replicate, dp_shard or fsdp; the others "
+        "hold replica peers, which must receive the same batches). The mesh is torch's "
+        "init_device_mesh, set as the accelerator's torch_device_mesh (so accelerator.prepare "
+        "deals over it, as under ParallelismConfig, which refuses CPU); the factory gets it as "
+        "make_loader(accelerator, mesh=...) where it takes a mesh parameter.", type=str,
+        metavar="DIMS")
+
     def validate(self) -> "AuditOptions":
         if self.framework not in FACTORY_CALLS:
             raise UsageError(f"framework must be trainer or lightning, got {self.framework!r}")
@@ -93,6 +106,15 @@ class AuditOptions:
         if self.grad_accum is not None and self.grad_accum < 1:
             raise UsageError(f"--grad-accum must be at least 1 batch per optimizer step, got "
                              f"{self.grad_accum}")
+        if self.mesh is not None:
+            mesh_of(self.mesh)
+            if self.framework is not None:
+                raise UsageError(f"--mesh audits a make_loader FACTORY; it does not go with "
+                                 f"--{self.framework} (pass make_loader(accelerator, mesh))")
+            if self.gather == "count":
+                raise UsageError("--mesh compares each rank's batches with its peers', and "
+                                 "--gather count keeps none: pass --gather epoch (or leave "
+                                 "--gather out)")
         if self.framework is not None:
             who = "the Trainer" if self.framework == "trainer" else "Lightning"
             if self.set_epoch:

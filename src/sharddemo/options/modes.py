@@ -12,8 +12,13 @@ PITFALL_MODES = ("double-split", "unseeded")
 # --source webdataset has its own: the documented split and what users meet instead of it.
 # `all` there means these five.
 WDS_MODES = ("split", "no-nodesplitter", "silenced", "resampled", "uneven-shards")
-MODES = BASIC_MODES + PITFALL_MODES + ("split", "resume") + WDS_MODES[1:]
+# On a device mesh (--mesh), the bug a mesh adds: a sampler over every rank of the world, so
+# replica peers (tp, cp) receive different batches; `pitfalls` includes it there.
+MESH_PITFALL = "world-sampler"
+MODES = BASIC_MODES + PITFALL_MODES + ("split", "resume") + WDS_MODES[1:] + (MESH_PITFALL,)
 MODE_GROUPS = {"all": BASIC_MODES, "pitfalls": PITFALL_MODES}
+# the modes built on a mesh (rank/loaders.py), and what they refuse
+MESH_MODES = BASIC_MODES + PITFALL_MODES + (MESH_PITFALL,)
 
 MODE_HELP = {
     "prepared": "plain DataLoader(shuffle=True) passed through accelerator.prepare, which shards it",
@@ -34,16 +39,39 @@ MODE_HELP = {
                  "worker: shards drawn with replacement, repeats and gaps by design",
     "uneven-shards": "webdataset: the documented split over the same samples in ranks x workers + 1 "
                      "shards, which do not divide: the ranks read unequal amounts",
+    "world-sampler": "mesh pitfall: DistributedSampler(num_replicas=world size, rank=process "
+                     "index), over every rank of the mesh instead of its data-parallel groups, so "
+                     "replica peers (tp, cp) receive different batches",
     "resume": "the prepared loader stopped, saved, restarted and resumed: skip, stateful and restart "
               "strategies, mid-epoch and epoch-boundary stops, 0 and 2 workers, epochs 0..2 (compare only; "
               "--epochs, --num-workers and --gather do not apply)",
 }
 
 
-def mode_description(mode: str, shuffle: bool, source: str) -> str:
+# On a mesh the prepared loaders go through accelerate with the mesh as its torch_device_mesh
+# (accelerate 1.16's ParallelismConfig refuses MULTI_CPU: on CPU the mesh is torch's
+# init_device_mesh, and accelerate's PartialState is the launch's), and the sampler splits over
+# the data-parallel groups, its rank the mesh's own data coordinate.
+MESH_WORDS = ("accelerator.prepare with the mesh as accelerate's torch_device_mesh, so that "
+              "prepare_data_loader(torch_device_mesh=mesh) deals it (on CPU, where "
+              "ParallelismConfig refuses MULTI_CPU, the mesh is torch's init_device_mesh)")
+MESH_HELP = {
+    "prepared": "plain DataLoader(shuffle=True) passed through " + MESH_WORDS,
+    "sampler": "DataLoader with DistributedSampler(num_replicas=the data-parallel groups, "
+               "rank=the mesh's data coordinate) and set_epoch each epoch, not prepared: "
+               "replica peers share a sampler rank",
+    "double-split": "pitfall: a DataLoader with a DistributedSampler over the data-parallel "
+                    "groups, passed through " + MESH_WORDS + " as well, so it is split twice",
+    "unseeded": "pitfall: use_seedable_sampler=True and no seed, passed through " + MESH_WORDS
+                + ", so every process shuffles with its own seed",
+}
+
+
+def mode_description(mode: str, shuffle: bool, source: str, mesh: bool = False) -> str:
     """MODE_HELP as the run built the mode: its plain DataLoader shuffles only with --shuffle
-    over a map-style source (a stream has no order to shuffle; loaders.plain_loader)."""
-    text = MODE_HELP[mode]
+    over a map-style source (a stream has no order to shuffle; loaders.plain_loader); on a
+    mesh (--mesh) as MESH_HELP says."""
+    text = MESH_HELP.get(mode, MODE_HELP[mode]) if mesh else MODE_HELP[mode]
     if not (shuffle and source in MAP_SOURCES):
         text = text.replace("DataLoader(shuffle=True)", "DataLoader(shuffle=False)")
     return text
@@ -64,9 +92,10 @@ SOURCE_HELP = {
                   "[webdataset]); modes: " + ", ".join(WDS_MODES) + " (all: these five)",
 }
 
-def parse_modes(text: str, source: str = "toy") -> tuple[str, ...]:
+def parse_modes(text: str, source: str = "toy", mesh: bool = False) -> tuple[str, ...]:
     """`all`, one mode, or a comma list of modes -> a tuple in the order given, no repeats.
-    Over --source webdataset, `all` is that source's five modes (WDS_MODES)."""
+    Over --source webdataset, `all` is that source's five modes (WDS_MODES); on a mesh,
+    `pitfalls` adds world-sampler."""
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise UsageError("no mode given; pass --mode all or a comma list of: " + ", ".join(MODES))
@@ -76,6 +105,8 @@ def parse_modes(text: str, source: str = "toy") -> tuple[str, ...]:
             chosen = list(WDS_MODES)
         elif name in MODE_GROUPS:
             chosen = list(MODE_GROUPS[name])
+            if name == "pitfalls" and mesh:
+                chosen.append(MESH_PITFALL)
         elif name in MODES:
             chosen = [name]
         else:

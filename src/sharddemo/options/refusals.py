@@ -75,6 +75,12 @@ def check_audit(opts: AuditOptions, *, plot: bool = False,
     if plot:
         refuse_counted_plot(opts.gather, opts.dataset_size)
         opts = dataclasses.replace(opts, keep_ids=True)
+    if opts.mesh is not None:
+        if resume is not None:
+            raise UsageError("--resume-at does not run on a mesh yet: leave --mesh (or "
+                             "--resume-at) out")
+        # the peers' batches are compared id by id: `auto` keeps them at any size
+        opts = dataclasses.replace(opts, keep_ids=True)
     if resume is None:
         if resume_num_processes is not None or keep_checkpoint is not None:
             raise UsageError("--resume-num-processes and --keep-checkpoint go with --resume-at "

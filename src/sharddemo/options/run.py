@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sharddemo.errors import UsageError
+from sharddemo.mesh import parse_mesh
 from sharddemo.options.declare import option
-from sharddemo.options.gather import GATHER_STRATEGIES
-from sharddemo.options.modes import (BASIC_MODES, MAP_SOURCES, MODES, PITFALL_MODES,
-                                     SOURCE_HELP, SOURCES, WDS_MODES)
+from sharddemo.options.gather import GATHER_STRATEGIES, counted
+from sharddemo.options.modes import (BASIC_MODES, MAP_SOURCES, MESH_MODES, MESH_PITFALL, MODES,
+                                     PITFALL_MODES, SOURCE_HELP, SOURCES, WDS_MODES)
 
 DEFAULT_SHARDS = 4
 DEFAULT_DATASET_SIZE = 8
@@ -72,6 +73,20 @@ class RunOptions:
     # Seconds a rank waits on a collective before giving up (gloo's default is 30 minutes).
     timeout: float = option(DEFAULT_TIMEOUT, "--timeout",
                             "Seconds a rank waits on a collective before the run fails.")
+    # A device mesh, as NAME=SIZE,... (sharddemo.mesh.parse_mesh): the ranks form it with
+    # torch's init_device_mesh, and each mode is built on it (docs/compare.md, "--mesh").
+    mesh: Optional[str] = option(
+        None, "--mesh",
+        "Run the modes on a device mesh of these dims, e.g. dp=2,tp=2 (world = the product of "
+        "the sizes; data dims: those named dp, dp_replicate, dp_shard or fsdp, every other dim "
+        "(tp, cp, ...) holds replica peers, which must receive the same batches). Built with "
+        "torch's init_device_mesh; prepared: accelerate's prepare_data_loader("
+        "torch_device_mesh=mesh) (accelerate's ParallelismConfig refuses CPU); sampler: over "
+        "the data-parallel groups; pitfalls adds world-sampler.", type=str, metavar="DIMS")
+
+    def mesh_dims(self) -> Optional[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """(dims, sizes) of --mesh, or None without one."""
+        return None if self.mesh is None else mesh_of(self.mesh)
 
     def per_rank_batch(self, world: int) -> int:
         return per_rank_batch(self.batch_size, world, self.split_batches)
@@ -122,6 +137,11 @@ class RunOptions:
             only = [m for m in self.modes if m in WDS_MODES[1:]]
             if only:
                 raise UsageError(f"mode {only[0]} is a WebDataset case: pass --source webdataset")
+        if MESH_PITFALL in self.modes and self.mesh is None:
+            raise UsageError(f"mode {MESH_PITFALL} is a device mesh's pitfall: pass --mesh "
+                             "(e.g. --mesh dp=2,tp=2); without one it is mode sampler")
+        if self.mesh is not None:
+            self.refuse_on_mesh()
         if "split" in self.modes and self.source not in ("hf", "hf-stream", "webdataset"):
             raise UsageError("mode split uses the source's own split: pass --source hf, "
                              "hf-stream or webdataset")
@@ -134,6 +154,25 @@ class RunOptions:
                                  f"indices), but --source {self.source} is iterable; use "
                                  f"--source toy or hf, or --modes {valid}")
         return self
+
+    def refuse_on_mesh(self) -> None:
+        """What --mesh does not run: modes and sources built for a flat world, and the count
+        path (the peers' batches are compared id by id)."""
+        self.mesh_dims()
+        other = [m for m in self.modes if m not in MESH_MODES]
+        if other:
+            raise UsageError(f"mode {other[0]} is not built on a mesh; with --mesh choose from "
+                             + ", ".join(MESH_MODES) + " (--modes all, or pitfalls)")
+        if self.source not in MAP_SOURCES:
+            raise UsageError(f"--mesh runs over a map-style source (--source toy or hf), not "
+                             f"--source {self.source}")
+        if self.dispatch_batches:
+            raise UsageError("--dispatch-batches is not built with --mesh (accelerate's "
+                             "dispatcher deals a mesh by its own rules); leave it out")
+        if counted(self.gather, self.dataset_size):
+            raise UsageError("--mesh compares each rank's batches with its peers', and the count "
+                             "path keeps no batches (--gather count, or auto from 1,000,000 "
+                             "samples): pass --gather epoch")
 
     def check_split_batches(self, world: int) -> "RunOptions":
         """Refuse --split-batches where the batch size does not divide by the world size (the
@@ -151,3 +190,23 @@ class RunOptions:
         data["modes"] = list(self.modes)
         return data
 
+
+
+def mesh_of(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """--mesh's (dims, sizes), or its one-line Error (sharddemo.mesh.parse_mesh's words)."""
+    try:
+        return parse_mesh(text)
+    except ValueError as error:
+        raise UsageError(f"--mesh {error}") from None
+
+
+def mesh_world(text: str, num_processes: Optional[int]) -> int:
+    """The world a --mesh needs (the product of its sizes); one Error line where
+    --num-processes says otherwise."""
+    world = 1
+    for size in mesh_of(text)[1]:
+        world *= size
+    if num_processes is not None and num_processes != world:
+        raise UsageError(f"--mesh {text} holds {world} ranks but --num-processes is "
+                         f"{num_processes}: give --num-processes {world} or leave it out")
+    return world

@@ -129,12 +129,13 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
 
 
 def build_factory_loader(accelerator, factory: Callable, opts: AuditOptions,
-                         stateful: bool = False):
+                         stateful: bool = False, mesh=None):
     """Build the user's loader on this rank, as their script builds it.
 
     The factory called with the rank's Accelerator (with use_stateful_dataloader set first when
     `stateful`), every DataLoader tagged on its way through prepare. A factory that raises is a
-    RunFailed."""
+    RunFailed. On a mesh (`mesh`: rank.mesh.RankMesh) the factory gets it as `mesh=` where it
+    takes one."""
     if stateful:
         # What DataLoaderConfiguration(use_stateful_dataloader=True) says in a script.
         accelerator.dataloader_config.use_stateful_dataloader = True
@@ -143,6 +144,11 @@ def build_factory_loader(accelerator, factory: Callable, opts: AuditOptions,
     from sharddemo.rank.tagging import tagging_prepare
 
     with tagging_prepare(accelerator, record_indices=opts.id_field is None):
+        if mesh is not None:
+            from sharddemo.rank.mesh import call_with_mesh
+
+            return call_factory(lambda acc: call_with_mesh(factory, mesh, acc), opts.target,
+                                accelerator)
         return call_factory(factory, opts.target, accelerator)
 
 
@@ -169,7 +175,12 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
     factory = load_factory(opts.target, opts.framework)
     with rank_session(device, opts.timeout) as session:
         accelerator = session.accelerator
-        targets = audited_loaders(accelerator, factory, opts)
+        mesh = None
+        if opts.mesh is not None:  # before the factory, which may prepare over it
+            from sharddemo.rank.mesh import form_mesh
+
+            mesh = form_mesh(opts.mesh, accelerator)
+        targets = audited_loaders(accelerator, factory, opts, mesh)
         modes, elapsed = {}, {}
         for target in targets:
             start = time.perf_counter()
@@ -181,6 +192,7 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
             return None
         first = modes[targets[0].mode]
         return session.finish({
+            **({} if mesh is None else {"mesh": mesh.trace()}),
             "source": "user" if opts.framework is None else opts.framework,
             **first["sizes"],
             "epochs": opts.epochs,
@@ -193,8 +205,9 @@ def audit_rank(opts: AuditOptions, *, device: str = "auto", trace_out: Optional[
         }, trace_out)
 
 
-def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
-    """What this rank audits: the user's own loader, or the loaders a framework builds."""
+def audited_loaders(accelerator, factory: Callable, opts: AuditOptions, mesh=None) -> list:
+    """What this rank audits: the user's own loader, or the loaders a framework builds.
+    `mesh`: the run's device mesh with --mesh (rank.mesh.RankMesh), given to the factory."""
     from sharddemo.rank.frameworks import Audited
     from sharddemo.rank.describe import base_loader
 
@@ -206,7 +219,7 @@ def audited_loaders(accelerator, factory: Callable, opts: AuditOptions) -> list:
         from sharddemo.rank.frameworks.lightning import lightning_loaders
 
         return lightning_loaders(accelerator, factory, opts)
-    loader = build_factory_loader(accelerator, factory, opts, stateful=opts.stateful)
+    loader = build_factory_loader(accelerator, factory, opts, stateful=opts.stateful, mesh=mesh)
     if not hasattr(loader, "__iter__") or (opts.id_field is None
                                            and not hasattr(base_loader(loader), "dataset")):
         raise UsageError(f"the factory {opts.target} returned an object of type "

@@ -62,17 +62,21 @@ def prepare_settings(opts: RunOptions) -> dict:
             "dispatch_batches": opts.dispatch_batches}
 
 
-def build_sampler(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+def build_sampler(accelerator, dataset: Dataset, opts: RunOptions,
+                  split: Optional[tuple[int, int]] = None) -> LoaderPlan:
     """`sampler`: an explicit DistributedSampler, not prepared.
 
     Two processes, N=10, no shuffle: each rank takes ceil(10/2)=5 indices, rank r the
     indices r, r+2, r+4, ...: rank 0 [0,2,4,6,8], rank 1 [1,3,5,7,9]. With N=9 the sampler
     pads to 10 by repeating the first index of the epoch's order, so one sample is seen twice.
+    `split`: (num_replicas, rank), on a mesh its data-parallel groups' (rank.mesh); default
+    the world's (every rank its own part: `world-sampler` on a mesh).
     """
+    replicas, rank = split or (accelerator.num_processes, accelerator.process_index)
     sampler = DistributedSampler(
         dataset,
-        num_replicas=accelerator.num_processes,
-        rank=accelerator.process_index,
+        num_replicas=replicas,
+        rank=rank,
         shuffle=opts.shuffle,
         seed=opts.seed,
         drop_last=opts.drop_last,
@@ -112,7 +116,8 @@ def plain_loader(dataset, opts: RunOptions) -> DataLoader:
     )
 
 
-def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+def build_double_split(accelerator, dataset: Dataset, opts: RunOptions,
+                       split: Optional[tuple[int, int]] = None) -> LoaderPlan:
     """`double-split` (pitfall): a loader that already has a DistributedSampler, prepared too.
 
     The sampler gives each rank its half; accelerate then deals that half's batches
@@ -121,7 +126,7 @@ def build_double_split(accelerator, dataset: Dataset, opts: RunOptions) -> Loade
     and fills the round from the start: [[0,2],[8,0]]; rank 1 gets [[3,5],[7,3]]... Samples
     1, 4, 6 and 9 are never seen by anyone.
     """
-    plan = build_sampler(accelerator, dataset, opts)
+    plan = build_sampler(accelerator, dataset, opts, split)
     with dataloader_config(accelerator, **prepare_settings(opts)):
         prepared = accelerator.prepare(plan.loader)
     return LoaderPlan(prepared, sampler=plan.sampler, prepared=True)
@@ -277,11 +282,18 @@ BUILDERS: dict[str, Callable[..., LoaderPlan]] = {
     "double-split": build_double_split,
     "unseeded": build_unseeded,
     "split": build_split,
+    # a mesh's pitfall: the sampler over every rank of the world (sampler's default split)
+    "world-sampler": build_sampler,
 }
 
 
-def build_mode_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions) -> LoaderPlan:
+def build_mode_loader(mode: str, accelerator, dataset: Dataset, opts: RunOptions,
+                      mesh=None) -> LoaderPlan:
     """The DataLoader mode `mode` builds on this rank over `dataset`, as a script would
-    (BUILDERS; WDS_BUILDERS over --source webdataset)."""
+    (BUILDERS; WDS_BUILDERS over --source webdataset). On a mesh (`mesh`: rank.mesh.RankMesh,
+    already the accelerator's device mesh, so prepare deals over it) the samplers of sampler
+    and double-split split over the data-parallel groups."""
+    if mesh is not None and mode in ("sampler", "double-split"):
+        return BUILDERS[mode](accelerator, dataset, opts, mesh.data_split)
     builders = WDS_BUILDERS if opts.source == "webdataset" else BUILDERS
     return builders[mode](accelerator, dataset, opts)

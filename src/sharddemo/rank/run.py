@@ -44,12 +44,13 @@ def arithmetic(world: int, opts: RunOptions) -> dict:
 
 def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
                on_epoch: Optional[Callable[[dict], None]] = None,
-               say: Optional[Callable[[str], None]] = None) -> dict:
+               say: Optional[Callable[[str], None]] = None, mesh=None) -> dict:
     """Walk one mode's loader for every epoch on this rank, and return the mode's trace.
 
     The trace on the main process (every rank's batches, what gather_for_metrics returned, what
     the loader is made of) and {} elsewhere. `say`: where to state, before the walk, the mode's
-    own batch where it differs from the run's arithmetic."""
+    own batch where it differs from the run's arithmetic. `mesh`: the run's device mesh
+    (rank.mesh.RankMesh) with --mesh."""
     from accelerate.utils import set_seed
 
     from sharddemo.rank.loaders import build_mode_loader
@@ -57,7 +58,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     # Reseed per mode so a mode's result does not depend on which modes ran before it
     # (`unseeded` then reseeds each process differently: that is its point).
     set_seed(opts.seed)
-    plan = build_mode_loader(mode, accelerator, dataset, opts)
+    plan = build_mode_loader(mode, accelerator, dataset, opts, mesh)
     world = accelerator.num_processes
     sizes = None
     if opts.split_batches and not plan.prepared:
@@ -75,7 +76,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
         if raised:
             if not accelerator.is_main_process:
                 return {}
-            return {"description": mode_description(mode, opts.shuffle, opts.source),
+            return {"description": _described(mode, opts),
                     "prepared": plan.prepared, "loader": description, "fingerprint": None,
                     "hint": plan.hint, "epochs": [], "raised": raised, "raises_by_design": True,
                     "streams": _streams(mode, dataset, accelerator, opts, description)}
@@ -108,7 +109,7 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     epochs = walker.records
     if not accelerator.is_main_process:
         return {}
-    out = {"description": mode_description(mode, opts.shuffle, opts.source),
+    out = {"description": _described(mode, opts),
            "prepared": plan.prepared, "loader": description, "fingerprint": agreed,
            "hint": plan.hint, "epochs": epochs}
     if raised is not None:
@@ -119,6 +120,11 @@ def trace_mode(accelerator, mode: str, dataset, opts: RunOptions,
     if streams is not None:
         out["streams"] = streams
     return out
+
+
+def _described(mode: str, opts: RunOptions) -> str:
+    """The mode's words as the run built it (on a mesh with --mesh)."""
+    return mode_description(mode, opts.shuffle, opts.source, opts.mesh is not None)
 
 
 def _streams(mode: str, dataset, accelerator, opts: RunOptions, description: dict):
@@ -193,17 +199,26 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             f"samples per epoch: {opts.dataset_size} if sharded, "
             f"{sums['replicated_samples_per_epoch']} if every rank walks it all"
         )
+        mesh = None
+        if opts.mesh is not None:
+            from sharddemo.rank.mesh import form_mesh
+
+            mesh = form_mesh(opts.mesh, accelerator)
+            layout = mesh.layout
+            talk(f"mesh {layout.shape()}: data dims {', '.join(layout.data_dims) or 'none'} "
+                 f"({layout.data_size} data-parallel group(s) of {layout.replica_size} replica "
+                 "peer(s), which must receive the same batches)")
         dataset = build_source(opts.source, opts.dataset_size, opts.shards)
         modes: dict[str, Any] = {}
         timings: dict[str, float] = {}
         for mode in opts.modes:
-            talk(f"== mode {mode}: {mode_description(mode, opts.shuffle, opts.source)}")
+            talk(f"== mode {mode}: {_described(mode, opts)}")
             start = time.perf_counter()
             try:
                 modes[mode] = trace_mode(
                     accelerator, mode, dataset, opts,
                     on_epoch=lambda rec: _print_epoch(talk, rec, world, opts.dataset_size),
-                    say=talk)
+                    say=talk, mesh=mesh)
             except UsageError:
                 raise
             except Exception as exc:  # name the mode; the rank is named by the caller
@@ -218,7 +233,9 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
             timings[mode] = round(time.perf_counter() - start, 6)
         peak = peak_rss_mb(accelerator)
         where = placement(accelerator)
+        body = {} if mesh is None else {"mesh": mesh.trace()}
         return session.finish({
+            **body,
             "source": opts.source,
             "dataset_size": opts.dataset_size,
             "batch_size": opts.batch_size,
