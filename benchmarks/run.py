@@ -224,7 +224,7 @@ def library_counts(mode: str, n: int, b: int, world: int = 2) -> dict:
     drop_last), from their own objects' lengths: nothing is iterated, so it costs nothing at
     10^8. sampler: every rank's DistributedSampler.num_samples (padded up to a multiple of W).
     prepared: every rank's BatchSamplerShard batches x B (even_batches completes each batch
-    from the start of the epoch; tests/test_counted.py sums the sizes at 1,000,003). The
+    from the start of the epoch; tests/ranks/test_counted.py sums the sizes at 1,000,003). The
     padding and the fill are under one round (W x B ids), far fewer than N here, so each of
     their ids arrives exactly twice."""
     from accelerate.data_loader import BatchSamplerShard

@@ -11,7 +11,7 @@ before the launch (commands.output.large_report_notice).
 The model below counts the characters json.dumps writes for the big lists (compact above 10,000
 samples, indented below: render.render_json), fitted on real reports of compare (2 and 3 ranks,
 N = 5,000 and 20,001, toy and iterable sources, modes all and pitfalls, --gather batch and
-epoch): within 3% of the file's size there (tests/test_cli.py). What the parent cannot know (an
+epoch): within 3% of the file's size there (tests/ranks/test_launcher.py). What the parent cannot know (an
 audited loader's batch size and whether it is prepared, an eval loader's length) is left out:
 the estimate is then low.
 """

@@ -6,5 +6,5 @@ turns traces into reports (sharddemo.analysis) and prints them.
   the launched commands; launches.py, what their launches share; output.py, what they write;
 - check.py, lineage.py, configs.py, version.py: the commands that launch nothing;
 - ranks.py: the commands a launched rank runs (`run`, `audit-rank`, ...), the parent's one
-  door to the rank side (imported there lazily; tests/test_layout.py).
+  door to the rank side (imported there lazily; tests/unit/test_layout.py).
 """

@@ -5,7 +5,7 @@ through accelerate launch (`audit-rank`, `resume-rank`, `resume-demo-rank`: each
 options from the one JSON file the launch wrote, options.read_rank_options), a failing rank's
 word to its launcher, and the question `--version` asks torch. Every import of rank/ here is
 inside a function, and no other module of the parent imports rank/ or the watch
-(tests/test_layout.py, LAZY_DOORS): --help and every refusal answer without torch."""
+(tests/unit/test_layout.py, LAZY_DOORS): --help and every refusal answer without torch."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""Starting processes from a test: `accelerate launch`, the `sharddemo` CLI, `sharddemo audit`,
+any command, each with a free port, a short process-group timeout, an outer timeout (a hang fails
+the test) and every rank's output shown when a launch fails.
+
+Only tests under tests/ranks/ may call these (tests/conftest.py fails any other test that starts
+a process); the scripts they launch are in tests/scripts/."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_CONFIG = str(ROOT / "accelerate_configs" / "cpu2.yaml")
+# The longest any launch in the suite may take before the test fails (a hang ends here).
+OUTER_TIMEOUT = 180
+
+
+def free_port() -> int:
+    from sharddemo.launch import free_port as _free
+
+    return _free()
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("SHARDDEMO_DEBUG", None)
+    return env
+
+
+def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT,
+                      check: bool = True, config: str = CPU_CONFIG) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+           "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    return run_cmd(cmd, timeout=timeout, check=check)
+
+
+def run_cmd(cmd: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=env or launch_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{exc.stdout}\n"
+                    f"--- stderr (all ranks)\n{exc.stderr}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n"
+                    f"--- stderr (all ranks)\n{proc.stderr}")
+    return proc
+
+
+def sharddemo(args: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cmd([sys.executable, "-m", "sharddemo", *args], timeout=timeout, check=check,
+                   env=env)
+
+
+# A process that has done all its work and written everything sometimes aborts in the
+# interpreter's teardown: a native thread left joinable ("terminate called without an active
+# exception", SIGABRT; docs/reliability.md). sharddemo's own ranks end with os._exit; a user's
+# training script (the watch tests run the examples as users do) does not.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def ended_or_aborted_at_teardown(proc: subprocess.CompletedProcess) -> bool:
+    """Exit 0, or the teardown abort above and nothing else (no rank's Python traceback); the
+    caller then checks that every output is whole."""
+    if proc.returncode == 0:
+        return True
+    ranks_raised = any(line.startswith("[rank") and "Traceback" in line
+                       for line in proc.stderr.splitlines())
+    aborted = proc.returncode in (-6, 134) or "SIGABRT" in proc.stderr  # itself, or a rank
+    return TEARDOWN_ABORT in proc.stderr and aborted and not ranks_raised
+
+
+# the programs the tests launch (as processes of their own), and the helpers' folder
+SCRIPTS = ROOT / "tests" / "scripts"
+SUPPORT = ROOT / "tests" / "support"
+
+# `sharddemo audit` as the audit tests run it (tests/ranks/test_audit.py, test_audit_parts.py)
+FACTORIES = str(SUPPORT / "factories.py")
+SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+
+
+def audit(target, *args, check=True, nproc=2):
+    """`sharddemo audit TARGET --format json`; every report it prints must validate."""
+    import jsonschema
+
+    proc = sharddemo(["audit", target, "--num-processes", str(nproc), "--format", "json", *args],
+                     check=False)
+    if check and proc.returncode not in (0, 1):
+        pytest.fail(f"audit exited {proc.returncode}\n{proc.stderr}")
+    if proc.returncode in (0, 1) and proc.stdout.strip():
+        jsonschema.validate(json.loads(proc.stdout), SCHEMA)
+    return proc
+
+
+def verdicts(proc):
+    report = json.loads(proc.stdout)
+    out = {}
+    for v in report["modes"]["audit"]["verdicts"]:
+        out[v["verdict"]] = out.get(v["verdict"], True) and v["ok"]
+    return report, out
+
+
+def transformers_older_than(version: str) -> bool:
+    """The installed transformers is older than `version` (call it where transformers is
+    installed: after pytest.importorskip("transformers"))."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)

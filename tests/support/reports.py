@@ -1,0 +1,59 @@
+"""What a watched run leaves, read back as the tests read it: the report's entries, each
+validated against docs/watch.schema.json, the checks the resume tests share, and the lineage
+through `sharddemo lineage` run in this process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from support.launch import ROOT
+
+from sharddemo.cli import cli
+
+WATCH_SCHEMA = json.loads((ROOT / "docs" / "watch.schema.json").read_text())
+
+
+def entries(path) -> list[dict]:
+    """The report file's lines, each validated against docs/watch.schema.json."""
+    import jsonschema
+
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    for entry in out:
+        jsonschema.validate(entry, WATCH_SCHEMA)
+    return out
+
+
+def whole_train_epochs(report) -> list[dict]:
+    """The report's entries of whole train epochs (no eval, no partial part)."""
+    return [e for e in entries(report) if e["loader"] == "train" and not e.get("partial")]
+
+
+def said_unknown_before(report, output: str, missing: str) -> None:
+    """A 2-epoch run (N = 40, 2 ranks, 5 steps an epoch) stopped at step 3 with a checkpoint
+    that lacks the watch's state (`missing`), then resumed: epoch 0's part after the restart,
+    16 samples in 2 steps a rank, judged with what came before unknown; epoch 1 whole."""
+    train = whole_train_epochs(report)
+    assert [e["epoch"] for e in train] == [0, 1]
+    resumed = train[0]
+    assert resumed["resume"]["unknown_before"] and resumed["missing"] is None
+    assert resumed["seen"] == 16 and resumed["steps"] == [2, 2] and resumed["ok"]
+    assert f"holds no {missing}" in output
+    assert train[1]["ok"] and train[1]["seen"] == 40
+
+
+def lineage_cli(*args: str):
+    """The command as a user runs it: outside a rank (the CLI treats a process with RANK and
+    WORLD_SIZE set, which the simulated ranks here set, as one of a launch's ranks)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RANK", raising=False)
+        env.delenv("WORLD_SIZE", raising=False)
+        return CliRunner().invoke(cli, ["lineage", *map(str, args)])
+
+
+def cli_json(*args: str) -> dict:
+    result = lineage_cli(*args, "--format", "json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
