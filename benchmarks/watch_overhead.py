@@ -3,6 +3,7 @@
     python benchmarks/watch_overhead.py --pairs 6          # step time, 2 CPU ranks
     python benchmarks/watch_overhead.py --per-batch        # recording cost per batch, 1 process
     python benchmarks/watch_overhead.py --pairs 4 --mesh dp=2,tp=2   # 4 CPU ranks on a mesh
+    python benchmarks/watch_overhead.py --pairs 4 --tokens  # tokens= and sources= counted too
 
 Step time: the same script (an MLP 32-256-256-1, batch 64, a prepared shuffled DataLoader,
 1,000 steps per rank, 2 gloo ranks, one epoch after a warm-up epoch) launched with and without
@@ -17,6 +18,9 @@ With --mesh (e.g. dp=2,tp=2): as many ranks as the mesh holds, the mesh built wi
 init_device_mesh after the Accelerator, the loader a DistributedSampler over the data dims (the
 data coordinate from the mesh), not prepared, and `watch(loader, accelerator, mesh=mesh)`: the
 peer check's hashing and exchanges included.
+
+With --tokens: each batch also carries a 0/1 mask of 128 slots a sample (int8) and a source
+index (0..2), and the watch counts them (`tokens=3, sources=4, weights=[0.5, 0.3, 0.2]`).
 
 Per batch: `watch` on a DataLoader over a map-style dataset of 10^6 samples, batches of 64, in
 one process, against the same loader unwatched: the difference per batch in microseconds (the
@@ -46,7 +50,8 @@ def check_every():
     return value if value == "auto" else int(value)
 
 
-def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "") -> None:
+def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "",
+              tokens: bool = False) -> None:
     import torch
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -67,7 +72,11 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
             if d in DATA_DIM_NAMES:
                 world, rank = world * size, rank * size + c
     n = STEPS * BATCH * world
-    data = TensorDataset(torch.arange(n), torch.randn(n, 32), torch.randn(n, 1))
+    fields = [torch.arange(n), torch.randn(n, 32), torch.randn(n, 1)]
+    if tokens:  # a mask of 128 slots (a random length each) and a source index a sample
+        lengths = torch.randint(1, 129, (n, 1))
+        fields += [(torch.arange(128) < lengths).to(torch.int8), torch.randint(0, 3, (n,))]
+    data = TensorDataset(*fields)
     model = torch.nn.Sequential(torch.nn.Linear(32, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
                                 torch.nn.Linear(WIDTH, 1))
@@ -98,8 +107,9 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
             setattr(WatchState, name, timed)
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
         folder = os.path.join(os.path.dirname(out), "lineage") if lineage else None
+        measures = (dict(tokens=3, sources=4, weights=[0.5, 0.3, 0.2]) if tokens else {})
         loader = watch(loader, accelerator, report=None, lineage=folder,
-                       check_every=check_every(), mesh=mesh)
+                       check_every=check_every(), mesh=mesh, **measures)
     if mesh is None:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:
@@ -112,7 +122,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
         spent[0] = spent[1] = 0.0
         start, cpu = time.perf_counter(), time.process_time()
         steps = 0
-        for _, x, y in loader:
+        for _, x, y, *_ in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
             optimizer.step()
@@ -128,7 +138,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
     accelerator.end_training()
 
 
-def launch(watched: bool, lineage: bool = False, mesh: str = "") -> dict:
+def launch(watched: bool, lineage: bool = False, mesh: str = "", tokens: bool = False) -> dict:
     processes = 2
     if mesh:
         from sharddemo.mesh import parse_mesh
@@ -141,7 +151,7 @@ def launch(watched: bool, lineage: bool = False, mesh: str = "") -> dict:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG,
                "--num_processes", str(processes), __file__, "--rank", "1" if watched else "0",
                "--out", out, *(["--lineage"] if lineage else []),
-               *(["--mesh", mesh] if mesh else [])]
+               *(["--mesh", mesh] if mesh else []), *(["--tokens"] if tokens else [])]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if not os.path.exists(out):  # (a rank that aborts in its teardown has written it)
@@ -194,12 +204,14 @@ def main() -> None:
                         help="the watched launch writes a lineage too (watch(..., lineage=))")
     parser.add_argument("--mesh", default="",
                         help="a device mesh, e.g. dp=2,tp=2: as many ranks, watch(mesh=)")
+    parser.add_argument("--tokens", action="store_true",
+                        help="the batches carry a mask and a source: watch(tokens=, sources=)")
     parser.add_argument("--record", action="store_true",
                         help="write the figures into benchmarks/results.json and render "
                              "docs/benchmarks.md")
     args = parser.parse_args()
     if args.rank is not None:
-        rank_main(args.rank == "1", args.out, args.lineage, args.mesh)
+        rank_main(args.rank == "1", args.out, args.lineage, args.mesh, args.tokens)
         return
     if args.per_batch:
         print(json.dumps(per_batch(args.passes), indent=1))
@@ -208,7 +220,8 @@ def main() -> None:
     for pair in range(args.pairs):
         # alternate which goes first, so neither always runs on a warmer machine
         order = (False, True) if pair % 2 == 0 else (True, False)
-        got = {watched: launch(watched, args.lineage, args.mesh) for watched in order}
+        got = {watched: launch(watched, args.lineage, args.mesh, args.tokens)
+               for watched in order}
         ratio = got[True]["step_s"] / got[False]["step_s"]
         ratios.append(ratio)
         plain_steps.append(got[False]["step_s"])
@@ -236,7 +249,7 @@ def main() -> None:
                "check_every": check_every(), **({"mesh": args.mesh} if args.mesh else {})}
     print(json.dumps(figures, indent=1))
     if args.record:
-        record(figures, "watch_mesh" if args.mesh else
+        record(figures, "watch_mesh" if args.mesh else "watch_tokens" if args.tokens else
                "watch_lineage" if args.lineage else "watch")
 
 

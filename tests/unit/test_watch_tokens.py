@@ -1,20 +1,12 @@
-"""The watch's tokens and sources: tokens per data-parallel group (each group once on a mesh,
-never x tp), their skew and padding; the realized mixture of sources against the weights, with a
-band that widens with the count.
-
-Real ranks: torchrun, 4 gloo processes (tests/tokens_loop.py logs what each rank's loop
-received: each sample's tokens from its mask, its supervised tokens, its source). Expected
-values from those logs, from datasets' interleave_datasets itself, and from numpy's multinomial
-for the band's rule."""
+"""Tokens and sources in one process: the mixture's band against numpy's multinomial, the
+arguments refused at watch(), a mask and labels counted by hand, and the Trainer's and
+Lightning's callbacks against what the model itself received."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -22,86 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from conftest import free_port, run_cmd
-from test_frameworks import fresh_accelerate_state  # noqa: F401
 from sharddemo import watch
 from sharddemo.analysis.tokens import mixture_check, normalized
-
-LOOP = Path(__file__).resolve().parent / "tokens_loop.py"
-SCHEMA = json.loads((LOOP.parent.parent / "docs" / "watch.schema.json").read_text())
-T = 16  # (tokens_loop's row length)
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tokens")
-    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-             "--master_port", str(free_port()), str(LOOP), str(out)], timeout=240)
-    logs = [json.loads((out / f"log{r}.json").read_text()) for r in range(4)]
-    entries = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
-    for entry in entries:
-        jsonschema.validate(entry, SCHEMA)
-    return logs, entries
-
-
-def rows(logs, case, epoch, ranks=None):
-    return [row for log in logs if ranks is None or log["rank"] in ranks
-            for row in log["log"] if row["case"] == case and row["epoch"] == epoch]
-
-
-def epochs(entries, case):
-    return [e for e in entries if e["loader"] == case and "window" not in e]
-
-
-def test_tokens_per_group_on_a_mesh_are_counted_once_never_times_tp(launched):
-    """(dp, tp) = (2, 2): each group's tokens are what its tp=0 rank's loop received (its tp=1
-    peer received the same rows); the total is the groups', not the 4 ranks' (2x)."""
-    logs, entries = launched
-    got = epochs(entries, "sft")
-    assert [e["epoch"] for e in got] == [0, 1]
-    for e in got:
-        firsts = {log["rank"]: log["coordinate"] for log in logs if log["coordinate"][1] == 0}
-        per_group = [sum(sum(r["tokens"]) for r in rows(logs, "sft", e["epoch"], [rank]))
-                     for rank in sorted(firsts, key=lambda r: firsts[r][0])]
-        every_rank = sum(sum(r["tokens"]) for r in rows(logs, "sft", e["epoch"]))
-        assert e["tokens"]["per_group"] == per_group
-        assert e["tokens"]["total"] == sum(per_group) == every_rank // 2
-        assert e["tokens"]["skew"] == pytest.approx(max(per_group) / (sum(per_group) / 2))
-        samples = sum(len(r["ids"]) for r in rows(logs, "sft", e["epoch"], list(firsts)))
-        assert e["tokens"]["padding_share"] == pytest.approx(1 - sum(per_group) / (samples * T))
-        assert e["tokens"]["supervised"] == sum(
-            sum(r["supervised"]) for r in rows(logs, "sft", e["epoch"], list(firsts)))
-        skew = next(v for v in e["verdicts"] if v["verdict"] == "token-skew-within-limit")
-        assert skew["ok"] == (e["tokens"]["skew"] <= 1.5)
-
-
-def test_the_realized_mixture_is_what_the_loop_received_and_datasets_dealt(launched):
-    """interleave_datasets(probabilities=(0.7, 0.3), seed=0) over 140 and 60 rows: the mixed
-    dataset's own sources (built here again) are each dealt once over the 4 ranks; the watch's
-    counts are those, and those the loops logged."""
-    sys.path.insert(0, str(LOOP.parent))
-    from tokens_loop import mixture
-
-    dealt = [int(s) for s in mixture()["source"]]
-    logs, entries = launched
-    for case in ("mix", "mixwrong"):
-        for e in epochs(entries, case):
-            logged = [s for r in rows(logs, case, e["epoch"]) for s in r["sources"]]
-            assert sorted(logged) == sorted(dealt)
-            for name in ("0", "1"):
-                assert e["sources"][name]["samples"] == logged.count(int(name))
-                assert e["sources"][name]["share"] == pytest.approx(
-                    logged.count(int(name)) / len(logged))
-    verdict = {case: [next(v for v in e["verdicts"] if v["verdict"] == "mixture-matches-weights")
-                      for e in epochs(entries, case)] for case in ("mix", "mixwrong", "weighted")}
-    assert all(v["ok"] for v in verdict["mix"] + verdict["weighted"])
-    # the weights given the other way round: n = 168; source '0' at weight 0.3: 168 x 0.3 =
-    # 50.4, sd = sqrt(168 x 0.3 x 0.7) = 5.94, half-band 5 x 5.94 + 1 = 30.7: 19.7-81.1
-    assert all(not v["ok"] and "weight 30.0%: outside 20-81" in v["detail"]
-               for v in verdict["mixwrong"])
-    weighted = epochs(entries, "weighted")[0]
-    logged = [s for r in rows(logs, "weighted", 0) for s in r["sources"]]
-    assert weighted["sources"]["0"]["samples"] == logged.count(0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -172,7 +86,7 @@ class Masked(torch.utils.data.Dataset):
 
 
 def test_the_trainer_callback_counts_what_the_model_received(tmp_path,
-                                                             fresh_accelerate_state):  # noqa: F811
+                                                             fresh_accelerate_state):
     """TrainerWatch(tokens=, sources=, weights=), one process, 24 samples in batches of 4, 1
     epoch: the tokens and sources the model's forward itself received."""
     pytest.importorskip("transformers")

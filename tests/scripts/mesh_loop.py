@@ -1,9 +1,9 @@
-"""A user's loop on a device mesh, launched by torchrun (tests/test_watch_mesh.py): it builds
+"""A user's loop on a device mesh, launched by torchrun (tests/ranks/test_watch_mesh.py): it builds
 its meshes with torch's init_device_mesh (gloo), makes each loader as a user would, watches
 it with sharddemo.watch(..., mesh=), and logs the ids every step received, with each rank's
 mesh coordinate, so that the test checks the watch against what the loop really got.
 
-    torchrun --nproc-per-node 4 tests/mesh_loop.py OUT CASE [CASE ...]
+    torchrun --nproc-per-node 4 tests/scripts/mesh_loop.py OUT CASE [CASE ...]
 
 A CASE is NAME:DIMS:SIZES:LOADER[:WORKERS], e.g. ok:dp,tp:2,2:sampler:0. LOADER:
 - sampler: a DistributedSampler over the data dims (the data coordinate from the mesh);

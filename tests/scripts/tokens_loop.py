@@ -1,9 +1,9 @@
-"""A user's loop counting tokens and sources, launched by torchrun (tests/test_watch_tokens.py):
+"""A user's loop counting tokens and sources, launched by torchrun (tests/ranks/test_watch_tokens.py):
 each rank logs, step by step, what its loop received (the ids, each sample's tokens from the
 mask, its supervised tokens from the labels, its source), so that the test checks the watch's
 figures against them.
 
-    torchrun --nproc-per-node 4 tests/tokens_loop.py OUT
+    torchrun --nproc-per-node 4 tests/scripts/tokens_loop.py OUT
 
 Cases, one watch each:
 - sft: padded SFT rows (input_ids, attention_mask, labels with -100 on the prompt and the

@@ -1,4 +1,4 @@
-"""Loader factories for `sharddemo audit --mesh` (tests/test_compare_mesh.py): each writes the
+"""Loader factories for `sharddemo audit --mesh` (tests/ranks/test_compare_mesh.py): each writes the
 mesh it was given and the ids it deals, so the test can check them against torch's own
 DistributedSampler."""
 
