@@ -32,7 +32,7 @@ from sharddemo.lineage_format import (BASE, BATCH, CHUNK, CHUNK_BATCHES, CHUNK_R
                                       FLAGS, MAGIC, MAX_CHUNK_BATCHES, MAX_CHUNK_IDS, RESTART,
                                       RUN_FILE, RUNS, SCHEMA, U64, UNIFORM, UNKNOWN, UNKNOWNS,
                                       VERSION, Layout, check_version, encode, encode_chunk,
-                                      encode_many, file_header, pack, rank_file, unpack,
+                                      encode_many, file_header, pack, rank_file, tokens_file, unpack,
                                       valid_length, walk)
 
 __all__ = ["Lineage", "RankLineage", "read_run_file", "write_run_file", "BASE", "BATCH", "CHUNK",
@@ -226,6 +226,7 @@ class Lineage:
                        for launch in self.run.get("launches") or [{}]]
         self.loaded: dict[int, RankLineage] = {}
         self.ends: dict[int, int] = {}  # rank: the first step of a later launch without it
+        self.token_pairs: dict[int, Optional[np.ndarray]] = {}  # rank: its (step, tokens)
 
     def mesh_at(self, step: int) -> Optional[MeshLayout]:
         """The device mesh of the launch that ran `step` (None: no mesh)."""
@@ -310,14 +311,35 @@ class Lineage:
                 short.append(brief)
                 continue
             kind = int(lineage.kind[row])
-            out.append({"rank": r, "epoch": int(lineage.epoch[row]),
-                        "step": int(lineage.step[row]),
-                        "ids": lineage.ids(row) if kind == BATCH else None})
+            found = {"rank": r, "epoch": int(lineage.epoch[row]),
+                     "step": int(lineage.step[row]),
+                     "ids": lineage.ids(row) if kind == BATCH else None}
+            tokens = self.tokens_at(r, found["step"])
+            if tokens is not None:
+                found["tokens"] = tokens
+            out.append(found)
         if not out:
             where = f" of epoch {epoch}" if epoch is not None else ""
             raise UsageError(f"no rank's written lineage has --step {step}{where} ("
                              + "; ".join(short) + ")")
         return out, missing
+
+    def tokens_at(self, rank: int, step: int) -> Optional[int]:
+        """The tokens of `rank`'s batch at `step` (watch(..., tokens=): rank<r>.tokens), the
+        last written for that step (a resumed launch writes a replayed step again); None
+        without them."""
+        if rank not in self.token_pairs:
+            path = tokens_file(self.folder, rank)
+            pairs = None
+            if os.path.exists(path):
+                raw = np.fromfile(path, dtype=np.int64)
+                pairs = raw[:raw.size - raw.size % 2].reshape(-1, 2)  # (a pair cut short: out)
+            self.token_pairs[rank] = pairs
+        pairs = self.token_pairs[rank]
+        if pairs is None:
+            return None
+        rows = np.flatnonzero(pairs[:, 0] == step)
+        return int(pairs[rows[-1], 1]) if rows.size else None
 
     def epoch_start(self, epoch: int) -> Optional[int]:
         """The run's step at which `epoch` began: its first written step on any rank (None

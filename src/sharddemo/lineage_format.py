@@ -69,6 +69,11 @@ def rank_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.lineage")
 
 
+def tokens_file(folder: str, rank: int) -> str:
+    """The rank's tokens a step (watch(..., tokens=)): int64 pairs (step, tokens), appended."""
+    return os.path.join(folder, f"rank{rank}.tokens")
+
+
 def file_header(rank: int) -> bytes:
     return FILE_HEADER.pack(MAGIC, VERSION, rank)
 

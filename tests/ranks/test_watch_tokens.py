@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from support.launch import free_port, run_cmd
+from support.launch import free_port, run_cmd, sharddemo
 
 LOOP = Path(__file__).resolve().parents[1] / "scripts" / "tokens_loop.py"
 SCHEMA = json.loads((LOOP.parents[2] / "docs" / "watch.schema.json").read_text())
@@ -25,6 +25,7 @@ T = 16  # (tokens_loop's row length)
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
+    """The loop launched once: (every rank's log, the report's entries, the output folder)."""
     out = tmp_path_factory.mktemp("tokens")
     run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
              "--master_port", str(free_port()), str(LOOP), str(out)], timeout=240)
@@ -32,7 +33,7 @@ def launched(tmp_path_factory):
     entries = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
     for entry in entries:
         jsonschema.validate(entry, SCHEMA)
-    return logs, entries
+    return logs, entries, out
 
 
 def rows(logs, case, epoch, ranks=None):
@@ -47,7 +48,7 @@ def epochs(entries, case):
 def test_tokens_per_group_on_a_mesh_are_counted_once_never_times_tp(launched):
     """(dp, tp) = (2, 2): each group's tokens are what its tp=0 rank's loop received (its tp=1
     peer received the same rows); the total is the groups', not the 4 ranks' (2x)."""
-    logs, entries = launched
+    logs, entries, _ = launched
     got = epochs(entries, "sft")
     assert [e["epoch"] for e in got] == [0, 1]
     for e in got:
@@ -74,7 +75,7 @@ def test_the_realized_mixture_is_what_the_loop_received_and_datasets_dealt(launc
     from tokens_loop import mixture
 
     dealt = [int(s) for s in mixture()["source"]]
-    logs, entries = launched
+    logs, entries, _ = launched
     for case in ("mix", "mixwrong"):
         for e in epochs(entries, case):
             logged = [s for r in rows(logs, case, e["epoch"]) for s in r["sources"]]
@@ -93,3 +94,18 @@ def test_the_realized_mixture_is_what_the_loop_received_and_datasets_dealt(launc
     weighted = epochs(entries, "weighted")[0]
     logged = [s for r in rows(logs, "weighted", 0) for s in r["sources"]]
     assert weighted["sources"]["0"]["samples"] == logged.count(0)
+
+
+def test_the_lineage_gives_each_ranks_tokens_at_a_step(launched):
+    """sharddemo lineage DIR --step K, with tokens=: each rank's tokens at that step (the tp=1
+    peers' too) are those its loop's mask held (6 steps an epoch: steps 0 and 8)."""
+    logs, _, out = launched
+    for step in (0, 8):
+        shown = json.loads(sharddemo(["lineage", str(out / "lineage-sft"), "--step", str(step),
+                                      "--format", "json"]).stdout)
+        assert len(shown["batches"]) == 4
+        for b in shown["batches"]:
+            mine = rows(logs, "sft", step // 6, [b["rank"]])[step % 6]
+            assert b["ids"] == mine["ids"] and b["tokens"] == sum(mine["tokens"])
+    text = sharddemo(["lineage", str(out / "lineage-sft"), "--step", "0"]).stdout
+    assert " tokens: " in text

@@ -32,7 +32,9 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
         lines = [f"rank {b['rank']}{place(b['rank'])} epoch {b['epoch']} step {b['step']}: "
                  + ("ids not known (the watch could not attribute this batch)"
                     if b["ids"] is None else
-                    f"{len(b['ids'])} samples: {' '.join(map(str, b['ids']))}")
+                    f"{len(b['ids'])} samples"
+                    + (f", {b['tokens']:,} tokens" if "tokens" in b else "")
+                    + f": {' '.join(map(str, b['ids']))}")
                  for b in batches]
         lines = [line for _, line in sorted(
             [(b["rank"], line) for b, line in zip(batches, lines)]

@@ -31,7 +31,7 @@ import torch
 
 from sharddemo.lineage import read_run_file, write_run_file
 from sharddemo.lineage_format import (BATCH, RESTART, RUN_FILE, UNKNOWN, encode, encode_many,
-                                      file_header, rank_file, valid_length)
+                                      file_header, rank_file, tokens_file, valid_length)
 
 FLUSH_BATCHES = 256
 FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
@@ -92,6 +92,7 @@ class LineageWriter:
         self.continues: Optional[str] = None  # the run id a resumed launch continues
         self.resumed_at: Optional[int] = None
         self.pending: list = []  # (epoch, step, ids or None)
+        self.pending_tokens: list = []  # (step, the batch's token field), with tokens=
         self.pending_ids = 0
         self.path: Optional[str] = None
         self.rank, self.world = 0, 1  # (set at open)
@@ -113,7 +114,10 @@ class LineageWriter:
             self.write_restart()
 
     # -- the steps
-    def append(self, epoch: int, ids: Optional[torch.Tensor]) -> None:
+    def append(self, epoch: int, ids: Optional[torch.Tensor],
+               tokens: Optional[torch.Tensor] = None) -> None:
+        """One batch the loop received: its ids (None: not known) and, with watch's tokens=,
+        its token field (its tokens go in rank<r>.tokens beside the ids)."""
         if self.path is None and not self.broken:
             self.open()
         if self.broken:  # (the steps are still counted: a checkpoint carries the count)
@@ -126,6 +130,8 @@ class LineageWriter:
                 ids = ids.reshape(-1)  # (a view: no copy, no sync)
             self.pending_ids += ids.numel()
         self.pending.append((epoch, self.step, ids))
+        if tokens is not None:
+            self.pending_tokens.append((self.step, tokens))
         self.step += 1
         if len(self.pending) >= FLUSH_BATCHES or self.pending_ids >= FLUSH_IDS:
             self.flush()
@@ -135,6 +141,8 @@ class LineageWriter:
         if not self.pending or self.path is None or self.broken:
             return
         pending, self.pending, self.pending_ids = self.pending, [], 0
+        if self.broken:
+            self.pending_tokens = []
         try:
             self.write(pending)
         except Exception as error:  # (a folder removed, a full disk, ids on a lost device)
@@ -169,6 +177,26 @@ class LineageWriter:
                            flat)
         with open(self.path, "ab") as handle:
             handle.write(data)
+        self.write_tokens()
+
+    def write_tokens(self) -> None:
+        """The buffered steps' tokens, appended to rank<r>.tokens as (step, tokens) int64
+        pairs (one copy to the host for them all; a pair cut short by a crash is skipped by
+        the reader)."""
+        from sharddemo.watching.tokens import step_tokens
+
+        pending, self.pending_tokens = self.pending_tokens, []
+        meter = getattr(self.state, "meter", None)
+        if not pending or meter is None or not meter.token_fields:
+            return
+        field = meter.token_fields[0]
+        counts = torch.stack([step_tokens(torch.as_tensor(t), field).to("cpu", torch.int64)
+                              for _, t in pending])
+        pairs = np.empty((len(pending), 2), dtype=np.int64)
+        pairs[:, 0] = [step for step, _ in pending]
+        pairs[:, 1] = counts.numpy()
+        with open(tokens_file(self.folder, self.rank), "ab") as handle:
+            handle.write(pairs.tobytes())
 
     # -- the files
     def open(self) -> None:

@@ -93,9 +93,13 @@ class Recording:
             self.recorder = self.new_recorder()
         windows = self.windows
         windows.at_batch(self.open_steps())  # (a window's exchange started or judged)
-        if self.meter is not None and self.speaks and self.field_error is None:
+        field = None  # the batch's token field, for the lineage
+        if self.meter is not None and self.field_error is None:
             try:  # (tokens= / sources=: summed where they are, no host sync)
-                self.meter.add(batch)
+                if self.speaks:
+                    field = self.meter.add(batch)
+                elif self.lineage:  # (a mesh's peer counts none, but its lineage has them)
+                    field = self.meter.token_field(batch)
             except ValueError as error:
                 if self.ranks.num_processes == 1:
                     raise
@@ -127,7 +131,7 @@ class Recording:
             # draw): counted as unattributed, never a failure of the user's loop
             self.unattributed += 1
             if self.lineage:
-                self.lineage.append(self.epoch, None)
+                self.lineage.append(self.epoch, None, field)
             if self.peer_log is not None:
                 self.peer_log.add(NO_IDS)
             return
@@ -140,7 +144,7 @@ class Recording:
             if self.mapping is not None:
                 ids = self.mapping[ids]
         if self.lineage:
-            self.lineage.append(self.epoch, ids)
+            self.lineage.append(self.epoch, ids, field)
         if self.peer_log is not None:  # a mesh: every rank's ids hashed; its group's first counts
             self.peer_log.add(ids)
             if not self.speaks:

@@ -54,8 +54,9 @@ class TokenMeter:
     SETTLE_BATCHES = 64
     SETTLE_SIZE = 1 << 22
 
-    def add(self, batch) -> None:
-        """One batch's fields, kept to be summed (a ValueError names a field it lacks)."""
+    def add(self, batch):
+        """One batch's fields, kept to be summed (a ValueError names a field it lacks); returns
+        its token field (None without one)."""
         tokens = labels = sources = None
         if self.token_fields:
             tokens = self.read(batch, self.token_fields[0], "tokens")
@@ -70,6 +71,12 @@ class TokenMeter:
         self.pending_size += sum(t.numel() for t in (tokens, labels) if t is not None)
         if len(self.pending) >= self.SETTLE_BATCHES or self.pending_size >= self.SETTLE_SIZE:
             self.settle()
+        return tokens
+
+    def token_field(self, batch):
+        """The batch's token field alone (None without one): what a rank that does not count
+        (a mesh's peer) keeps for its lineage."""
+        return self.read(batch, self.token_fields[0], "tokens") if self.token_fields else None
 
     @staticmethod
     def read(batch, field, what: str):
@@ -200,3 +207,13 @@ def exchange_parts(ranks, part: dict, speakers: Optional[list[int]]) -> list[dic
     else:
         parts = exchange_objects(ranks, part)
     return [parts[r] for r in speakers] if speakers is not None else parts
+
+
+def step_tokens(values: torch.Tensor, field) -> torch.Tensor:
+    """A batch's tokens from its token field, one tensor a batch (a mask's nonzero entries,
+    lengths summed, labels other than -100): what the lineage keeps for each step."""
+    if is_labels(field):
+        return torch.count_nonzero(values != IGNORE_INDEX)
+    if values.dim() >= 2:
+        return torch.count_nonzero(values)
+    return values.to(torch.int64).sum()
