@@ -460,6 +460,18 @@ def render_doc(results: dict) -> str:
                      "cores (each step's time is shared 2 ranks a core); every rank hashes each "
                      "step's ids (CRC-32, in bulk), the window rows carry the chain, and one small "
                      "exchange an epoch compares peers.")
+    wt = results.get("watch_tokens")
+    if wt:
+        out.append(f"| `sharddemo.watch(..., tokens=, sources=)`, the same loop (a 128-slot mask "
+                   f"and a source a sample) | step {wt['median_step_ms']:.2f} ms; inside the "
+                   f"watch, tokens and sources included, **{wt['median_watch_share']:.2%}** of "
+                   f"the epoch (launches {min(wt['shares']):.2%}-{max(wt['shares']):.2%}), "
+                   f"{wt['median_watch_us_per_step']:.0f} us a step | <= 1% of the step | "
+                   f"{'met' if wt['median_watch_share'] <= 0.01 else 'NOT met'} |")
+        notes.append(f"- watch with tokens and sources ({_when(wt)}): `python "
+                     f"benchmarks/watch_overhead.py --pairs {wt['pairs']} --tokens --record`: "
+                     "each batch also carries an int8 mask of 128 slots and a source index, "
+                     "watched with `tokens=3, sources=4, weights=[0.5, 0.3, 0.2]`.")
     ln = results.get("lineage")
     if ln:
         step_ok, id_ok = ln["step_max_s"] < 1, ln["id_max_s"] < 10

@@ -110,9 +110,13 @@ class TokenMeter:
                 (torch.cat([e[k] for e in group]) if len(group) > 1 else group[0][k])
                 if group[0][k] is not None else None for k in range(3))
             per_sample = None
-            if tokens is not None:
+            if tokens is not None and (sources is not None or self.label_fields
+                                       and labels is None):
+                # (each sample's: the sources' tokens need them)
                 per_sample = self.count(tokens, self.token_fields[0])
                 self.tokens = self.tokens + per_sample.sum()
+            elif tokens is not None:  # (the total alone: one count over them all)
+                self.tokens = self.tokens + self.total(tokens, self.token_fields[0])
             if labels is not None:
                 self.supervised = self.supervised + torch.count_nonzero(labels != IGNORE_INDEX)
             elif self.label_fields and tokens is not None:  # (the labels are the token field)
@@ -121,19 +125,32 @@ class TokenMeter:
                 self.add_indexed(sources, per_sample)
 
     def count(self, values: torch.Tensor, field) -> torch.Tensor:
-        """Each sample's tokens from a token field (mask, lengths or labels); a mask's size
-        goes to the slots."""
+        """Each sample's tokens from a token field (a 0/1 mask, lengths or labels); a mask's
+        size goes to the slots. (A row's sum: several times cheaper than count_nonzero by
+        row, docs/benchmarks.md "Figures behind design choices".)"""
         if is_labels(field):
             self.has_slots = False
             mask = values != IGNORE_INDEX
-            return (torch.count_nonzero(mask.reshape(mask.shape[0], -1), dim=1)
-                    if mask.dim() > 1 else mask.to(torch.int64))
+            return (mask.reshape(mask.shape[0], -1).sum(1) if mask.dim() > 1
+                    else mask.to(torch.int64))
         if values.dim() >= 2:
             self.has_slots = True
             self.slots = self.slots + values.numel()
-            return torch.count_nonzero(values.reshape(values.shape[0], -1), dim=1)
+            return values.reshape(values.shape[0], -1).sum(1, dtype=torch.int64)
         self.has_slots = False
         return values.to(torch.int64)
+
+    def total(self, values: torch.Tensor, field) -> torch.Tensor:
+        """A token field's tokens, all of its batches together (one count)."""
+        if is_labels(field):
+            self.has_slots = False
+            return torch.count_nonzero(values != IGNORE_INDEX)
+        if values.dim() >= 2:
+            self.has_slots = True
+            self.slots = self.slots + values.numel()
+            return torch.count_nonzero(values)
+        self.has_slots = False
+        return values.to(torch.int64).sum()
 
     def add_indexed(self, values: torch.Tensor, per_sample) -> None:
         index = values.reshape(-1).to(torch.int64)
