@@ -86,3 +86,33 @@ def test_data_dims_default_to_the_data_names_in_the_mesh():
         assert (layout.data_size, layout.replica_size) == (2, 3)
         assert sorted(len(g) for g in layout.groups()) == [3, 3]
     assert layout_of(("tp",), (4,), [0, 1, 2, 3]).data_size == 1
+
+
+def test_the_watch_takes_the_accelerators_own_mesh(tmp_path, fresh_accelerate_state):
+    """An Accelerator whose state holds a device mesh (what accelerate's ParallelismConfig
+    sets; set here by hand, as ParallelismConfig refuses a CPU run): watch(loader, accelerator)
+    with no mesh= reads that one. One process, a gloo group of 1, a (dp, tp) = (1, 1) mesh."""
+    import json
+
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sharddemo import watch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        accelerator = Accelerator(cpu=True)
+        accelerator.state.device_mesh = mesh
+        assert accelerator.torch_device_mesh is mesh
+        report = tmp_path / "w.jsonl"
+        loader = watch(DataLoader(range(8), batch_size=4), accelerator, report=str(report))
+        for _ in loader:
+            pass
+        loader.close()
+        (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+        assert entry["mesh"]["dims"] == {"dp": 1, "tp": 1} and entry["ok"]
+    finally:
+        dist.destroy_process_group()
