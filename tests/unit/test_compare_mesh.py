@@ -1,14 +1,8 @@
-"""`sharddemo compare --mesh` and `sharddemo audit --mesh`: the modes on a device mesh, on real
-ranks (4 processes, gloo, torch's init_device_mesh), peers shown side by side with their mesh
-coordinates, coverage counted once per data-parallel group, and the peer verdict per mode.
-
-Expected values come from torch's DistributedSampler(num_replicas=the data size, rank=the data
-coordinate), from accelerate's BatchSamplerShard built here, and from hand-worked literals:
-torch lays a 2 x 2 mesh out as [[0, 1], [2, 3]], so rank r sits at (first dim = r // 2,
-second dim = r % 2)."""
+"""`--mesh` for `compare` and `audit`, with no rank started: the mesh text and the options a
+mesh cannot run with refused in one line (exit 2), `pitfalls` adding the world-sampler on a
+mesh, and --help naming the option."""
 
 from __future__ import annotations
-
 
 import pytest
 from click.testing import CliRunner
