@@ -263,7 +263,7 @@ class LineageWriter:
     def mesh(self) -> dict:
         """The launch's device mesh for the run file (each rank's coordinates, for the reader
         to name a rank's place and its peers), or nothing off a mesh."""
-        layout = getattr(self.state, "mesh", None)  # (a state of its own: a test's, say)
+        layout = getattr(self.state, "mesh", None)  # (a state that has none)
         if layout is None:
             return {}
         return {"mesh": {"dims": dict(zip(layout.dims, layout.sizes)),
