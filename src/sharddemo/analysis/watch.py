@@ -76,7 +76,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 again: Optional[np.ndarray] = None, unknown_before: bool = False,
                 mesh: Optional[dict] = None, peers: Optional[dict] = None,
                 tokens: Optional[list] = None, weights: Optional[dict] = None,
-                max_token_skew: Optional[float] = None) -> dict:
+                max_token_skew: Optional[float] = None, split_samples: int = 0) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
@@ -94,7 +94,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     before the epoch's end (see partial_entry); a resumed part carries `resume` too, with the
     samples repeated so far and no `skipped` (the rest of the epoch may still come).
     `id_field`: where the ids are a batch's field (named where some fall outside 0..N-1: the
-    verdict ids-in-range, listed only then)."""
+    verdict ids-in-range, listed only then). `split_samples`: samples of packed rows split
+    across two consecutive rows of a rank, already counted once in `record` (the entry and the
+    line say how many: docs/watch.md, "Packed rows")."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -212,6 +214,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         entry["world_size"] = mesh["world"]
     if unattributed:
         entry["unattributed_batches"] = unattributed
+    if split_samples:
+        entry["split_samples"] = split_samples
     if names is not None:
         entry["missing"] = None
         entry["sparse_ids"] = True

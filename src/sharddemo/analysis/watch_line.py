@@ -57,8 +57,8 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
                 f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
                 f"{resumed['skipped']['count']:,} skipped")
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
-            f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once} "
-            f"{across(entry)}, {each}, order changed: {order}")
+            f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once}"
+            f"{split_words(entry)} {across(entry)}, {each}, order changed: {order}")
     missing = entry["missing"]
     if not failed and missing and missing["count"] and missing["reason"] == "ray-equal-split":
         # rows Ray's equal split drops by design: said, not an alarm, in the reason's own
@@ -91,6 +91,15 @@ def across(entry: dict) -> str:
             f"data dims {data})")
 
 
+def split_words(entry: dict) -> str:
+    """' (2 split across two packed rows, each counted once)' where samples of packed rows ran
+    on from one row into the next (rank.ids.flatten_packs), else ''."""
+    split = entry.get("split_samples")
+    if not split:
+        return ""
+    return f" ({split:,} split across two packed rows, each counted once)"
+
+
 def partial_line(entry: dict) -> str:
     """sharddemo: epoch 0 train (partial): 160 samples, 160 distinct, across 2 ranks, 20 steps
     each: ok"""
@@ -101,7 +110,8 @@ def partial_line(entry: dict) -> str:
     where = (f"on the main process alone of {world} ranks (the ranks could not meet)" if alone
              else across(entry))
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
-            f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct, {where}, {each}")
+            f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct"
+            f"{split_words(entry)}, {where}, {each}")
     text += partial_resume_words(entry.get("resume"))
     text += tokens_words(entry)
     failed = [v for v in entry["verdicts"] if not v["ok"]]

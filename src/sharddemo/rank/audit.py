@@ -71,7 +71,7 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
     from sharddemo.rank.tagging import is_tagged, tag_batches
 
     if id_field is not None:
-        from sharddemo.rank.ids import field_values, integer_ids
+        from sharddemo.rank.ids import Packs, field_values, integer_ids, packed_ids
         from sharddemo.rank.keys import KeyTable, file_keys, key_values, source_keys
 
         whole = id_field == "."
@@ -87,6 +87,9 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
             table.known_count = own[1]
         else:
             table = KeyTable(id_field)
+        # packed rows: this rank's last row, carried from batch to batch (the walk starts it
+        # anew each epoch): a sample split across two consecutive rows counts once
+        packs = Packs()
 
         def by_field(batch, tag):
             values = field_values(batch, id_field, label)
@@ -100,10 +103,12 @@ def id_reader(loader, id_field: Optional[str], keys_file: Optional[str] = None) 
                                  f"batches are tensors of shape {tuple(batch.shape)}), not the "
                                  "ids of its samples; pass --id-field . when each batch is "
                                  "itself the tensor of ids")
-            return integer_ids(values, label)
+            packed = packed_ids(values, label, None, packs)  # (several samples a row)
+            return packed if packed is not None else integer_ids(values, label)
 
         tag_batches(loader, record_indices=False)  # which worker made each batch
         by_field.keys = table  # the walk exchanges it at each epoch's end
+        by_field.packs = packs
         return by_field
     base = base_loader(loader)
     dataset = getattr(base, "dataset", None)

@@ -3,12 +3,14 @@
 `ReadIds(batch, tag)` gives the 0-based ids of the samples in `batch` (or `(values, shift)`, the
 ids being values - shift), and `read_values` adds the worker that made the batch. An id field is
 read by one rule for `audit --id-field` and the watch's `id_field` alike: `field_values` picks
-the field, `integer_ids` checks its values."""
+the field, `packed_ids` reads packed rows (several samples a row: docs/watch.md, "Packed rows"),
+`integer_ids` checks its values."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from sharddemo.rank.tagging import UNKNOWN_WORKER, unwrap
@@ -105,3 +107,127 @@ def integer_ids(values, label: str, error=None, *, keep_device: bool = False) ->
     if keep_device:
         return ids.reshape(-1) if not ids.is_floating_point() else ids.reshape(-1).long()
     return ids.reshape(-1).to("cpu", torch.int64)
+
+
+# A packed row's padding: the -1s that end a row of a packed id field (a 2-D tensor B x W, or
+# rows of different lengths padded by the user's collate). Only at a row's end: a -1 before a
+# real id of its row is an id like any other (one that names no sample: ids-in-range).
+PAD = -1
+
+
+class Packs:
+    """One rank's stream of packed rows, read row after row within an epoch: the last id of
+    the last row read (None: no row yet, or that row was all padding), whether that id
+    continued a sample from the row before (a sample over three rows or more is one split),
+    and the samples split so far (`split`). `reset()` at each epoch's end: a sample is never
+    split across two epochs."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> int:
+        """Start the stream anew; returns the samples split since the last reset."""
+        split = getattr(self, "split", 0)
+        self.last: Optional[int] = None
+        self.continued = False
+        self.split = 0
+        return split
+
+
+def packed_rows(values, label: str, error=None) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+    """Return a packed id field as (its values in row order, each row's length), or None where
+    the field holds one sample a row.
+
+    Packed: a 2-D tensor of two columns or more (B x W, rows padded with -1), or a list or
+    tuple whose items include rows (lists, tuples or 1-D numpy arrays of ids; a bare number is
+    a row of one). A list of tensors is refused: the DataLoader's default collate turns a list
+    each sample returns into one tensor per position (the batch transposed), which no rule
+    can read as rows. The values are checked as any id field's (integer_ids)."""
+    from sharddemo.errors import UsageError
+
+    error = error or UsageError
+    if torch.is_tensor(values):
+        if values.dim() != 2 or values.shape[1] < 2:
+            return None
+        flat = integer_ids(values, label, error)
+        return flat, np.full(values.shape[0], values.shape[1], dtype=np.int64)
+    if not isinstance(values, (list, tuple)):
+        return None
+    rowish = (list, tuple, np.ndarray)
+    if not any(isinstance(v, rowish) for v in values):
+        if any(torch.is_tensor(v) and v.dim() for v in values):
+            raise error(f"{label} is a list of tensors: the DataLoader's default collate makes "
+                        "that of a list each sample returns (one tensor per position, the batch "
+                        "transposed); return a tensor from __getitem__ (the batch is then a 2-D "
+                        "tensor, one row a sample's pack, padded with -1) or lists of ids from "
+                        "a collate_fn")
+        return None
+    rows = [v if isinstance(v, rowish) else [v] for v in values]
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    values = [x for r in rows for x in r]
+    if any(isinstance(x, (str, bytes)) for x in values):
+        raise error(f"{label} holds packed rows of keys (str, bytes): packed rows are read for "
+                    "integer ids 0..N-1 only")
+    if any(isinstance(x, rowish) or (torch.is_tensor(x) and x.dim()) for x in values):
+        raise error(f"{label} holds rows of rows; a packed field holds, in each row, the ids "
+                    "of the samples packed in it (a list of ints, or a 2-D tensor padded "
+                    "with -1)")
+    return integer_ids(values, label, error), lengths
+
+
+def flatten_packs(flat: np.ndarray, lengths: np.ndarray,
+                  packs: Optional[Packs] = None) -> np.ndarray:
+    """Return the ids of the samples in packed rows (`flat`, each row's `lengths`), in row order.
+
+    The -1s that end a row are padding, dropped. A sample split across two consecutive rows
+    (the last id of one row is the first id of the next: a pack that ends part-way through a
+    sample, continued in the next) is one sample: its second appearance is dropped and
+    `packs.split` counts it once (a sample over three rows or more too). `packs` carries the
+    last row of the rank's previous batch, so a sample split across two batches counts once
+    as well; None: the rows of this batch alone. An id repeated anywhere else stays: a
+    duplicate."""
+    count = len(lengths)
+    starts = np.cumsum(lengths) - lengths
+    row = np.repeat(np.arange(count), lengths)
+    at = np.arange(flat.size) - starts[row]  # each value's position in its row
+    real = flat != PAD
+    last = np.full(count, -1, dtype=np.int64)  # each row's last real position (-1: none)
+    np.maximum.at(last, row[real], at[real])
+    kept = flat[at <= last[row]]
+    sizes = last + 1
+    firsts = np.cumsum(sizes) - sizes  # each row's first id in `kept`
+    full = sizes > 0
+    prev_last = np.empty(count, dtype=np.int64)
+    prev_full = np.zeros(count, dtype=bool)
+    if count:
+        ends = firsts + sizes - 1
+        prev_last[1:] = kept[np.maximum(ends[:-1], 0)] if kept.size else 0
+        prev_full[1:] = full[:-1]
+        had = packs is not None and packs.last is not None
+        prev_full[0] = had
+        prev_last[0] = packs.last if had and packs is not None else 0
+    first_ids = kept[np.minimum(firsts, max(kept.size - 1, 0))] if kept.size else prev_last
+    merged = full & prev_full & (first_ids == prev_last)
+    if packs is None or not count:
+        return np.delete(kept, firsts[merged]) if merged.any() else kept
+    # a merged row of one id continues the sample into the next row: no new split there
+    continued = merged & (sizes == 1)
+    before = np.empty(count, dtype=bool)
+    before[0] = packs.continued
+    before[1:] = continued[:-1]
+    packs.split += int(np.count_nonzero(merged & ~before))
+    packs.last = int(kept[-1]) if full[-1] else None
+    packs.continued = bool(continued[-1])
+    return np.delete(kept, firsts[merged]) if merged.any() else kept
+
+
+def packed_ids(values, label: str, error=None,
+               packs: Optional[Packs] = None) -> Optional[torch.Tensor]:
+    """Return a packed id field's sample ids (flatten_packs: padding dropped, a sample split
+    across consecutive rows once) as a 1-D int64 tensor on the CPU; None where the field holds
+    one sample a row (read by integer_ids)."""
+    got = packed_rows(values, label, error)
+    if got is None:
+        return None
+    flat, lengths = got
+    return torch.from_numpy(flatten_packs(flat.numpy(), lengths, packs))

@@ -92,6 +92,9 @@ def walk_epoch(accelerator, loader, read_ids: ReadIds, *, epoch: int,
     raised, else the exception on the ranks that raised and PeerRaised on the others."""
     how = choose_gather(accelerator, loader, strategy, n)
     keys = getattr(read_ids, "keys", None)  # an id field that may hold keys (rank.keys)
+    packs = getattr(read_ids, "packs", None)  # packed rows (rank.ids.Packs)
+    if packs is not None:
+        packs.reset()  # (a sample is never split across two epochs)
     if keys is not None:
         keys.counting = how == "count"  # the count path takes integer ids only
     guarded = Guarded(loader)

@@ -106,7 +106,8 @@ class Recording:
                 self.field_error = str(error)  # (said to every rank at the next exchange)
         if self.id_field is not None:
             try:
-                ids = read_field(batch, self.id_field) if self.field_error is None else None
+                ids = (read_field(batch, self.id_field, self.packs)
+                       if self.field_error is None else None)
             except ValueError as error:
                 if self.ranks.num_processes == 1:
                     raise
@@ -197,10 +198,13 @@ def stream_shuffles(dataset) -> bool:
     return False
 
 
-def read_field(batch, field) -> torch.Tensor:
+def read_field(batch, field, packs=None) -> torch.Tensor:
     """The ids of a batch by `id_field`, by the rule `audit --id-field` follows
-    (rank.ids.field_values, integer_ids); keys are refused: the watch counts integer ids."""
-    from sharddemo.rank.ids import field_values, integer_ids
+    (rank.ids.field_values, packed_ids, integer_ids); keys are refused: the watch counts
+    integer ids. Packed rows (several samples a row) give their samples' ids, a sample split
+    across consecutive rows once: `packs` (rank.ids.Packs) carries the rank's last row from
+    one batch to the next and counts the samples split."""
+    from sharddemo.rank.ids import field_values, integer_ids, packed_ids
     from sharddemo.rank.keys import key_values
 
     label = f"sharddemo.watch: id_field {field!r}"
@@ -209,4 +213,7 @@ def read_field(batch, field) -> torch.Tensor:
         raise ValueError(f"{label} holds keys (str, bytes); the watch counts integer ids "
                          "0..N-1 (audit a keyed loader with `sharddemo audit --id-field`, which "
                          "names samples by key)")
+    packed = packed_ids(values, label, ValueError, packs)
+    if packed is not None:  # (read on the CPU: a B x W copy, for the padding and the splits)
+        return packed
     return integer_ids(values, label, ValueError, keep_device=True)

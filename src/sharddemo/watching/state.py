@@ -25,6 +25,7 @@ import torch
 
 from sharddemo.errors import ShardingViolation
 from sharddemo.rank.collect import ranks_of
+from sharddemo.rank.ids import Packs
 from sharddemo.watching.checkpointing import Checkpointing
 from sharddemo.watching.output import publish, run_stamp
 from sharddemo.watching.recording import Recording
@@ -116,6 +117,9 @@ class WatchState(Checkpointing, Recording):
         self.shipped = False
         # this rank's error reading id_field, said to every rank at the next exchange
         self.field_error: Optional[str] = None
+        # packed rows (several samples a row): this rank's last row and the samples split
+        # across two rows this epoch (rank.ids.Packs; docs/watch.md, "Packed rows")
+        self.packs = Packs()
         OPEN.append(self)
         self.noted: list = []  # batches' indices not yet in the recorder (note_batches)
         # windows of steps checked within the epoch (watching/step_windows.py)
@@ -303,11 +307,17 @@ class WatchState(Checkpointing, Recording):
         if self.recorder is None:
             self.recorder = self.new_recorder()
         windows = self.windows
+        split = [self.packs.split]  # samples split across packed rows, each rank's
         if windows.on() and not drained:
             windows.finish()  # a window started in the last WINDOW_LAG batches
             windows.drain(1)
         elif not windows.on() and self.ranks.num_processes > 1:
-            self.share_field_error()  # (with windows, their exchanges carry it)
+            split = self.share_field_error()  # (with windows, their exchanges carry it)
+        if windows.on():  # (their last exchange, every rank done: each rank's whole epoch)
+            split = windows.split
+        self.packs.reset()
+        if self.mesh is not None and len(split) == self.ranks.num_processes:
+            split = [split[r] for r in self.mesh.representatives()]  # (a group's once)
         windows.next_epoch(resumed=self.before is not None)
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
@@ -325,7 +335,8 @@ class WatchState(Checkpointing, Recording):
         entry = None
         try:  # the watch's own reporting: a failure here never stops the training by itself
             if record is not None:
-                entry = self.judge(record, partial=partial, peers=peers, tokens=measured)
+                entry = self.judge(record, partial=partial, peers=peers, tokens=measured,
+                                   split=sum(split))
                 if not partial:  # (a part's order is no epoch's order to compare the next with)
                     self.previous = record
                 self.entries.append(entry)
@@ -352,12 +363,14 @@ class WatchState(Checkpointing, Recording):
         return entry
 
     def judge(self, record: dict, partial: bool = False, ranks=None,
-              peers: Optional[dict] = None, tokens: Optional[list] = None) -> dict:
+              peers: Optional[dict] = None, tokens: Optional[list] = None,
+              split: int = 0) -> dict:
         """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
         partial epoch's order is not compared; a resumed one is checked against what came
         before the stop as far as it went (the samples repeated so far; none is called
         skipped: its rest may still come). `ranks`: the main process alone (close_alone):
-        its part holds no other rank's, so no resume check."""
+        its part holds no other rank's, so no resume check. `split`: the samples split
+        across two packed rows (counted once: rank.ids.Packs)."""
         from sharddemo.analysis.watch import judge_epoch
         from sharddemo.rank.session import trace_header
 
@@ -378,7 +391,8 @@ class WatchState(Checkpointing, Recording):
                                 batch_size=self.batch_size, unattributed=self.unattributed,
                                 partial=True, id_field=self.id_field, mesh=mesh, peers=peers,
                                 tokens=tokens, weights=self.weights,
-                                max_token_skew=self.max_token_skew, **resumed)
+                                max_token_skew=self.max_token_skew, split_samples=split,
+                                **resumed)
             self.unattributed = 0
             self.forget_resume(present)  # (the epoch ends here)
             return entry
@@ -393,7 +407,7 @@ class WatchState(Checkpointing, Recording):
                             restarts=self.restarts, again=self.again,
                             unknown_before=self.unknown_before, mesh=mesh, peers=peers,
                             tokens=tokens, weights=self.weights,
-                            max_token_skew=self.max_token_skew)
+                            max_token_skew=self.max_token_skew, split_samples=split)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         self.forget_resume(present)
         self.loaded = False
@@ -414,15 +428,18 @@ class WatchState(Checkpointing, Recording):
         if self.lineage is not None:
             self.lineage.flush()
 
-    def share_field_error(self) -> None:
+    def share_field_error(self) -> list[int]:
         """Windows off: an id_field some rank could not read is said at the epoch's end, where
         every rank raises it (a rank raising alone would leave the others waiting in this
-        exchange). One small exchange an epoch; the message only where a rank has one."""
+        exchange). One small exchange an epoch; the message only where a rank has one. The
+        same exchange carries each rank's samples split across packed rows this epoch:
+        returned, rank by rank."""
         from sharddemo.rank.collect import exchange_ints, exchange_objects
 
-        flags = [row[0] for row in exchange_ints(self.ranks, [int(self.field_error is not None)])]
+        rows = exchange_ints(self.ranks, [int(self.field_error is not None), self.packs.split])
+        flags = [row[0] for row in rows]
         if not any(flags):
-            return
+            return [row[1] for row in rows]
         message = next(m for m in exchange_objects(self.ranks, self.field_error) if m)
         self.raise_field_error(message, [r for r, flag in enumerate(flags) if flag])
 
@@ -487,7 +504,8 @@ class WatchState(Checkpointing, Recording):
             recorder.accelerator = MainAlone()
             recorder.log.slots = None  # (the slots are the ranks' exchange: none here)
         record = recorder.finish(self.epoch)
-        entry = self.judge(record, partial=True, ranks=MainAlone() if world > 1 else None)
+        entry = self.judge(record, partial=True, ranks=MainAlone() if world > 1 else None,
+                           split=self.packs.reset())
         if world > 1:
             from sharddemo.analysis.watch import main_only_entry
 

@@ -59,9 +59,10 @@ WINDOW_IDS = 1024
 # previous epoch's ids at the same steps (1 yes, 0 no, -1 not compared), whether what
 # follows is its error (1: the UTF-8 bytes of a ValueError's message in place of ids), and how
 # many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS), and on a mesh
-# the chain of its steps' hashes so far (watching/mesh.py's PeerLog; 0 off a mesh); then
-# REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 10
+# the chain of its steps' hashes so far (watching/mesh.py's PeerLog; 0 off a mesh), and the
+# samples split across two of its packed rows so far this epoch (rank.ids.Packs: the epoch's
+# entry sums the last exchange's); then REPEAT_EXAMPLES of its repeated ids.
+WINDOW_HEAD = 11
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -80,6 +81,7 @@ class StepWindows:
         # "auto" (growing, see CHECK_EVERY) or a fixed number of steps; 0 or None: none
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
+        self.split: list[int] = []  # each rank's samples split across rows, at the last exchange
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         self.reset()
 
@@ -173,7 +175,8 @@ class StepWindows:
         row[:WINDOW_HEAD] = (done, steps, -1 if watch.n is None else watch.n, sent.size,
                              self.found_earlier, repeats, order,
                              int(watch.field_error is not None), mine.size,
-                             watch.peer_log.chain() if watch.peer_log is not None else 0)
+                             watch.peer_log.chain() if watch.peer_log is not None else 0,
+                             watch.packs.split)
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
         return torch.from_numpy(row).to(watch.ranks.device), mine
@@ -206,9 +209,10 @@ class StepWindows:
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
                   "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8], "chain": r[9],
-                  "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
+                  "split": r[10], "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
+        self.split = [h["split"] for h in heads]  # (each rank's, as of this exchange)
         self.found_earlier = 0
         if not done and recorder is not None:
             # which of the others' window ids this rank received in an earlier window (it
