@@ -109,3 +109,16 @@ def test_the_lineage_gives_each_ranks_tokens_at_a_step(launched):
             assert b["ids"] == mine["ids"] and b["tokens"] == sum(mine["tokens"])
     text = sharddemo(["lineage", str(out / "lineage-sft"), "--step", "0"]).stdout
     assert " tokens: " in text
+
+
+def test_a_failing_window_carries_each_groups_tokens_so_far(launched):
+    """sftworld: tp peers differ, so the first window (steps 1-2) fails; its entry holds each
+    group's tokens over the steps before it was exchanged (its first ranks' logged masks)."""
+    logs, entries, _ = launched
+    (window,) = [e for e in entries if e["loader"] == "sftworld" and "window" in e]
+    last = window["window"]["last_step"]
+    firsts = sorted((log["coordinate"][0], log["rank"]) for log in logs
+                    if log["coordinate"][1] == 0)
+    per_group = [sum(sum(r["tokens"]) for r in rows(logs, "sftworld", 0, [rank])[:last])
+                 for _, rank in firsts]
+    assert window["tokens"]["per_group"] == per_group

@@ -9,6 +9,8 @@ Cases, one watch each:
 - sft: padded SFT rows (input_ids, attention_mask, labels with -100 on the prompt and the
   padding), a DistributedSampler over dp on a (dp, tp) = (2, 2) mesh, watched with the mesh,
   tokens=("attention_mask", "labels"), max_token_skew=1.5 and lineage=OUT/lineage-sft;
+- sftworld: the same rows, a DistributedSampler over every rank (its tp peers differ), windows
+  of 2 steps: the failing window's entry carries each group's tokens so far;
 - mix: datasets.interleave_datasets of two sources with probabilities (0.7, 0.3), a
   DistributedSampler over every rank, watched with sources="source", weights=[0.7, 0.3];
 - mixwrong: the same loader, watched with the weights the other way round (0.3, 0.7);
@@ -94,6 +96,11 @@ def main() -> None:
     walk("sft", watch(DataLoader(rows, batch_size=BATCH, sampler=sampler), name="sft",
                       mesh=mesh, report=report, tokens=("attention_mask", "labels"),
                       max_token_skew=1.5, lineage=os.path.join(out, "lineage-sft")), sampler)
+    # the same rows split over every rank (its tp peers differ): a window fails, with tokens
+    sampler = DistributedSampler(rows, shuffle=True, seed=0)
+    walk("sftworld", watch(DataLoader(rows, batch_size=BATCH, sampler=sampler),
+                           name="sftworld", mesh=mesh, report=report, check_every=2,
+                           tokens="attention_mask"), sampler, epochs=1)
     mixed = mixture()
     for name, weights in (("mix", [0.7, 0.3]), ("mixwrong", [0.3, 0.7])):
         sampler = DistributedSampler(mixed, shuffle=True, seed=0)

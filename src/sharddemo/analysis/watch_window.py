@@ -25,6 +25,7 @@ from sharddemo.analysis.reasons import draws_repeat
 from sharddemo.analysis.types import LoaderDescription
 from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail
 from sharddemo.analysis.watch_line import plural
+from sharddemo.analysis.tokens import token_summary
 from sharddemo.mesh import explain_on_mesh, peer_verdict
 
 
@@ -138,11 +139,20 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         "verdicts": verdicts, "reasons": {}, "ok": not failed,
     }
     entry["deals"] = entry["dataset_size"]
+    if heads and all(h.get("tokens", -1) >= 0 for h in heads):
+        # tokens=: each group's tokens so far this epoch (the skew judged at the epoch's end)
+        entry["tokens"] = token_summary([{"tokens": h["tokens"]} for h in heads])
     if mesh is not None:
         entry["mesh"] = {**mesh, "peers_differ": peers}
         entry["world_size"] = mesh["world"]
+    so_far = ""
+    measured = cast(dict, entry.get("tokens"))
+    if measured:
+        so_far = f", {measured['total']:,} tokens so far"
+        if measured.get("skew"):
+            so_far += f" (skew {measured['skew']:.2f}x)"
     entry["line"] = (f"sharddemo: epoch {epoch} {name} steps {first}-{last} (checked at step "
-                     f"{at}): " + ("ok" if not failed else "FAIL " + "; ".join(
+                     f"{at}){so_far}: " + ("ok" if not failed else "FAIL " + "; ".join(
                          f"{v['verdict']}: {v['detail']}" for v in failed)))
     return entry
 

@@ -61,8 +61,9 @@ WINDOW_IDS = 1024
 # many ids its window held (all of them, not only those sent: WINDOW_KEEP_IDS), and on a mesh
 # the chain of its steps' hashes so far (watching/mesh.py's PeerLog; 0 off a mesh), and the
 # samples split across two of its packed rows so far this epoch (rank.ids.Packs: the epoch's
-# entry sums the last exchange's); then REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 11
+# entry sums the last exchange's), and with tokens= its tokens so far this epoch (-1 without;
+# watching/tokens.py: its sums read once a window); then REPEAT_EXAMPLES of its repeated ids.
+WINDOW_HEAD = 12
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -176,10 +177,18 @@ class StepWindows:
                              self.found_earlier, repeats, order,
                              int(watch.field_error is not None), mine.size,
                              watch.peer_log.chain() if watch.peer_log is not None else 0,
-                             watch.packs.split)
+                             watch.packs.split, self.tokens_so_far())
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
         return torch.from_numpy(row).to(watch.ranks.device), mine
+
+    def tokens_so_far(self) -> int:
+        """This rank's tokens so far this epoch (watch's tokens=), -1 where none are counted
+        (no tokens=, or a mesh's peer: its group's first rank counts them)."""
+        meter = self.watch.meter
+        if meter is None or not meter.token_fields or not self.watch.speaks:
+            return -1
+        return meter.so_far()
 
     def gather_rows(self, row: torch.Tensor, wait: bool = True):
         """ONE collective (an all-gather of one row per rank, the same width on every rank).
@@ -209,7 +218,8 @@ class StepWindows:
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
                   "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8], "chain": r[9],
-                  "split": r[10], "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
+                  "split": r[10], "tokens": r[11],
+                  "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
         self.split = [h["split"] for h in heads]  # (each rank's, as of this exchange)

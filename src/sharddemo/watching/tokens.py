@@ -173,6 +173,11 @@ class TokenMeter:
             row[0] += count
             row[1] += length
 
+    def so_far(self) -> int:
+        """The epoch's tokens so far (a window's exchange: one read of the device sum)."""
+        self.settle()
+        return int(self.tokens)
+
     def take(self) -> dict:
         """The epoch's sums as host ints (one read of each device sum), then empty."""
         self.settle()
