@@ -305,7 +305,8 @@ def test_a_stateful_loader_saves_and_resumes_as_it_did_unwatched(tmp_path, worke
                                                                  batch_sampler):
     """torchdata's StatefulDataLoader: its state_dict after 2 batches, given to a new loader,
     resumes the epoch; watched or not, the same batches come (the library's own answer: the
-    unwatched loader), and the watch counts what came: the resumed pass's ids, not the ones
+    unwatched loader), and the watch counts what came, the 2 batches before the save (its
+    state rode in the loader's) and the resumed pass's ids, not the ones
     torchdata draws and throws away to fast-forward a sampler without a state of its own
     (Plain), nor the first epoch of an iterator state_dict() built before the watch."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
@@ -339,8 +340,15 @@ def test_a_stateful_loader_saves_and_resumes_as_it_did_unwatched(tmp_path, worke
         if watched:
             entry = again.__dict__["_sharddemo_watch"].entries[-1]
             delivered = {i for b in after for i in b}
-            assert entry["seen"] == sum(map(len, after))
-            assert entry["missing"]["ids"] == sorted(set(range(20)) - delivered)
+            earlier = [i for b in before for i in b]
+            # the watch's state rode in the first loader's state_dict(): the resumed pass is
+            # the rest of the epoch the first one began (docs/resume.md, "A loader that keeps
+            # its own state")
+            assert entry["seen"] == len(earlier) + sum(map(len, after))
+            assert entry["resume"]["seen_before"] == len(earlier)
+            assert entry["resume"]["repeated"]["count"] == len(set(earlier) & delivered)
+            assert entry["resume"]["skipped"]["ids"] == sorted(set(range(20)) - delivered
+                                                               - set(earlier))
             assert "unattributed_batches" not in entry
             # a loader whose first iterator state_dict() built before the watch
             early = stateful.StatefulDataLoader(data, batch_size=3, num_workers=workers)

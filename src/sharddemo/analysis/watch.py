@@ -135,7 +135,11 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                              {"count": e["missing_count"], "ids": e["missing"][:100]})
         resume["at_start"] = True
     elif before is not None and present is not None:
-        skipped = ((restarts or [{}])[-1].get("skipped_batches") or 0)
+        last = (restarts or [{}])[-1]
+        # where the loader restored its own state, it goes on after the steps taken before
+        # the stop, as skip_first_batches(step) does
+        skipped = last.get("skipped_batches") or (
+            (last.get("step") or 0) if last.get("loader_state") else 0)
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
         resume = resume_check(before, present, epoch, restarts, again, fill,

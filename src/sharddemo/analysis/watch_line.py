@@ -51,7 +51,8 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
     elif resumed and not resumed["seen_before"]:
         r = (resumed.get("restarts") or [{}])[-1]
         once += (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
-                 f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
+                 f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''}"
+                 f"{restored_words(r)})")
     elif resumed:
         once = (f": {resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
                 f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
@@ -133,7 +134,8 @@ def partial_resume_words(resumed: Optional[dict]) -> str:
     if not resumed["seen_before"] and not resumed["repeated"]["count"]:
         r = restarts[-1]
         return (f" (restarted before its first step: saved at epoch {r.get('epoch')} step "
-                f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''})")
+                f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''}"
+                f"{restored_words(r)})")
     return (f": {resumed['seen_before']:,} before the stop, "
             f"{resumed['repeated']['count']:,} repeated so far after "
             f"{restarts_said(restarts)} (the rest of the epoch may still come: the samples "
@@ -155,6 +157,7 @@ def restart_words(r: dict) -> str:
             f"{r['resumed_on']}")
     if r.get("at_edge"):
         text += " (after the epoch's last step: the run went on with the next epoch)"
+    text += restored_words(r, ": ")
     skipped = r.get("skipped_batches")
     if skipped and r.get("batch_size") and r.get("resumed_on"):
         skipped_samples = skipped * r["resumed_on"] * r["batch_size"]
@@ -182,7 +185,8 @@ def restarts_said(restarts: list) -> str:
     'the restarts at epoch 0 step 3 (2 ranks, 5 repeated), epoch 1 step 4 (2 -> 3 ranks, 4
     repeated)'."""
     if len(restarts) <= 1 and not any(r.get("saved_on") != r.get("resumed_on")
-                                     or r.get("at_edge") for r in restarts):
+                                     or r.get("at_edge") or r.get("changed")
+                                     for r in restarts):
         return "the restart"
     said = []
     for r in restarts:
@@ -190,12 +194,36 @@ def restarts_said(restarts: list) -> str:
                  if r.get("saved_on") and r["saved_on"] != r.get("resumed_on")
                  else plural(r.get("resumed_on") or 0, "rank"))
         edge = ", after the epoch's last step" if r.get("at_edge") else ""
+        other = {k: v for k, v in (r.get("changed") or {}).items() if k != "world_size"}
+        if other:
+            edge += ", " + changes_said(other)
         again = r.get("repeated")
         count = f", {again['count']:,} repeated" if again is not None else ""
         if r.get("fill"):
             count += f", {r['fill']['count']:,} of the fill ({r['fill'].get('by', FILL_BY)})"
         said.append(f"epoch {r['epoch']} step {r['step']} ({ranks}{edge}{count})")
     return f"the restart{'s' if len(said) > 1 else ''} at " + ", ".join(said)
+
+
+# a topology change (a restart's `changed`) in words
+CHANGE_WORDS = {"world_size": "ranks", "mesh": "mesh", "num_workers": "DataLoader workers",
+                "batch_size": "batch size"}
+
+
+def changes_said(changed: dict) -> str:
+    """'DataLoader workers 2 -> 4, batch size 4 -> 8'."""
+    return ", ".join(f"{CHANGE_WORDS.get(k, k)} {v[0]} -> {v[1]}" for k, v in changed.items())
+
+
+def restored_words(r: dict, lead: str = "; ") -> str:
+    """What a restart from the loader's own state says of it: '; the loader restored its own
+    state (loader.state_dict()), saved with DataLoader workers 2 -> 4'; '' for another
+    restart (accelerate's, the Trainer's, Lightning's: said as before)."""
+    other = {k: v for k, v in (r.get("changed") or {}).items() if k != "world_size"}
+    if not r.get("loader_state"):
+        return f"{lead}the topology changed: {changes_said(other)}" if other else ""
+    text = f"{lead}the loader restored its own state (loader.state_dict())"
+    return text + (f" on a changed topology: {changes_said(other)}" if other else "")
 
 
 def plural(count: int, word: str, many: str = "") -> str:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from sharddemo.analysis.watch_line import FILL_BY, restart_words
+from sharddemo.analysis.watch_line import FILL_BY, changes_said, restart_words
 
 
 # why a resumed run does not continue where it stopped, where the loader's description names
@@ -43,7 +43,12 @@ def restart_cause(description: dict, epoch: int, last: Optional[dict] = None) ->
         return (f"the restart changed the number of ranks ({saved_on} -> {resumed_on}): a "
                 "position counted in batches of one world size is other samples at another; "
                 "docs/resume.md")
-    stateful = "StatefulDataLoader" in (description.get("classes") or [])
+    changed = {k: v for k, v in (last.get("changed") or {}).items() if k != "world_size"}
+    if changed:
+        return (f"the restart changed {changes_said(changed)}: a position saved at one "
+                "topology is other samples at another; docs/resume.md")
+    stateful = ("StatefulDataLoader" in (description.get("classes") or [])
+                or last.get("loader_state"))
     if last.get("step") and not last.get("skipped_batches") and not stateful:
         return (f"the resumed loop skipped none of the {last['step']} steps taken before the "
                 "stop (skip_first_batches, or a loader that keeps its own state, restores the "
@@ -120,7 +125,7 @@ def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
         f"{'a restart' if len(restarts) > 1 else 'the restart'}"
         + (" so far" if partial else f" and {len(skipped)} never")
         + f": the resumed run did not continue where it stopped ({cause})")
-    said = [r for r in restarts if r.get("from_start") or (
+    said = [r for r in restarts if r.get("from_start") or r.get("changed") or (
         r.get("saved_on") and r.get("resumed_on") and r["saved_on"] != r["resumed_on"])]
     if not ok and said:
         detail += "; " + "; ".join(restart_words(r) for r in said)

@@ -1,8 +1,10 @@
 """The watch's checkpointed state: what `state_dict()` saves of the open epoch (accelerate's
 save_state / load_state pre-hooks, watching.hooks.checkpoint: accelerate calls them on every
-rank and the main process writes the state; the Trainer's and Lightning's callbacks), and what
-`load_state_dict()` takes back: the epoch, the samples delivered before the stop, the epoch's
-chain of restarts (analysis/watch_resume.py judges the resumed epoch with them).
+rank and the main process writes the state; the Trainer's and Lightning's callbacks; the
+watched loader's own state_dict() / load_state_dict(), under the key WATCH_KEY, for loops that
+checkpoint the loader itself), and what `load_state_dict()` takes back: the epoch, the samples
+delivered before the stop, the epoch's chain of restarts, the topology the state was saved on
+(analysis/watch_resume.py judges the resumed epoch with them).
 
 Checkpointing is a part of WatchState (watching/state.py), kept here: its methods read and set
 the watch's own attributes (epoch, previous, loaded, before, again, restarts, steps_before,
@@ -17,16 +19,37 @@ import numpy as np
 import torch
 
 SCHEMA = "sharddemo.watch-state/1"
+# the key of the watch's part in a watched loader's state_dict() (hooks.attach): the loader's own
+# state keeps every other key, and a loader state without it was saved before the watch
+WATCH_KEY = "_sharddemo_watch"
+# what a topology change is named by, in the entry (restart["changed"]) and in words
+TOPOLOGY = ("world_size", "mesh", "num_workers", "batch_size")
 
 
 class Checkpointing:
     """The checkpoint part of WatchState: state_dict and load_state_dict, and a resume from a
     checkpoint that holds no state of the watch's."""
 
+    def moment(self) -> tuple:
+        """Where the loop is: two saves (or loads) at the same moment are one (accelerate's
+        save_state asks the watch's hook and then the prepared loader's state_dict() for the
+        same point; no batch and no pass between them)."""
+        return (self.epoch, self.passes, self.open_steps(), self.closed, self.finished)
+
     def state_dict(self) -> dict:
         """The watch's place in the run, reduced across the ranks: the epoch, which samples
         this epoch has delivered so far (a collective, where N is known), and the last
-        finished epoch's record (for the order)."""
+        finished epoch's record (for the order). Asked again at the same moment (no batch
+        since: accelerate's hook, then its loader's state_dict()), the same state, with no
+        second collective (every rank asks at the same points, so every rank takes it)."""
+        if self.saved_at is not None and self.saved_at[0] == self.moment():
+            return self.saved_at[1]
+        payload = self.place_now()
+        self.saved_at = (self.moment(), payload)
+        return payload
+
+    def place_now(self) -> dict:
+        """state_dict(), computed."""
         from sharddemo.analysis.watch_resume import id_list
 
         if not self.closed and not self.finished and self.at_edge():
@@ -69,8 +92,31 @@ class Checkpointing:
         arrays: Lightning loads checkpoints with weights_only=True)."""
         return {"schema": SCHEMA, "loader": self.name,
                 "dataset_size": self.n, "previous": self.previous,
-                "world_size": self.ranks.num_processes,
+                "world_size": self.ranks.num_processes, "topology": self.topology(),
                 "lineage": self.lineage.place() if self.lineage else None, **place}
+
+    def topology(self) -> dict:
+        """What a loader's saved position depends on besides the epoch: the ranks, the mesh,
+        the loader's workers and batch size (a position counted at one is other samples at
+        another; torchdata's StatefulDataLoader refuses another number of workers)."""
+        mesh = None
+        if self.mesh is not None:
+            shape = ",".join(f"{d}={s}" for d, s in zip(self.mesh.dims, self.mesh.sizes))
+            mesh = f"{shape} (data: {','.join(self.mesh.data_dims) or 'none'})"
+        return {"world_size": self.ranks.num_processes, "mesh": mesh,
+                "num_workers": (self.description or {}).get("num_workers"),
+                "batch_size": self.batch_size}
+
+    def topology_changes(self, state: dict) -> dict:
+        """What differs between the topology a state was saved on and this run's:
+        {"num_workers": [2, 4], ...}; {} where nothing does, or the state says nothing."""
+        saved = state.get("topology")
+        if not isinstance(saved, dict):
+            return {}
+        now = self.topology()
+        return {key: [saved.get(key), now[key]] for key in TOPOLOGY
+                if saved.get(key) is not None and now[key] is not None
+                and saved.get(key) != now[key]}
 
     def foreign(self, state) -> Optional[str]:
         """Why a checkpoint's watch state is not this loader's (None: it is)."""
@@ -97,6 +143,7 @@ class Checkpointing:
         self.before, self.again, self.steps_before = None, None, 0
         self.unknown_before = True
         self.restarts = [restart(self.epoch, None, None, self.ranks.num_processes)]
+        self.loaded_at, self.saved_at = self.moment(), None
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's watch state, loaded: the epoch goes on from its place (the samples
@@ -108,6 +155,7 @@ class Checkpointing:
         problem = self.foreign(state)
         if problem:
             return self.resumed_without_state(f"its watch state is not this loader's: {problem}")
+        changed = self.topology_changes(state)
         self.epoch = int(state["epoch"])
         if self.lineage:  # the steps go on; the restart is recorded
             self.lineage.resume(state.get("lineage"))
@@ -133,10 +181,68 @@ class Checkpointing:
         else:
             self.restarts = [*(state.get("restarts") or []),
                              restart(self.epoch, step, saved_on, now)]
+        if changed:
+            self.restarts[-1]["changed"] = changed
         if before is None and self.n is not None and not self.unknown_before:
             before = np.zeros(self.n, dtype=np.uint8)  # (a restart at the epoch's start)
         self.before, self.again = before, again
         self.steps_before = int(step or 0)
+        self.loaded_at, self.saved_at = self.moment(), None
+
+    # -- the watch's part of the watched loader's own state (hooks.attach)
+    def loader_part(self) -> Optional[dict]:
+        """The watch's part of the watched loader's state_dict(): state_dict() (a collective:
+        every rank asks for the loader's state at the same point, as loops that checkpoint
+        the loader on every rank do). None where the watch cannot give it (said once): the
+        loader's own state is saved without it, and the training goes on."""
+        try:
+            return self.state_dict()
+        except Exception as error:
+            self.part_fault("save", error)
+            return None
+
+    def load_loader_part(self, part) -> None:
+        """The watch's part of a state given to the watched loader's load_state_dict() (None:
+        the state holds none, it was saved before the watch was added). A second load at the
+        same moment (accelerate's load_state: the watch's file, then its loader's state) is
+        the same resume: the first is kept."""
+        try:
+            if self.loaded_at is not None and self.loaded_at == self.moment():
+                return
+            if part is None:
+                self.resumed_without_state("the loader's state holds no part of the watch's "
+                                           f"({WATCH_KEY!r}): it was saved before the watch was "
+                                           "added")
+            else:
+                self.load_state_dict(part)
+                self.restarts[-1]["loader_state"] = True
+                self.say_refused_workers()
+            self.loaded_at = self.moment()
+        except Exception as error:
+            self.part_fault("load", error)
+
+    def say_refused_workers(self) -> None:
+        """torchdata's StatefulDataLoader refuses a state saved with another number of
+        workers (an AssertionError at the next iter(), torchdata 0.11): said once, at the
+        load, where the watch can tell, since no epoch will be reported."""
+        change = (self.restarts[-1].get("changed") or {}).get("num_workers")
+        classes = (self.description or {}).get("classes") or []
+        if change and "StatefulDataLoader" in classes and self.ranks.is_main_process:
+            warnings.warn(f"sharddemo.watch: {self.name}: the loader's state was saved with "
+                          f"{change[0]} DataLoader workers and is loaded into a loader with "
+                          f"{change[1]}: torchdata's StatefulDataLoader refuses another number "
+                          "of workers (an AssertionError at the next iter()); keep num_workers, "
+                          "or resume without the loader's state", RuntimeWarning, stacklevel=4)
+
+    def part_fault(self, doing: str, error: Exception) -> None:
+        """The watch's own fault with its part of the loader's state: said once, training
+        goes on (the loader's own state is saved and loaded as without the watch)."""
+        if not self.part_faulted:
+            self.part_faulted = True
+            warnings.warn(f"sharddemo.watch: {self.name}: the watch could not {doing} its part "
+                          f"of the loader's state ({type(error).__name__}: {error}); the "
+                          "loader's own state is unchanged and training goes on",
+                          RuntimeWarning, stacklevel=4)
 
     def note_restart(self, **facts) -> None:
         """What the framework did at the open epoch's last restart, for its words

@@ -189,17 +189,54 @@ def attach(loader, state):
             return cls.__exit__(self, kind, value, traceback)
         return None
 
-    watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                          "close": close, "__enter__": __enter__,
-                                          "__exit__": __exit__,
-                                          "__reduce_ex__": _as_plain(cls, "_sharddemo_watch",
-                                                                     "_sharddemo_loader_tap")})
+    methods = {"__iter__": __iter__, "__module__": cls.__module__, "close": close,
+               "__enter__": __enter__, "__exit__": __exit__,
+               "__reduce_ex__": _as_plain(cls, "_sharddemo_watch", "_sharddemo_loader_tap")}
+    if callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict",
+                                                                            None)):
+        methods.update(carried_state(cls))
+    watched = type(cls.__name__, (cls,), methods)
     loader.__dict__["_sharddemo_watch"] = state
     loader.__dict__["_sharddemo_loader_tap"] = tap
     _set_class(loader, watched)
     if tap is not None:
         drop_untapped_iterator(loader)
     return loader
+
+
+def carried_state(cls) -> dict:
+    """state_dict / load_state_dict for a watched loader that has its own (torchdata's
+    StatefulDataLoader, accelerate's stateful DataLoaderShard, any loader with both): the
+    watch's state rides in the loader's, under WATCH_KEY, so that any checkpointer that saves
+    the loader (torch.save, DCP, torchtitan's, Lightning's) carries it.
+
+    state_dict() is the loader's own state plus the watch's part (a collective for the watch:
+    every rank asks at the same point); load_state_dict() gives the loader its own part and
+    the watch its part (a state saved before the watch, without one, loads: the watch says the
+    part of the epoch before the stop is unknown). The loader's own state is made and loaded
+    first, exactly as without the watch."""
+    from collections.abc import Mapping
+
+    from sharddemo.watching.checkpointing import WATCH_KEY
+
+    def state_dict(self, *args, **kwargs):
+        own = cls.state_dict(self, *args, **kwargs)
+        if not isinstance(own, Mapping):  # (a state the watch cannot ride in: left as it is)
+            return own
+        part = self.__dict__["_sharddemo_watch"].loader_part()
+        return own if part is None else {**own, WATCH_KEY: part}
+
+    def load_state_dict(self, state, *args, **kwargs):
+        part, own = None, state
+        if isinstance(state, Mapping) and WATCH_KEY in state:
+            part = state[WATCH_KEY]
+            own = {k: v for k, v in state.items() if k != WATCH_KEY}
+        result = cls.load_state_dict(self, own, *args, **kwargs)
+        if isinstance(state, Mapping):
+            self.__dict__["_sharddemo_watch"].load_loader_part(part)
+        return result
+
+    return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 
 
 def watched_pass(loader, batches, watch_state, my_tap, this_pass):

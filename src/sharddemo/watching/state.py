@@ -104,6 +104,12 @@ class WatchState(Checkpointing, Recording):
         self.again: Optional[np.ndarray] = None
         self.steps_before = 0
         self.unknown_before = False
+        # the last state_dict() and the moment it was made at, the moment of the last load
+        # (watching/checkpointing.py: a save or load asked twice at one point is one), and
+        # whether a fault with the watch's part of the loader's state was said
+        self.saved_at: Optional[tuple] = None
+        self.loaded_at: Optional[tuple] = None
+        self.part_faulted = False
         # the pass now iterating: its loader's length (None: unsized) and the step it began at,
         # and the loader the description is of
         self.pass_length: Optional[int] = None
@@ -243,9 +249,12 @@ class WatchState(Checkpointing, Recording):
         loop went back to that epoch and skip_first_batches skipped the whole of it (an empty
         pass: a loop that resumes at its saved epoch and step): that pass is the saved epoch's
         rest, with nothing left in it. No entry, and the next pass is the next epoch, as the
-        checkpoint said. The same answer on every rank (their steps exchanged)."""
-        if not skipped_batches(loader if loader is not None else self.described):
-            return False  # (the same on every rank: the same skip_first_batches call)
+        checkpoint said. So is the first pass of a loader that restored its own state saved
+        there (torchdata's StatefulDataLoader: its restored pass is empty). The same answer
+        on every rank (their steps exchanged)."""
+        restored = bool(self.restarts and self.restarts[-1].get("loader_state"))
+        if not restored and not skipped_batches(loader if loader is not None else self.described):
+            return False  # (the same on every rank: the same skip_first_batches call, or load)
         if self.most_open_steps():
             return False
         self.recorder = None
