@@ -11,6 +11,9 @@ what the per-epoch path reads from accelerate's remainder.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import json
 from collections import Counter
 
@@ -114,6 +117,7 @@ def test_the_id_path_gives_back_every_payload_whole(truth):
     no batch (empty), and runs, short and empty batches and listed ones in one epoch on ranks
     of different lengths (uneven), and a last batch of two runs (wrapped); each twice, the second epoch with the first's runs at hand.
     The record holds, rank by rank, exactly the batches that rank's loop was given."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from rank_truth import PAYLOADS, payload_batches
 
     world, got = truth["world"], truth["payloads"]
