@@ -151,3 +151,20 @@ def test_the_lightning_callback_counts_what_the_steps_received(tmp_path):
     assert entry["tokens"]["total"] == seen["tokens"]
     assert {k: v["samples"] for k, v in entry["sources"].items()} == {
         str(s): seen["sources"].count(s) for s in (0, 1, 2)}
+
+
+def test_a_mask_of_segment_numbers_counts_its_nonzero_entries_per_source(tmp_path):
+    """A packer's mask may number its rows' segments (1, 2, ...; 0 padding): the tokens are its
+    nonzero entries, by hand: rows [1,1,2,0] (3 tokens, source 0), [1,2,2,3] (4, source 1),
+    [0,0,0,0] (0, source 0), [3,3,0,0] (2, source 1): 9 tokens, source 0 has 3, source 1 has 6."""
+    masks = torch.tensor([[1, 1, 2, 0], [1, 2, 2, 3], [0, 0, 0, 0], [3, 3, 0, 0]])
+    data = [{"mask": m, "source": k % 2} for k, m in enumerate(masks)]
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=2), report=str(report), tokens="mask",
+                   sources="source")
+    for _ in loader:
+        pass
+    loader.close()
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["tokens"]["total"] == 9
+    assert {k: v["tokens"] for k, v in entry["sources"].items()} == {"0": 3, "1": 6}
