@@ -481,3 +481,31 @@ def test_a_lineage_write_that_fails_mid_run_warns_once_and_training_goes_on(tmp_
                      "be written (FileNotFoundError: [Errno 2] No such file or directory: "
                      f"'{folder / 'rank0.lineage'}'); this rank's lineage ends before step 5; "
                      "training goes on"]
+
+
+def test_each_ranks_own_saved_state_resumes_its_lineage(tmp_path, monkeypatch):
+    """A loader's own state_dict() is saved on every rank, each its own: rank 1's saved place
+    names the run (rank 0 wrote it in the run file at its first batch), so a new launch that
+    loads rank 1's own state continues its lineage. Two ranks' loops, one after the other in
+    this process, 8 samples in batches of 2 (2 steps a rank); then rank 1 again from its own
+    state: its steps go on at 2 (worked by hand: 2 taken before the save)."""
+    folder = str(tmp_path / "lineage")
+    data = TensorDataset(torch.arange(8))
+    saved = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False)
+        loader = watch(DataLoader(data, batch_size=2, sampler=sampler), report=None,
+                       lineage=folder, on_violation="ignore")
+        list(loader)
+        saved[rank] = loader.__dict__["_sharddemo_watch"].state_dict()
+        flush_all()
+    assert saved[1]["lineage"]["run_id"] == saved[0]["lineage"]["run_id"] is not None
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    again = watch(DataLoader(data, batch_size=2, sampler=sampler), report=None, lineage=folder,
+                  on_violation="ignore")
+    again.__dict__["_sharddemo_watch"].load_state_dict(saved[1])
+    list(again)  # (before the change: "already holds run ...'s lineage", a ValueError)
+    flush_all()
+    assert [b["step"] for b in cli_json(folder, "--step", 3, "--rank", 1)["batches"]] == [3]

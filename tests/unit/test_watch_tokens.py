@@ -168,3 +168,20 @@ def test_a_mask_of_segment_numbers_counts_its_nonzero_entries_per_source(tmp_pat
     (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
     assert entry["tokens"]["total"] == 9
     assert {k: v["tokens"] for k, v in entry["sources"].items()} == {"0": 3, "1": 6}
+
+
+def test_named_sources_count_the_slots_once(tmp_path):
+    """Sources given as names (a list of str): the padding share is the mask's, as with int
+    sources. By hand: masks [1,1,0,0], [1,0,0,0], [1,1,1,0], [0,0,0,0]: 6 tokens of 16 slots,
+    padding 62.5%; sources web, code, web, code: web 5 tokens, code 1."""
+    masks = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
+    data = [{"mask": m, "source": "web" if k % 2 == 0 else "code"} for k, m in enumerate(masks)]
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=2), report=str(report), tokens="mask",
+                   sources="source", weights={"web": 0.5, "code": 0.5})
+    for _ in loader:
+        pass
+    loader.close()
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["tokens"]["padding_share"] == pytest.approx(1 - 6 / 16)
+    assert {k: v["tokens"] for k, v in entry["sources"].items()} == {"web": 5, "code": 1}

@@ -100,7 +100,12 @@ class LineageWriter:
 
     # -- the checkpoint: the steps go on after a resume
     def place(self) -> dict:
+        """Where this rank's lineage stands, for a checkpoint: the run and the step. A rank
+        other than 0 takes the run's id from the run file rank 0 wrote at its first batch (a
+        loader's own state_dict() is saved on every rank, each its own)."""
         self.flush()
+        if self.run_id is None and self.path is not None:
+            self.run_id = (read_run_file(self.folder) or {}).get("run_id")
         return {"run_id": self.run_id, "step": self.step}
 
     def resume(self, place: Optional[dict]) -> None:

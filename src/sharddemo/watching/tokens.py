@@ -129,17 +129,10 @@ class TokenMeter:
         goes to the slots. A mask's nonzero entries are its tokens (a packer's mask may hold
         segment numbers 1, 2, ..., not ones); counted as a row's sum of `!= 0`, cheaper than
         count_nonzero by row (docs/benchmarks.md "Figures behind design choices")."""
-        if is_labels(field):
-            self.has_slots = False
-            mask = values != IGNORE_INDEX
-            return (mask.reshape(mask.shape[0], -1).sum(1) if mask.dim() > 1
-                    else mask.to(torch.int64))
-        if values.dim() >= 2:
-            self.has_slots = True
+        self.has_slots = not is_labels(field) and values.dim() >= 2
+        if self.has_slots:
             self.slots = self.slots + values.numel()
-            return (values.reshape(values.shape[0], -1) != 0).sum(1)
-        self.has_slots = False
-        return values.to(torch.int64)
+        return row_tokens(values, field)
 
     def total(self, values: torch.Tensor, field) -> torch.Tensor:
         """A token field's tokens, all of its batches together (one count)."""
@@ -167,7 +160,8 @@ class TokenMeter:
 
     def add_named(self, values, tokens) -> None:
         names = [str(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
-        lengths = ([int(x) for x in self.count(torch.as_tensor(tokens), self.token_fields[0])]
+        # (each row's tokens alone: the batch's slots are counted when it is summed, once)
+        lengths = ([int(x) for x in row_tokens(torch.as_tensor(tokens), self.token_fields[0])]
                    if tokens is not None else [0] * len(names))
         for name, (count, length) in named_counts(names, lengths).items():
             row = self.by_source.setdefault(name, [0, 0])
@@ -240,3 +234,14 @@ def step_tokens(values: torch.Tensor, field) -> torch.Tensor:
     if values.dim() >= 2:
         return torch.count_nonzero(values)
     return values.to(torch.int64).sum()
+
+
+def row_tokens(values: torch.Tensor, field) -> torch.Tensor:
+    """Each row's tokens from a token field: a mask's nonzero entries, labels other than -100,
+    or the lengths themselves."""
+    if is_labels(field):
+        mask = values != IGNORE_INDEX
+        return mask.reshape(mask.shape[0], -1).sum(1) if mask.dim() > 1 else mask.to(torch.int64)
+    if values.dim() >= 2:
+        return (values.reshape(values.shape[0], -1) != 0).sum(1)
+    return values.to(torch.int64)
