@@ -146,14 +146,24 @@ class Recording:
                 ids = self.mapping[ids]
         if self.lineage:
             self.lineage.append(self.epoch, ids, field)
-        if self.peer_log is not None:  # a mesh: every rank's ids hashed; its group's first counts
+        self.book(ids, rows=False)
+
+    def book(self, ids: torch.Tensor, rows: bool) -> None:
+        """One batch's ids (or, `rows`, a 2-D block of batches of one size) into the recorder
+        and the window. On a mesh every rank hashes them for the peer check, and only its
+        group's first rank counts them: the others book steps with no ids."""
+        if self.peer_log is not None:
             self.peer_log.add(ids)
             if not self.speaks:
-                self.recorder.add_ids(NO_IDS)
+                for _ in range(ids.shape[0] if rows else 1):
+                    self.recorder.add_ids(NO_IDS)
                 return
-        self.recorder.add_ids(ids)
-        if windows.check_every:
-            windows.ids.append(ids)
+        if rows:
+            self.recorder.add_rows(ids)
+        else:
+            self.recorder.add_ids(ids)
+        if self.windows.check_every:
+            self.windows.ids.append(ids)
 
     def note_batches(self) -> None:
         """The batches whose indices add() kept as lists, into the recorder (and the window):
@@ -163,7 +173,6 @@ class Recording:
         if not self.noted:
             return
         noted, self.noted = self.noted, []
-        windows = self.windows
         size = len(noted[0])
         if all(len(index) == size for index in noted):
             blocks = [torch.from_numpy(np.array(noted, dtype=np.int64).reshape(len(noted), size))]
@@ -173,15 +182,7 @@ class Recording:
         for block in blocks:
             if self.mapping is not None:
                 block = self.mapping[block]
-            if self.peer_log is not None:  # (a mesh: see add)
-                self.peer_log.add(block)
-                if not self.speaks:
-                    for _ in range(block.shape[0]):
-                        self.recorder.add_ids(NO_IDS)
-                    continue
-            self.recorder.add_rows(block)
-            if windows.check_every:
-                windows.ids.append(block)
+            self.book(block, rows=True)
 
 
 def stream_shuffles(dataset) -> bool:
