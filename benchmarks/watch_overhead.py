@@ -86,7 +86,9 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
         loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     else:
         loader = DataLoader(data, batch_size=BATCH, shuffle=True)
-    spent = [0.0, 0.0]  # seconds inside the watch's own code, this epoch: wall, CPU (thread)
+    # seconds inside the watch's own code, this epoch: wall, CPU (thread), and the wall time of
+    # its per-batch part (add) alone; the rest is the epoch's end
+    spent = [0.0, 0.0, 0.0]
     if watched:
         from sharddemo import watch
         from sharddemo.watching.state import WatchState
@@ -101,8 +103,11 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
                 try:
                     return _original(self, *a, **kw)
                 finally:
-                    spent[0] += time.perf_counter() - start
+                    took = time.perf_counter() - start
+                    spent[0] += took
                     spent[1] += time.thread_time() - cpu
+                    if _original.__name__ == "add":
+                        spent[2] += took
 
             setattr(WatchState, name, timed)
         # --lineage: the watched run also keeps every batch's ids (watch(..., lineage=DIR))
@@ -119,7 +124,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
         if sampler is not None:
             sampler.set_epoch(epoch)
         accelerator.wait_for_everyone()
-        spent[0] = spent[1] = 0.0
+        spent[0] = spent[1] = spent[2] = 0.0
         start, cpu = time.perf_counter(), time.process_time()
         steps = 0
         for _, x, y, *_ in loader:
@@ -133,6 +138,7 @@ def rank_main(watched: bool, out: str, lineage: bool = False, mesh_text: str = "
     if accelerator.is_main_process:
         with open(out, "w") as handle:
             json.dump({"step_s": times[1], "steps": steps, "watch_s": spent[0],
+                       "watch_batches_s": spent[2],
                        "epoch_s": times[1] * steps, "watch_cpu_s": spent[1],
                        "epoch_cpu_s": epoch_cpu}, handle)
     accelerator.end_training()
@@ -216,7 +222,7 @@ def main() -> None:
     if args.per_batch:
         print(json.dumps(per_batch(args.passes), indent=1))
         return
-    ratios, plain_steps, shares, per_step, cpu_shares = [], [], [], [], []
+    ratios, plain_steps, shares, per_step, cpu_shares, batch_us = [], [], [], [], [], []
     for pair in range(args.pairs):
         # alternate which goes first, so neither always runs on a warmer machine
         order = (False, True) if pair % 2 == 0 else (True, False)
@@ -228,6 +234,7 @@ def main() -> None:
         share = got[True]["watch_s"] / got[True]["epoch_s"]
         shares.append(share)
         per_step.append(got[True]["watch_s"] / got[True]["steps"])
+        batch_us.append(got[True]["watch_batches_s"] / got[True]["steps"] * 1e6)
         # the main rank's CPU time inside the watch over the epoch's (its threads together):
         # steadier than wall time where other work shares the cores, but blind to the time a
         # rank waits in a collective without spinning
@@ -244,6 +251,8 @@ def main() -> None:
                "median_watch_share": statistics.median(shares),
                "shares": [round(s, 5) for s in shares],
                "median_watch_us_per_step": statistics.median(per_step) * 1e6,
+               # of which the batches' part (the rest: the windows' and the epoch's ends)
+               "median_watch_batch_us_per_step": statistics.median(batch_us),
                "median_watch_cpu_share": statistics.median(cpu_shares),
                "cpu_shares": [round(s, 5) for s in cpu_shares],
                "check_every": check_every(), **({"mesh": args.mesh} if args.mesh else {})}
