@@ -6,7 +6,7 @@ import json
 
 from sharddemo.analysis.idtext import ids_text
 from sharddemo.plot import grid_lines
-from sharddemo.sizes import SIZES, own_sizes_line
+from sharddemo.sizes import SIZES, batch_ways, own_sizes_line
 
 
 def _batch(ids, limit: int = 0) -> str:
@@ -54,7 +54,7 @@ def _command(report: dict) -> str:
 
 def header(report: dict) -> list[str]:
     # batch_size is the batch as given, which with split_batches accelerate slices over the ranks
-    per_rank = report["global_batch"] // max(report["world_size"], 1)
+    per_rank = report["global_batch"] // batch_ways(report)
     up_to = "up to " if report.get("batch_size_seen") else ""  # the largest batch seen
     if _command(report) == "audit":
         # an audit takes no seed: the loader's own, where its sampler has one to read

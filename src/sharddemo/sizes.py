@@ -18,8 +18,15 @@ def own_sizes_line(report: dict, data: dict) -> str:
     g = data.get("global_batch")
     if g is None or g == report["global_batch"]:
         return ""
-    w = max(report["world_size"], 1)
+    w = batch_ways(report)
     why = (" (not prepared: --split-batches slices only the batches of a loader accelerate "
            "prepares)" if (report.get("options") or {}).get("split_batches")
            and not data.get("prepared") else "")
     return f"this loader: per-rank batch {g // w}, global batch {g}{why}"
+
+
+def batch_ways(report: dict) -> int:
+    """How many ways the report's global batch is dealt: the data-parallel groups on a mesh
+    (peers share a batch), else the ranks."""
+    mesh = report.get("mesh")
+    return max(mesh["data_groups"] if mesh else report["world_size"], 1)

@@ -100,6 +100,15 @@ def test_compare_on_a_dp_tp_mesh(tmp_path):
         text = render(report, fmt)
         assert "dp=0, tp=1" in text and "peers-receive-the-same-batches" in text, fmt
     assert "mesh dp=2 x tp=2: data dims dp" in render(report, "table")
+    # a step's samples: per-rank batch 2 x 2 data-parallel groups = 4 (tp peers share theirs;
+    # not 2 x 4 ranks = 8)
+    assert report["global_batch"] == 4
+    assert "per-rank batch 2 | global batch 4 |" in render(report, "table")
+    assert any("prepared epoch 0: the data-parallel groups did not split the data" in p
+               for p in report["broken_promises"])
+    assert modes["replicated"]["conclusion"].startswith(
+        "Every data-parallel group walked the whole dataset in the same order, so the "
+        "data-parallel groups train on identical batches")
 
 
 def test_compare_on_a_cp_first_mesh_with_workers():

@@ -50,6 +50,10 @@ def test_an_unsplit_stream_is_named_in_its_first_window(tmp_path, stream):
     assert first["window"] == {"first_step": 1, "last_step": 50, "checked_at": 52}
     shared = set(ids[0][0][:400]) & set(ids[1][0][:400])  # 50 steps of 8 on each rank
     assert first["duplicated"]["count"] == len(shared) == 400
+    # every id of the window's 50 steps on both ranks, as the loops logged them
+    window_ids = ids[0][0][:400] + ids[1][0][:400]
+    assert (first["seen"], first["unique"]) == (len(window_ids), len(set(window_ids))) == (
+        800, 400)
     assert failed(first) == {"no-silent-replication"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("sharddemo:")]
     assert lines[0].startswith("sharddemo: epoch 0 train steps 1-50 (checked at step 52): FAIL")

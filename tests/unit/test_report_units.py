@@ -3,6 +3,8 @@ reason, every verdict. Each trace below is worked out by hand in its comment."""
 
 from __future__ import annotations
 
+import torch
+
 import json
 from pathlib import Path
 
@@ -497,6 +499,32 @@ def test_a_sampler_with_replacement_explains_its_repeats_unless_every_rank_draws
     # fill (4): every rank walked the same sequence, replication.
     same = [[1, 1], [3, 0]]
     m = report_of(trace("audit", 4, 2, 2, [[same, same]], {**PLAIN, "draws": draws}))
+    got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
+    assert got["no-silent-replication"] is False
+
+
+def test_a_sampler_with_replacement_on_each_rank_with_its_own_seed_is_its_draws():
+    """Each of 2 ranks has its own WeightedRandomSampler(8 draws of 8 ids, replacement) seeded
+    with its rank (torch's own samplers draw the batches, B=4), not prepared: every repeat,
+    within and across the ranks, is the draws' (each rank drew its own 8: 16 an epoch, said in
+    the conclusion), no fault. The same seed on both ranks is replication."""
+    from torch.utils.data import WeightedRandomSampler
+
+    def drawn(seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        ids = list(WeightedRandomSampler([1.0] * 8, num_samples=8, replacement=True,
+                                         generator=g))
+        return [ids[:4], ids[4:]]
+
+    draws = {"sampler": "WeightedRandomSampler", "replacement": True, "count": 8}
+    loader = {**PLAIN, "draws": draws}
+    own = [drawn(0), drawn(1)]
+    assert own[0] != own[1]
+    m = report_of(trace("audit", 8, 4, 2, [own], loader))
+    assert all(v["ok"] for v in m["verdicts"]), m["verdicts"]
+    assert {d["reason"] for d in m["epochs"][0]["duplicates"]} <= {"sampler-draws"}
+    assert "each rank drew its own 8 (num_samples) from the whole dataset" in m["conclusion"]
+    m = report_of(trace("audit", 8, 4, 2, [[drawn(0), drawn(0)]], loader))
     got = {v["verdict"]: v["ok"] for v in m["verdicts"]}
     assert got["no-silent-replication"] is False
 

@@ -79,6 +79,38 @@ def test_every_rank_at_its_end_is_no_fault():
     assert entry["ok"]
 
 
+def test_seen_counts_every_id_the_windows_held_not_only_those_sent():
+    """Rank 0 held 3,000 ids (50 steps of 60) and sent its first 1,024 (here 3 stand in for
+    them); rank 1, at its end, held 7 (its last batch) and sent none: seen is 3,000 + 7, and
+    the distinct ones are unknown (null), not the 3 that were sent."""
+    entry = judge_window(epoch=0, name="train", first=1, last=50, at=52,
+                         heads=[{**head(50), "kept": 3000}, {**head(50, done=1), "kept": 7}],
+                         ids=[[0, 1, 2], []], earlier=0, n=10_000)
+    assert entry["seen"] == 3007 and entry["unique"] is None
+    entry = judge_window(epoch=0, name="train", first=1, last=2, at=3,
+                         heads=[{**head(2), "kept": 2}, {**head(2), "kept": 2}],
+                         ids=[[0, 2], [1, 3]], earlier=0, n=100)
+    assert (entry["seen"], entry["unique"]) == (4, 4)
+
+
+def test_on_a_mesh_the_details_name_each_groups_first_rank():
+    """A 2x2 mesh (dp, tp): groups [0 1] and [2 3], spoken for by ranks 0 and 2. Group 0 ran
+    out after 15 steps while group 1 went on; both received id 9: the details say rank 2 (not
+    "rank 1", which is group 1's index) and "data-parallel group", not "rank"."""
+    mesh = {"dims": {"dp": 2, "tp": 2}, "data_dims": ["dp"], "world": 4, "data_groups": 2,
+            "replicas": 2}
+    entry = judge_window(epoch=0, name="train", first=11, last=15, at=16,
+                         heads=[head(15, done=1), head(15)], ids=[[], [9, 11]], earlier=0,
+                         n=100, mesh=mesh, peers=None, speakers=[0, 2])
+    assert "rank 0 ran out of data after 15 steps while rank 2 went on to step 16" in \
+        entry["line"]
+    entry = judge_window(epoch=0, name="train", first=1, last=1, at=2,
+                         heads=[head(1), head(1)], ids=[[9], [9]], earlier=0, n=100,
+                         mesh=mesh, peers=None, speakers=[0, 2])
+    assert "received by more than one data-parallel group" in entry["line"]
+    assert "every data-parallel group received the same samples" in entry["line"]
+
+
 # -- a sample a rank received twice; the order of the previous epoch --------------------------
 
 def test_a_rank_repeat_is_named_unless_the_sampler_draws_with_replacement():

@@ -46,7 +46,8 @@ def groups_trace(sized: Trace, layout: MeshLayout) -> Trace:
     the global batch of one rank per group (peers' batches are the same batch, not more)."""
     per_rank = sized["global_batch"] // max(sized["world_size"], 1)
     return cast(Trace, {**sized, "world_size": layout.data_size,
-                        "global_batch": per_rank * layout.data_size, "mesh": True})
+                        "global_batch": per_rank * layout.data_size, "mesh": None,
+                        "groups": True})
 
 
 def step_numbers(view: IdsEpoch) -> list[list[int]]:

@@ -274,6 +274,12 @@ def explain_duplicates(view: EpochView, loader: LoaderDescription, hint: Optiona
     if draws_repeat(loader, n) and (count is None or sum(view.samples) < count + world * batch):
         # the ranks together dealt one draw (and less than a round of fill): its own repeats
         return "sampler-draws", True
+    if (draws and draws["replacement"] and count is not None and world > 1
+            and all(s <= count + batch for s in view.samples) and not view.replicated()):
+        # a sampler with replacement not split over the ranks, each rank drawing its own
+        # num_samples from the whole dataset with its own generator: its repeats (within and
+        # across the ranks) are the draws', by design (the epoch is W draws, as conclude says)
+        return "sampler-draws", True
     code, order = padding_mechanism(loader)
     if code is not None:
         again = view.repeats_head(order)

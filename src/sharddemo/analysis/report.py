@@ -15,7 +15,7 @@ from sharddemo.analysis.verdicts import (audit_verdicts, broken_promises, conclu
 from sharddemo.analysis.types import Trace, TraceMode
 from sharddemo.analysis.views import IdsEpoch, epoch_view
 from sharddemo.analysis.accumulation import accumulation_windows, window_counts
-from sharddemo.analysis.mesh import (mesh_epochs, mesh_layout, mesh_note, peer_problems,
+from sharddemo.analysis.mesh import (groups_trace, mesh_epochs, mesh_layout, mesh_note, peer_problems,
                                      report_mesh)
 from sharddemo.mesh import explain_on_mesh
 
@@ -158,6 +158,8 @@ def build_report(trace: Trace, *, launch_command: Optional[str] = None,
     }
     if trace.get("mesh"):
         report["mesh"] = report_mesh(trace["mesh"])
+        # a step's samples are one rank's batch per data-parallel group: peers share theirs
+        report["global_batch"] = groups_trace(trace, mesh_layout(trace["mesh"]))["global_batch"]
     if keys is not None:
         if keys["seen"] is None:  # counted: the most distinct keys an epoch delivered
             keys = dict(keys, seen=max((e["unique"] for m in modes.values()

@@ -166,6 +166,8 @@ class Trace(TypedDict, total=False):
     steps: Any
     launch: Any
     stop: Any
-    # the device mesh of --mesh (rank.mesh.RankMesh.trace); True on analysis.mesh's trace over
-    # the data-parallel groups
+    # the device mesh of --mesh (rank.mesh.RankMesh.trace)
     mesh: Any
+    # True on a trace whose ranks are a mesh's data-parallel groups (analysis.mesh.groups_trace,
+    # the watch's trace on a mesh): the words say "data-parallel groups", not "ranks"
+    groups: bool

@@ -27,6 +27,8 @@ def broken_promises(mode: str, trace: Trace, epochs: list[dict]) -> list[str]:
     A sharded mode with missing samples or unequal step counts, a replicated one whose ranks did
     not each see everything."""
     kind = mode_kind(mode, trace)
+    # on a mesh the trace is over the data-parallel groups (analysis.mesh.groups_trace)
+    who = "the data-parallel groups" if trace.get("groups") else "the ranks"
     problems = []
     for e in epochs:
         tag = f"{mode} epoch {e['epoch']}"
@@ -37,7 +39,7 @@ def broken_promises(mode: str, trace: Trace, epochs: list[dict]) -> list[str]:
             copies = sorted({d["reason"] for d in e["duplicates"]} & {
                 "replication", "stream-replication"})
             if not e["duplicates_explained"] and copies:
-                problems.append(f"{tag}: the ranks did not split the data: samples arrived "
+                problems.append(f"{tag}: {who} did not split the data: samples arrived "
                                 f"{_most_copies(e)} ("
                                 + " and ".join(REASON_LABEL[c] for c in copies) + ")")
             elif not e["duplicates_explained"]:
@@ -47,7 +49,7 @@ def broken_promises(mode: str, trace: Trace, epochs: list[dict]) -> list[str]:
                 problems.append(f"{tag}: ranks take unequal step counts {steps} (DDP would hang)")
         elif not replicated_ok(e):
             # With drop_last every rank still sees all the full batches, not the dropped tail.
-            problems.append(f"{tag}: the ranks did not each see the whole dataset (less what "
+            problems.append(f"{tag}: {who} did not each see the whole dataset (less what "
                             "drop_last drops)")
         if any(d["reason"] == "worker-replication" for d in e["duplicates"]):
             # (with dispatch_batches the workers are rank 0's, whose loader feeds every rank)
@@ -150,6 +152,8 @@ def audit_verdicts(trace: Trace, epochs: list[dict], role: str = "train",
     does."""
     w = trace["world_size"]
     promised = expect(trace)
+    # on a mesh the ranks here are its data-parallel groups (one rank each)
+    ranks, rank = (("groups", "group") if trace.get("groups") else ("ranks", "rank"))
     out = []
 
     def add(name, epoch, ok, detail=""):
@@ -181,15 +185,16 @@ def audit_verdicts(trace: Trace, epochs: list[dict], role: str = "train",
             same = e["seen"] == w * e["unique"] and all(
                 r["samples"] == e["unique"] for r in e["ranks"])
             add("no-silent-replication", k, ok, "" if ok else
-                f"all {w} ranks received the same samples: the loader is not sharded" if same
+                f"all {w} {ranks} received the same samples: the loader is not sharded" if same
                 else f"{e['seen'] - e['unique']:,} of the {e['seen']:,} deliveries are samples "
-                "another rank received too: the loader is not sharded")
+                f"another {rank} received too: the loader is not sharded")
         else:
             ok = replicated_ok(e)
             short = [r["rank"] for r in e["ranks"] if r["samples"] < max(x["samples"] for x in e["ranks"])]
             add("every-rank-sees-everything", k, ok, "" if ok else
-                "the ranks did not each receive the whole dataset (less what drop_last drops)"
-                + (f": ranks {', '.join(map(str, short))} received fewer" if short else ""))
+                f"the {ranks} did not each receive the whole dataset (less what drop_last "
+                "drops)" + (f": {ranks} {', '.join(map(str, short))} received fewer"
+                            if short else ""))
         if role == "eval":
             ok, detail = eval_verdict(e, prepared, trace["dataset_size"])
             add("eval-counts-each-sample-once", k, ok, detail)
@@ -241,9 +246,9 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
     b = g // max(w, 1)
     first = epochs[0]
     # on a device mesh the counts are over its data-parallel groups (analysis.mesh)
-    ranks = "data-parallel groups" if trace.get("mesh") else "ranks"
+    ranks = "data-parallel groups" if trace.get("groups") else "ranks"
     sums = (f"({w} data-parallel groups x per-rank batch {b} = global batch {g})"
-            if trace.get("mesh") else f"(world size {w} x per-rank batch {b} = global batch {g})")
+            if trace.get("groups") else f"(world size {w} x per-rank batch {b} = global batch {g})")
     seen = first["seen"]
     times = f"{first['times_dataset']:g}x"
     kind = mode_kind(mode, trace)
@@ -253,11 +258,11 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
         why = (f"no batch of this dataset of {n} is complete (drop_last with per-rank batch "
                f"{b} and {w} ranks)" if first["missing_reason"] == "drop-last"
                else f"the loader yielded no sample of this dataset of {n}")
-        return f"Every rank received nothing: {why}, so no step is taken at all {sums}."
+        return f"Every {ranks[:-1]} received nothing: {why}, so no step is taken at all {sums}."
     if n < w:
         sums += f"; there are more ranks ({w}) than samples ({n})"
     if kind == REPLICATED:
-        order = ("in the same order, so the ranks train on identical batches"
+        order = (f"in the same order, so the {ranks} train on identical batches"
                  if first["ranks_same_order"] else "each in its own order")
         dropped = (f"; drop_last dropped {first['missing_count']} on every rank"
                    if first["missing"] and first["missing_reason"] == "drop-last" else "")
@@ -266,12 +271,13 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
             workers = (f"; worse, each rank's DataLoader workers each yielded the whole stream, "
                        f"so samples arrived {_most_copies(first)} "
                        f"({REASON_LABEL['worker-replication']})")
-        return (f"Every rank walked the whole dataset {order}: {seen} samples per epoch for "
+        every = "Every data-parallel group" if trace.get("groups") else "Every rank"
+        return (f"{every} walked the whole dataset {order}: {seen} samples per epoch for "
                 f"a dataset of {n} = {times} {sums}{dropped}{workers}; shard it with "
                 "accelerator.prepare or a DistributedSampler.")
     copies = {d["reason"] for d in first["duplicates"]} & {
         "replication", "worker-replication", "stream-replication"}
-    if w == 1 and trace.get("mesh"):
+    if w == 1 and trace.get("groups"):
         text = (f"The mesh has one data-parallel group (no data dim), so every rank walked all "
                 f"{seen} samples per epoch for a dataset of {n} = {times}: nothing was split "
                 f"{sums}")
@@ -279,9 +285,13 @@ def conclude(mode: str, trace: Trace, epochs: list[dict],
         text = (f"A single process (world size 1) walked all {seen} samples per epoch for a "
                 f"dataset of {n} = {times}: nothing was sharded {sums}")
     elif ((loader or {}).get("draws") or {}).get("replacement") and not copies:
+        draws = cast(dict, loader)["draws"]
         text = (f"The {w} {ranks} drew {seen} samples per epoch between them for a dataset of "
-                f"{n} = {times} {sums}, with replacement "
-                f"({cast(dict, loader)['draws']['sampler']})")
+                f"{n} = {times} {sums}, with replacement ({draws['sampler']})")
+        if draws["count"] and w > 1 and seen >= draws["count"] + w * b:
+            text += (f"; each {ranks[:-1]} drew its own {draws['count']} (num_samples) from the "
+                     f"whole dataset: the sampler is not split over the {ranks}, so an epoch "
+                     f"is {w} draws")
     elif copies == {"worker-replication"} and not copies_across_ranks(first):
         # the ranks split the stream; within each, every worker yielded its share
         text = (f"The {w} {ranks} split each epoch between them, but within each rank every "

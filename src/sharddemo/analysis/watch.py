@@ -25,9 +25,11 @@ WATCH_SCHEMA = "sharddemo.watch/1"
 
 
 def watch_trace(header: dict, *, name: str, role: str, description: LoaderDescription, n: int,
-                batch_size: Optional[int], records: list[EpochRecord]) -> Trace:
+                batch_size: Optional[int], records: list[EpochRecord],
+                groups: bool = False) -> Trace:
     """A trace of one watched loader (`records`: the previous epoch's, for the order, and
-    this one's), as a rank command would write it, for build_report."""
+    this one's), as a rank command would write it, for build_report. `groups`: the records'
+    ranks are a mesh's data-parallel groups (one rank each)."""
     world = header["world_size"]
     per_rank = batch_size or 1
     return cast(Trace, {**header, "dataset_size": n, "batch_size": per_rank,
@@ -36,7 +38,8 @@ def watch_trace(header: dict, *, name: str, role: str, description: LoaderDescri
                         "drop_last": bool(description.get("drop_last"))},
             "modes": {"audit": {"description": name, "epochs": records,
                                 "loader": description, "role": role,
-                                "prepared": bool(description.get("prepared"))}}})
+                                "prepared": bool(description.get("prepared"))}},
+            **({"groups": True} if groups else {})})
 
 
 # A stream watched with no dataset_size has N inferred from its largest id. Where its ids are
@@ -115,7 +118,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     description = {**description, "shuffled": bool(description.get("shuffled"))}
     trace = watch_trace(header, name=name, role=role,
                         description=cast(LoaderDescription, description), n=n,
-                        batch_size=batch_size, records=cast("list[EpochRecord]", records))
+                        batch_size=batch_size, records=cast("list[EpochRecord]", records),
+                        groups=mesh is not None)
     report = build_report(trace)["modes"]["audit"]
     e = report["epochs"][-1]
     verdicts = [v for v in report["verdicts"] if v["epoch"] == epoch]
@@ -264,12 +268,13 @@ def partial_entry(entry: dict) -> dict:
 NEEDS_THE_RANKS = ("equal-step-counts", "no-silent-replication")
 
 
-def main_only_entry(entry: dict, world: int) -> dict:
+def main_only_entry(entry: dict, world: int, why: str) -> dict:
     """A partial entry the main process wrote alone, where the ranks could no longer meet (the
     process ending): its own steps and samples, marked "ranks": "main-only", and only what
-    one rank's part shows (a sample it received twice)."""
+    one rank's part shows (a sample it received twice). `why`: what left the ranks apart
+    ("close() was not called before the process's exit")."""
     verdicts = [v for v in entry["verdicts"] if v["verdict"] not in NEEDS_THE_RANKS]
-    entry.update(world_size=world, ranks="main-only", verdicts=verdicts,
+    entry.update(world_size=world, ranks="main-only", alone_because=why, verdicts=verdicts,
                  ok=all(v["ok"] for v in verdicts))
     entry["line"] = partial_line(entry)
     return entry

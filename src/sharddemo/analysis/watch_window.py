@@ -33,7 +33,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
                  heads: list[dict], ids: list, earlier: int,
                  n: int | None, loader: dict | None = None,
                  id_field: object = None, mesh: dict | None = None,
-                 peers: dict | None = None) -> dict:
+                 peers: dict | None = None, speakers: list[int] | None = None) -> dict:
     """Judge one window of steps from every rank's part of its exchange.
 
     The window is steps `first`..`last` of epoch `epoch`, checked at rank steps `at`: `heads[r]`
@@ -47,9 +47,13 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     `id_field`: where the ids come from a batch's field (named where they fall outside 0..N-1).
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()) `heads` and `ids` are each
     data-parallel group's first rank's, by group, and `peers` the peer check's finding (None:
-    every peer received the same batches so far).
+    every peer received the same batches so far), and `speakers` those first ranks, by group
+    (the ranks the details name).
     Returns the entry (docs/watch.schema.json, with `window`) and its line."""
     world = len(heads)
+    named = speakers if speakers is not None else list(range(world))
+    # on a mesh each head is a data-parallel group's, which its first rank speaks for
+    someone = "data-parallel group" if mesh is not None else "rank"
     running = [r for r, h in enumerate(heads) if not h["done"]]
     out_of_data = [r for r, h in enumerate(heads) if h["done"]]
     verdicts = []
@@ -59,15 +63,15 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
 
     ok = not (running and out_of_data)
     add("equal-step-counts", ok, "" if ok else (
-        f"rank{'s' if len(out_of_data) > 1 else ''} {_ranks(out_of_data)} ran out of data after "
-        f"{_steps(heads, out_of_data)} while rank{'s' if len(running) > 1 else ''} "
-        f"{_ranks(running)} went on to step {max(heads[r]['steps'] for r in running) + 1}: a "
+        f"rank{'s' if len(out_of_data) > 1 else ''} {_ranks(out_of_data, named)} ran out of "
+        f"data after {_steps(heads, out_of_data)} while rank{'s' if len(running) > 1 else ''} "
+        f"{_ranks(running, named)} went on to step {max(heads[r]['steps'] for r in running) + 1}: a "
         "DDP loop hangs there"))
     sizes = {r: h["n"] for r, h in enumerate(heads) if h["n"] >= 0}
     ok = len(set(sizes.values())) <= 1
     add("ranks-agree-on-dataset", ok, "" if ok else
         "the ranks' datasets differ in length: " + ", ".join(
-            f"rank {r} has {size:,}" for r, size in sizes.items()))
+            f"rank {named[r]} has {size:,}" for r, size in sizes.items()))
     # (numpy: a window holds thousands of ids a rank, and this runs on every rank)
     sets = [_distinct(np.asarray(ids[r], dtype=np.int64)) for r in running]
     pooled = np.sort(np.concatenate([np.empty(0, np.int64), *sets]))
@@ -86,15 +90,15 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         parts = []
         if shared:
             parts.append(f"{plural(len(shared), 'sample')} of steps {first}-{last} received by "
-                         f"more than one rank (ids {ids_text(shared, more=MORE_REST)})"
-                         + (": every rank received the same samples: the loader is not "
+                         f"more than one {someone} (ids {ids_text(shared, more=MORE_REST)})"
+                         + (f": every {someone} received the same samples: the loader is not "
                             "sharded (replication)" if same else
                             ": the ranks' shares overlap (each rank drawing its own order of "
                             "the whole dataset: a loader not prepared and ranks not seeded "
                             "alike; or a double split's overlap)"))
         if earlier:
             parts.append(f"{plural(earlier, 'sample')} of the previous window received by a "
-                         "rank that had received it earlier in this epoch")
+                         f"{someone} that had received it earlier in this epoch")
         detail = "; ".join(parts)
     add("no-silent-replication", ok, detail)
     # a sample one rank received twice: its counter says so (or, where it keeps none, the
@@ -102,7 +106,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     repeats = {r: heads[r].get("repeats", 0) for r in running}
     ok = by_design or not any(repeats.values())
     add("no-unexplained-duplicates", ok, "" if ok else "; ".join(
-        f"rank {r} received {plural(count, 'sample')} more than once by step {last} "
+        f"rank {named[r]} received {plural(count, 'sample')} more than once by step {last} "
         f"({_examples(heads[r].get('examples', []), count)})"
         for r, count in repeats.items() if count)
         + ": not the loader's own padding or fill (those come only in a rank's last batch)")
@@ -112,7 +116,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     if running and all(o >= 0 for o in orders):
         ok = not all(o == 1 for o in orders)
         add("order-changes-each-epoch", ok, "" if ok else (
-            f"every rank received the same ids at steps {first}-{last} as in epoch "
+            f"every {someone} received the same ids at steps {first}-{last} as in epoch "
             f"{epoch - 1}: the loader is meant to shuffle but deals the previous epoch's order "
             "again (set_epoch is never called?)"))
     outside = _distinct(np.concatenate([np.empty(0, np.int64), *[
@@ -124,14 +128,17 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         verdicts.append(peer_verdict(mesh, peers, loader, epoch))
         explain_on_mesh(verdicts, mesh, loader)
     failed = [v for v in verdicts if not v["ok"]]
-    seen = sum(len(ids[r]) for r in running)
+    # every id the windows held (a rank sends at most WINDOW_IDS of them, and none at its end);
+    # the distinct ones are known only where every id was sent
+    seen = sum(h.get("kept", len(ids[r])) for r, h in enumerate(heads))
+    whole = all(h.get("kept", len(ids[r])) == len(ids[r]) for r, h in enumerate(heads))
     top = int(every[-1]) + 1 if every.size else 0
     entry = {
         "schema": WATCH_SCHEMA, "loader": name, "epoch": epoch,
         "window": {"first_step": first, "last_step": last, "checked_at": at},
         "partial": True, "world_size": world,
         "dataset_size": n if n is not None else top,
-        "seen": seen, "unique": int(every.size), "missing": None,
+        "seen": seen, "unique": int(every.size) if whole else None, "missing": None,
         "duplicated": {"count": len(shared) + (0 if by_design else sum(repeats.values())),
                        "ids": sorted(set(shared[:100]) | set(again)),
                        "reasons": ["replication"] if shared else []},
@@ -167,8 +174,9 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
+def _ranks(ranks: list[int], named: list[int]) -> str:
+    """'0, 2': the ranks that speak for heads `ranks` (`named`: each head's rank)."""
+    return ", ".join(str(named[r]) for r in ranks)
 
 
 def _steps(heads: list[dict], ranks: list[int]) -> str:

@@ -158,6 +158,9 @@ class StepWindows:
         watch.note_batches()
         steps = watch.open_steps()
         mine = np.empty(0, dtype=np.int64)
+        # the ids the window held, sent or not (a rank at its end sends none: its last batch
+        # holds padding and fill)
+        held = sum(t.numel() for t in self.ids)
         if not done and self.ids:
             mine = torch.cat([t.reshape(-1) for t in self.ids]).to(
                 "cpu", torch.int64).numpy()
@@ -175,7 +178,7 @@ class StepWindows:
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
         row[:WINDOW_HEAD] = (done, steps, -1 if watch.n is None else watch.n, sent.size,
                              self.found_earlier, repeats, order,
-                             int(watch.field_error is not None), mine.size,
+                             int(watch.field_error is not None), held,
                              watch.peer_log.chain() if watch.peer_log is not None else 0,
                              watch.packs.split, self.tokens_so_far())
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
@@ -337,7 +340,7 @@ class StepWindows:
                                     errors)
         lag = WINDOW_LAG if any(not h["done"] for h in heads) else 0
         at = max(h["steps"] for h in heads) + 1 + lag
-        mesh = peers = None
+        mesh = peers = reps = None
         if watch.mesh is not None:
             # a mesh: peers compared (their chains; an exchange of hashes only where they
             # differ, once an epoch), then the groups judged, each by its first rank
@@ -352,7 +355,7 @@ class StepWindows:
                              at=at, heads=heads, ids=ids,
                              earlier=sum(h["earlier"] for h in heads), n=watch.n,
                              loader=watch.description, id_field=watch.id_field, mesh=mesh,
-                             peers=peers)
+                             peers=peers, speakers=reps)
         failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}
         if failed - self.reported:
             self.reported |= failed
