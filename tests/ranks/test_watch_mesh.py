@@ -174,6 +174,11 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
             assert b["ids"] == t["got"][b["rank"]][step % 3]
         for g in shown["mesh"]["peers"]:
             assert g["same"] == (len({str(t["got"][r][step % 3]) for r in g["ranks"]}) == 1)
+            # which peers received alike: the group's ranks by the batch each loop logged
+            by_batch: dict = {}
+            for r in g["ranks"]:
+                by_batch.setdefault(str(t["got"][r][step % 3]), []).append(r)
+            assert g["alike"] == list(by_batch.values())
         # (the planted fault: the tp=1 peers' batches of 2 differ from step 0)
         assert all(g["same"] for g in shown["mesh"]["peers"]) == (case != "batch")
         text = sharddemo(["lineage", str(tmp_path / f"lineage-{case}"), "--step",
@@ -200,9 +205,10 @@ def test_a_resume_on_a_mesh_laid_out_anew_counts_each_group_once(tmp_path):
     on. The mesh lists its dims in another order, so rank 1 is in group dp=0 before and dp=1
     after: each rank's place is read from the mesh, and the resumed epoch is judged over the
     groups. Expected from the ids the two launches' loops logged."""
-    torchrun(tmp_path, 4, ["res:dp,tp:2,2:save"])
+    torchrun(tmp_path, 4, ["res:dp,tp:2,2:save", "flat:dp,tp:2,2:save"])
     before = [json.loads((tmp_path / f"ids{r}.json").read_text()) for r in range(4)]
-    _, after, entries = torchrun(tmp_path, 4, ["res:tp,dp:2,2:load"])
+    proc, after, entries = torchrun(tmp_path, 4, ["res:tp,dp:2,2:load",
+                                                  "flat:dp,tp:2,2:load-flat"])
 
     def group_ids(logs, epoch):
         t = truth(logs, "res", epoch)  # (each group once: its first rank)
@@ -217,5 +223,13 @@ def test_a_resume_on_a_mesh_laid_out_anew_counts_each_group_once(tmp_path):
     assert resume["skipped"]["count"] == N - len(set(saved) | set(rest))
     assert got[0]["ok"] == (not set(saved) & set(rest) and len(set(saved) | set(rest)) == N)
     assert got[0]["mesh"]["dims"] == {"tp": 2, "dp": 2} and peer(got[0])["ok"]
+    # the topology each state was saved on, named beside the one it resumed on: the mesh laid
+    # out anew, and (case flat) a mesh dropped: the same checkpoint loaded with no mesh
+    assert resume["restarts"][-1]["changed"] == {
+        "mesh": ["dp=2,tp=2 (data: dp)", "tp=2,dp=2 (data: dp)"]}
+    [flat] = [e for e in epoch_entries(entries, "flat")
+              if e["epoch"] == 0 and not e.get("partial")]
+    assert flat["resume"]["restarts"][-1]["changed"] == {"mesh": ["dp=2,tp=2 (data: dp)", None]}
+    assert "mesh dp=2,tp=2 (data: dp) -> none (a flat world)" in proc.stdout
     assert (got[1]["seen"], got[1]["unique"]) == (len(group_ids(after, 1)),
                                                   len(set(group_ids(after, 1))))

@@ -83,6 +83,11 @@ def test_where_the_ranks_cannot_meet_the_main_process_writes_its_part(tmp_path, 
     assert entry["partial"] and entry["ok"]
     assert verdicts(entry) == {"no-unexplained-duplicates"}
     assert "main process alone" in lines
+    # what left the ranks apart, said as it happened (not "the ranks could not meet")
+    why = {"exit": "close() was not called before the process's exit",
+           "raise": "an exception left the with block: ",
+           "late": "the process group had ended before close()"}[end]
+    assert entry["alone_because"].startswith(why) and why in lines
 
 
 def test_the_watchs_exit_handler_makes_no_call_on_a_process_group_left_open(tmp_path):

@@ -13,6 +13,7 @@ A CASE is NAME:DIMS:SIZES:LOADER[:WORKERS], e.g. ok:dp,tp:2,2:sampler:0. LOADER:
 - flat-batch: no mesh given to the watch, a sampler over every rank, rank 1 with batches of 2;
 - prepared: accelerate's prepare_data_loader(DataLoader(shuffle=True), torch_device_mesh=mesh);
 - save, load: a resume (see resume), on an Accelerator(cpu=True) over the same ranks;
+  load-flat: the same checkpoint loaded with no mesh (a DistributedSampler over every rank);
 - submesh, nodims: watch() given the mesh's first dim alone, or data_dims the mesh lacks: the
   ValueError each rank got is logged.
 """
@@ -94,16 +95,17 @@ def resume(out, name, mesh, kind, log) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    loader, sampler = make_loader(mesh, "sampler", 0)
-    loader = watch(loader, accelerator, name=name, mesh=mesh,
+    flat = kind == "load-flat"
+    loader, sampler = make_loader(mesh, "world" if flat else "sampler", 0)
+    loader = watch(loader, accelerator, name=name, mesh=None if flat else mesh,
                    report=os.path.join(out, "report.jsonl"), check_every=2)
     where = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-    checkpoint = os.path.join(out, "checkpoint")
-    if kind == "load":
+    checkpoint = os.path.join(out, f"checkpoint-{name}")
+    if kind.startswith("load"):
         accelerator.load_state(checkpoint)
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
-        first = SAVED_AT if kind == "load" and epoch == 0 else 0
+        first = SAVED_AT if kind.startswith("load") and epoch == 0 else 0
         batches = accelerator.skip_first_batches(loader, first) if first else loader
         for step, batch in enumerate(batches, start=first):
             log.append({"case": name, "epoch": epoch, "step": step,
@@ -132,7 +134,7 @@ def main() -> None:
             except ValueError as error:
                 log.append({"case": name, "error": str(error)})
             continue
-        if kind in ("save", "load"):
+        if kind in ("save", "load", "load-flat"):
             resume(out, name, mesh, kind, log)
             continue
         loader, sampler = make_loader(mesh, kind, workers)

@@ -185,3 +185,49 @@ def test_named_sources_count_the_slots_once(tmp_path):
     (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
     assert entry["tokens"]["padding_share"] == pytest.approx(1 - 6 / 16)
     assert {k: v["tokens"] for k, v in entry["sources"].items()} == {"web": 5, "code": 1}
+
+
+def test_int_sources_against_weights_by_name_say_the_names_differ(tmp_path):
+    """Sources 0, 1, 0, 1 (indices) with weights {"web": .5, "code": .5} (names): no count is
+    wrong, the names are; the verdict says so and how to give the weights (not "outside the
+    band")."""
+    data = [{"x": k, "source": k % 2} for k in range(4)]
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(data, batch_size=2), report=str(report), sources="source",
+                   weights={"web": 0.5, "code": 0.5})
+    for _ in loader:
+        pass
+    loader.close()
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    [verdict] = [v for v in entry["verdicts"] if v["verdict"] == "mixture-matches-weights"]
+    assert not verdict["ok"]
+    assert verdict["detail"].startswith(
+        "the batches' sources (indices '0', '1') are none of the weights' ('web', 'code'): "
+        "give weights as a list in the sources' index order")
+
+
+@pytest.mark.parametrize("kwargs", [{"tokens": "attention_mask"}, {"sources": "source"}])
+def test_a_missing_token_or_source_field_is_named_without_the_id_fields_hint(kwargs):
+    """Batches that are one tensor (4 ids each) have no field 'attention_mask' or 'source':
+    the error names the argument, and not id_field's "pass '.'" (a batch is never its tokens)."""
+    loader = watch(DataLoader(torch.arange(8), batch_size=4), report=None, **kwargs)
+    [(name, field)] = kwargs.items()
+    with pytest.raises(ValueError) as error:
+        for _ in loader:
+            pass
+    said = str(error.value)
+    assert said.startswith(f"sharddemo.watch: {name}={field!r}: the batches (Tensor of shape "
+                           f"(4,)) have no field {field!r}")
+    assert "pass '.'" not in said and "\n" not in said
+
+
+def test_the_sources_line_says_it_counts_repeats_where_the_samples_line_does_not():
+    """An epoch of 58 distinct samples received 60 times (a DistributedSampler's padding
+    repeated 2): the sources' shares are over the 60 received (by hand: 45 web, 15 code), and
+    the line says so; over 60 distinct, nothing more is said."""
+    from sharddemo.analysis.tokens import tokens_words
+
+    sources = {"code": {"samples": 15, "share": 0.25}, "web": {"samples": 45, "share": 0.75}}
+    assert tokens_words({"unique": 58, "sources": sources}) == (
+        ", sources (of all 60 received, repeats too) code 25.0% / web 75.0%")
+    assert tokens_words({"unique": 60, "sources": sources}) == ", sources code 25.0% / web 75.0%"

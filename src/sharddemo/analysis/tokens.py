@@ -63,7 +63,19 @@ def mixture_verdict(check: dict, epoch: int) -> dict:
         if r["weight"] > 0 else
         f"source {r['source']!r}: {r['samples']:,} samples, but the weights do not name it"
         for r in bad)
-    if bad:
+    named = [r["source"] for r in check["sources"] if r["weight"] > 0]
+    got = [r["source"] for r in check["sources"] if r["samples"]]
+    if bad and got and not set(named) & set(got):
+        # no source the batches hold is one the weights name: a mismatch of names, not a mix
+        kind = ("indices" if all(s.lstrip("-").isdigit() for s in got) else "names")
+        detail = (f"the batches' sources ({kind} {', '.join(map(repr, got[:6]))}) are none of "
+                  f"the weights' ({', '.join(map(repr, named[:6]))}): give weights as a list "
+                  "in the sources' index order, or a dict keyed by the names the batches hold"
+                  if kind == "indices" or not all(s.isdigit() for s in named) else
+                  f"the batches' sources ({kind} {', '.join(map(repr, got[:6]))}) are none of "
+                  f"the weights' (indices {', '.join(map(repr, named[:6]))}): give weights as "
+                  "a dict keyed by the names the batches hold")
+    elif bad:
         detail += (f" (the band: n p +- ({MIXTURE_Z:g} sd + 1), binomial; the run does not draw "
                    "its sources with the weights given)")
     return {"verdict": MIXTURE_VERDICT, "epoch": epoch, "ok": not bad, "detail": detail}
@@ -124,8 +136,13 @@ def tokens_words(entry: dict) -> str:
         words += f", {measured['total']:,} tokens" + (f" ({', '.join(bits)})" if bits else "")
     sources = entry.get("sources")
     if sources:
-        words += ", sources " + " / ".join(f"{name} {row['share']:.1%}"
-                                           for name, row in sources.items())
+        # over every sample received: where a sampler's padding or fill repeated some, more
+        # than the distinct samples the line counts
+        over = sum(row["samples"] for row in sources.values())
+        said = (f" (of all {over:,} received, repeats too)"
+                if entry.get("unique") is not None and over != entry["unique"] else "")
+        words += f", sources{said} " + " / ".join(f"{name} {row['share']:.1%}"
+                                                  for name, row in sources.items())
     return words
 
 

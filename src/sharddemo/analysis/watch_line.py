@@ -108,8 +108,8 @@ def partial_line(entry: dict) -> str:
     each = (f"{plural(steps[0], 'step')}{' each' if len(steps) > 1 else ''}"
             if len(set(steps)) == 1 else f"steps per rank {steps}")
     alone = entry.get("ranks") == "main-only"
-    where = (f"on the main process alone of {world} ranks (the ranks could not meet)" if alone
-             else across(entry))
+    where = (f"on the main process alone of {world} ranks ({entry.get('alone_because')}, so "
+             "the ranks no longer met)" if alone else across(entry))
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']} (partial): "
             f"{plural(entry['seen'], 'sample')}, {entry['unique']:,} distinct"
             f"{split_words(entry)}, {where}, {each}")
@@ -212,7 +212,13 @@ CHANGE_WORDS = {"world_size": "ranks", "mesh": "mesh", "num_workers": "DataLoade
 
 def changes_said(changed: dict) -> str:
     """'DataLoader workers 2 -> 4, batch size 4 -> 8'."""
-    return ", ".join(f"{CHANGE_WORDS.get(k, k)} {v[0]} -> {v[1]}" for k, v in changed.items())
+    return ", ".join(f"{CHANGE_WORDS.get(k, k)} {_figure(k, v[0])} -> {_figure(k, v[1])}"
+                     for k, v in changed.items())
+
+
+def _figure(key: str, value) -> str:
+    """A topology figure in words: a mesh's None is a flat world ('none')."""
+    return "none (a flat world)" if key == "mesh" and value is None else str(value)
 
 
 def restored_words(r: dict, lead: str = "; ") -> str:

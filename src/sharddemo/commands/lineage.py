@@ -73,18 +73,24 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
 
 def mesh_words(mesh, batches: list[dict]) -> dict:
     """The step on a device mesh: its dims, and each data-parallel group's ranks (its replica
-    peers, which must have received the same batch), whether those shown did, in a sentence."""
+    peers, which must have received the same batch), whether those shown did, and which of
+    them received alike (`alike`: the shown ranks by equal batch), in a sentence."""
     ids = {b["rank"]: b["ids"] for b in batches}
     peers = []
     for group in mesh.groups():
         shown = [r for r in group if r in ids]
-        same = len({json.dumps(ids[r]) for r in shown}) <= 1 if shown else None
+        alike: dict[str, list[int]] = {}
+        for r in shown:
+            alike.setdefault(json.dumps(ids[r]), []).append(r)
+        same = len(alike) <= 1 if shown else None
         where = mesh.place(group[0], mesh.data_dims) or "one data group"
         verdict = ("not shown" if same is None else "the same batch" if same
-                   else "DIFFERENT batches")
+                   else "DIFFERENT batches: " + "; ".join(
+                       f"ranks {', '.join(map(str, rs))} alike" if len(rs) > 1 else
+                       f"rank {rs[0]} its own" for rs in alike.values()))
         peers.append({"ranks": group, "group": dict(
             (d, mesh.coords[group[0]][mesh.dims.index(d)]) for d in mesh.data_dims),
-            "same": same, "said": f"peers ({where}): ranks {', '.join(map(str, group))}: "
-                                  f"{verdict}"})
+            "same": same, "alike": list(alike.values()),
+            "said": f"peers ({where}): ranks {', '.join(map(str, group))}: {verdict}"})
     return {"dims": dict(zip(mesh.dims, mesh.sizes)), "data_dims": list(mesh.data_dims),
             "peers": peers}

@@ -46,14 +46,15 @@ def read_values(read_ids: ReadIds, batch,
     return values, worker, shift
 
 
-def field_values(batch, id_field, label: str, error=None):
+def field_values(batch, id_field, label: str, error=None, ids: bool = True):
     """Return a batch's id field, by the one rule for audit and the watch alike.
 
     `"."` is the batch itself (a batch that is the tensor of ids); a dict's key; a tuple's or
     list's position (an int, or a string of digits); else the key of a mapping-like batch. A
     field the batch does not have is one error (`error`, UsageError by default) that names the
     fields it does have; `label` names the option as the user wrote it (`--id-field nope`,
-    `id_field='nope'`)."""
+    `id_field='nope'`); `ids`: the field is meant to hold ids (else tokens= or sources=, whose
+    batch is never the field itself)."""
     from sharddemo.errors import UsageError
 
     error = error or UsageError
@@ -77,8 +78,9 @@ def field_values(batch, id_field, label: str, error=None):
                     f"position {key}; they have positions 0..{len(batch) - 1}") from None
     kind = type(batch).__name__
     shape = f" of shape {tuple(batch.shape)}" if torch.is_tensor(batch) else ""
-    raise error(f"{label}: the batches ({kind}{shape}) have no field {id_field!r}; pass '.' "
-                "when each batch is itself the tensor of ids")
+    raise error(f"{label}: the batches ({kind}{shape}) have no field {id_field!r}; "
+                + ("pass '.' when each batch is itself the tensor of ids" if ids else
+                   "name a field of a batch that is a dict (a key) or a tuple (a position)"))
 
 
 def integer_ids(values, label: str, error=None, *, keep_device: bool = False) -> torch.Tensor:

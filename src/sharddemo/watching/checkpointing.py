@@ -114,8 +114,11 @@ class Checkpointing:
         if not isinstance(saved, dict):
             return {}
         now = self.topology()
+        # a mesh's None is a flat world (a mesh added or dropped is a change); any other
+        # figure's None is one the watch could not read
         return {key: [saved.get(key), now[key]] for key in TOPOLOGY
-                if saved.get(key) is not None and now[key] is not None
+                if (key in saved if key == "mesh" else
+                    saved.get(key) is not None and now[key] is not None)
                 and saved.get(key) != now[key]}
 
     def foreign(self, state) -> Optional[str]:

@@ -184,7 +184,7 @@ def attach(loader, state):
         else:
             # an exception: the other ranks may not come to a collective; the main process
             # reports what it has of an open epoch alone
-            watch_state.close_alone()
+            watch_state.close_alone(f"an exception left the with block: {kind.__name__}")
         if hasattr(cls, "__exit__"):
             return cls.__exit__(self, kind, value, traceback)
         return None

@@ -55,7 +55,7 @@ def close_open_watches() -> None:
         try:
             if not state.passes and not state.shipped:  # (shipped: said where it was)
                 state.say_never_iterated()
-            state.close_alone()
+            state.close_alone("close() was not called before the process's exit")
         except Exception as error:  # the process is ending: say it, never fail the exit
             import warnings
 
@@ -471,7 +471,7 @@ class WatchState(Checkpointing, Recording):
         dist = torch.distributed
         if self.ranks.num_processes > 1 and not (dist.is_available() and dist.is_initialized()):
             # the process group is gone (end_training came first): the ranks cannot meet
-            return self.close_alone()
+            return self.close_alone("the process group had ended before close()")
         self.retire()
         if self.windows.on():
             # the same exchange as a window's, so that a rank still iterating, or at its
@@ -494,10 +494,11 @@ class WatchState(Checkpointing, Recording):
         # save at the epoch's last step, then the end): the epoch is whole
         return self.end_epoch(partial=not self.at_edge())
 
-    def close_alone(self) -> Optional[dict]:
+    def close_alone(self, why: str) -> Optional[dict]:
         """Where the ranks can no longer meet (the process is ending: the interpreter's exit,
         an exception leaving a `with` block): the main process reports its own part of the
-        open epoch, marked "ranks": "main-only", with no collective; the others say nothing."""
+        open epoch, marked "ranks": "main-only", with no collective; the others say nothing.
+        `why`: the words for what left the ranks apart, in the entry's line."""
         self.flush_lineage()
         if self.finished:
             return None
@@ -518,7 +519,7 @@ class WatchState(Checkpointing, Recording):
         if world > 1:
             from sharddemo.analysis.watch import main_only_entry
 
-            entry = main_only_entry(entry, world)
+            entry = main_only_entry(entry, world, why)
         self.entries.append(entry)
         publish(entry, self.on_violation, self.report)
         return entry
