@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sharddemo.errors import UsageError
 
-SCHEMA_PREFIX = "sharddemo.watch/"  # (sharddemo.analysis.watch.WATCH_SCHEMA: /1 today)
+SCHEMA_PREFIX = "sharddemo.watch/"  # (sharddemo.analysis.entry.WATCH_SCHEMA: /1 today)
 
 
 @dataclass

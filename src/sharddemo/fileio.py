@@ -32,7 +32,7 @@ def write_atomic(path: str, text) -> None:
         raise
 
 
-def check_writable(path: str) -> None:
+def validate_writable(path: str) -> None:
     """Raise OSError now, before any rank starts, if `path` could not be written later."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
     if os.path.isdir(path):

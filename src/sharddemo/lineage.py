@@ -31,14 +31,14 @@ from sharddemo.mesh import MeshLayout
 from sharddemo.lineage_format import (BASE, BATCH, CHUNK, CHUNK_BATCHES, CHUNK_RESTART, FILE_HEADER,
                                       FLAGS, MAGIC, MAX_CHUNK_BATCHES, MAX_CHUNK_IDS, RESTART,
                                       RUN_FILE, RUNS, SCHEMA, U64, UNIFORM, UNKNOWN, UNKNOWNS,
-                                      VERSION, Layout, check_version, encode, encode_chunk,
+                                      VERSION, Layout, validate_version, encode, encode_chunk,
                                       encode_many, file_header, pack, rank_file, tokens_file, unpack,
                                       valid_length, walk)
 
 __all__ = ["Lineage", "RankLineage", "read_run_file", "write_run_file", "BASE", "BATCH", "CHUNK",
            "CHUNK_BATCHES", "CHUNK_RESTART", "FILE_HEADER", "FLAGS", "MAGIC", "MAX_CHUNK_BATCHES",
            "MAX_CHUNK_IDS", "RESTART", "RUN_FILE", "RUNS", "SCHEMA", "U64", "UNIFORM", "UNKNOWN",
-           "UNKNOWNS", "VERSION", "Layout", "check_version", "encode", "encode_chunk",
+           "UNKNOWNS", "VERSION", "Layout", "validate_version", "encode", "encode_chunk",
            "encode_many", "file_header", "pack", "rank_file", "unpack", "valid_length", "walk"]
 
 
@@ -78,7 +78,7 @@ class RankLineage:
                          else b"")
         if len(self.data) < FILE_HEADER.size or self.data[:8] != MAGIC:
             raise UsageError(f"{path} is not a lineage file (no {MAGIC.decode()} header)")
-        check_version(path, self.data)
+        validate_version(path, self.data)
         self.chunks, self.valid_end = walk(self.data)
         self.torn = len(self.data) - self.valid_end
         chunks = self.chunks

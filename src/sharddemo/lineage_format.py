@@ -273,7 +273,7 @@ class Layout:
             raise ValueError("the chunk's parts do not add up to its length")
 
 
-def check_version(path: str, data) -> None:
+def validate_version(path: str, data) -> None:
     """UsageError for a file of another format version than this sharddemo reads."""
     (version,) = struct.unpack_from("<I", data, 8)
     if version != VERSION:
@@ -325,5 +325,5 @@ def valid_length(path: str) -> int:
     if len(data) < FILE_HEADER.size:
         return 0
     if data[:8] == MAGIC:
-        check_version(path, data)
+        validate_version(path, data)
     return walk(data)[1]

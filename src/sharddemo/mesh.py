@@ -152,32 +152,32 @@ def first_difference(a: list[int], b: list[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def peer_check(layout: MeshLayout, hashes: list[list[int]]) -> Optional[dict]:
+def first_peer_difference(layout: MeshLayout, hashes: list[list[int]]) -> Optional[dict]:
     """Replica peers against their group's first rank, from every rank's per-step hashes
     (`hashes[r]`: rank r's, one per step of the epoch or window): None where every peer
     received the same batches at every step, else the first difference found (the lowest
     step, then the lowest group and rank): {"step", "rank", "peer", "dims", "group", "said"}."""
-    found = None
+    best: Optional[tuple[int, int, int, list[str]]] = None  # step, rank, peer, dims
     for group in layout.groups():
         first = group[0]
         for other in group[1:]:
             step = first_difference(hashes[first], hashes[other])
             if step is None:
                 continue
-            if found is None or step < found["step"]:
-                differ = tuple(d for d in layout.replica_dims
-                               if layout.coords[first][layout.dims.index(d)]
-                               != layout.coords[other][layout.dims.index(d)])
-                found = {"step": step, "rank": first, "peer": other, "dims": list(differ),
-                         "group": layout.data_index(first)}
-    if found is None:
+            if best is None or step < best[0]:
+                differ = [d for d in layout.replica_dims
+                          if layout.coords[first][layout.dims.index(d)]
+                          != layout.coords[other][layout.dims.index(d)]]
+                best = (step, first, other, differ)
+    if best is None:
         return None
-    where = layout.place(found["rank"], layout.data_dims) or "one data group"
-    names = "/".join(found["dims"])
-    found["said"] = (f"{names} peers ({where}) differ from step {found['step']}: rank "
-                     f"{found['rank']} ({layout.place(found['rank'])}) and rank {found['peer']} "
-                     f"({layout.place(found['peer'])}) received different batches")
-    return found
+    step, rank, peer, dims = best
+    where = layout.place(rank, layout.data_dims) or "one data group"
+    said = (f"{'/'.join(dims)} peers ({where}) differ from step {step}: rank {rank} "
+            f"({layout.place(rank)}) and rank {peer} ({layout.place(peer)}) received different "
+            "batches")
+    return {"step": step, "rank": rank, "peer": peer, "dims": dims,
+            "group": layout.data_index(rank), "said": said}
 
 
 # the verdict on a mesh: within each data-parallel group, every rank received the same batches
@@ -186,7 +186,7 @@ PEER_VERDICT = "peers-receive-the-same-batches"
 
 def peer_verdict(mesh: dict, peers: Optional[dict], loader: Optional[dict], epoch: int) -> dict:
     """The peer verdict of an epoch or a window: `peers` None where every peer received the
-    same batches (peer_check's finding else), `mesh` the layout's describe(), `loader` the
+    same batches (first_peer_difference's finding else), `mesh` the layout's describe(), `loader` the
     loader's description (a sampler split over the whole world is named as the cause)."""
     detail = ""
     if peers is not None:

@@ -139,9 +139,9 @@ def plot_report(report: dict, path: str) -> dict:
                            edgecolors="black", marker="o",
                            label="duplicated" if e["epoch"] == 0 else None)
             else:
-                for ids, colour, name in ((e["missing"], "red", "missing"),
-                                          (dup_ids, "black", "duplicated")):
-                    counts, edges = np.histogram(ids, bins=BINS, range=(0, n))
+                for marked, colour, name in ((e["missing"], "red", "missing"),
+                                             (dup_ids, "black", "duplicated")):
+                    counts, edges = np.histogram(marked, bins=BINS, range=(0, n))
                     width = edges[1] - edges[0]
                     ax.bar(edges[:-1], np.minimum(counts / width, 1.0) * 0.8, width=width,
                            bottom=y - 0.4, color=colour, align="edge", linewidth=0,
@@ -207,6 +207,6 @@ def _wrap(text: str, width: int = 150) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def check_plot_available() -> None:
+def validate_plot_available() -> None:
     """Fail before any rank starts when --plot cannot be honoured."""
     _pyplot()

@@ -64,7 +64,7 @@ def read_keys(path: str, dataset_size: Optional[int] = None) -> list[str]:
     return keys
 
 
-def precheck_target(target: str, framework: Optional[str] = None) -> None:
+def validate_target(target: str, framework: Optional[str] = None) -> None:
     """Catch a missing file or module before any rank starts.
 
     The import itself runs on the ranks, where the factory is used."""

@@ -13,7 +13,7 @@ import sys
 from sharddemo.options import RunOptions
 from sharddemo.rank.collect import exchange_objects
 from sharddemo.rank.run import trace_mode
-from sharddemo.rank.session import check_not_alone, make_accelerator
+from sharddemo.rank.session import validate_not_alone, make_accelerator
 from sharddemo.rank.sources import build_source
 
 SIZES = (1, 5, 8, 13)
@@ -52,7 +52,7 @@ def library_outcome(accelerator, case: dict):
 
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
-    check_not_alone(accelerator.num_processes)
+    validate_not_alone(accelerator.num_processes)
     world = accelerator.num_processes
     results = []
     for k, case in enumerate(cases(world)):

@@ -11,7 +11,7 @@ from dataclasses import replace
 from sharddemo.rank.sources import build_source
 from sharddemo.options import RunOptions
 from sharddemo.rank.run import trace_mode
-from sharddemo.rank.session import check_not_alone, make_accelerator
+from sharddemo.rank.session import validate_not_alone, make_accelerator
 
 # name -> (mode, options). N and B are picked so that each option shows its effect.
 SCENARIOS = {
@@ -82,7 +82,7 @@ SCENARIOS = {
 
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
-    check_not_alone(accelerator.num_processes)
+    validate_not_alone(accelerator.num_processes)
     results = {}
     for name, (mode, kwargs) in SCENARIOS.items():
         opts = RunOptions(epochs=2, seed=5, modes=(mode,), **kwargs).validate()

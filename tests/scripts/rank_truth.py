@@ -18,7 +18,7 @@ from support.oracle import Case  # noqa: E402
 from sharddemo.options import RunOptions
 from sharddemo.rank.sources import build_source
 from sharddemo.rank.run import trace_mode
-from sharddemo.rank.session import check_not_alone, make_accelerator
+from sharddemo.rank.session import validate_not_alone, make_accelerator
 
 # The known failures: split_batches without even_batches at N = 22, 21, 2 (a short or
 # empty last batch), no even_batches past the per-batch limit (N = 1006), unseeded without
@@ -138,7 +138,7 @@ def payload_walks(accelerator) -> dict:
 
 def main(out_path: str) -> None:
     accelerator = make_accelerator("cpu", timeout=30)
-    check_not_alone(accelerator.num_processes)
+    validate_not_alone(accelerator.num_processes)
     world = accelerator.num_processes
     cases = [c for c in REPRODUCTIONS
              if not c.split_batches or c.b % world == 0] + sampled(world)

@@ -1,5 +1,5 @@
 """The launcher's refusal of a process alone where the launcher's environment asked for
-more (check_not_alone), read from the environment in this process. The launcher itself:
+more (validate_not_alone), read from the environment in this process. The launcher itself:
 tests/ranks/test_launcher.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 ])
 def test_check_not_alone_from_the_launchers_environment(monkeypatch, env, alone):
     from sharddemo.errors import UsageError
-    from sharddemo.rank.session import check_not_alone
+    from sharddemo.rank.session import validate_not_alone
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_PORT", "SHARDDEMO_EXPECT_WORLD_SIZE",
                 "ACCELERATE_MIXED_PRECISION"):
@@ -27,7 +27,7 @@ def test_check_not_alone_from_the_launchers_environment(monkeypatch, env, alone)
         monkeypatch.setenv(key, value)
     if alone:
         with pytest.raises(UsageError, match="but this process is alone .world size 1."):
-            check_not_alone(1)
+            validate_not_alone(1)
     else:
-        check_not_alone(1)
-    check_not_alone(3)  # three real ranks always pass
+        validate_not_alone(1)
+    validate_not_alone(3)  # three real ranks always pass

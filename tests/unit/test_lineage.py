@@ -293,10 +293,10 @@ def test_a_resume_on_fewer_ranks_supersedes_the_dropped_ranks_later_steps(tmp_pa
     steps of ranks 0 and 1 and says where rank 2's lineage ends. Ids by hand."""
     from types import SimpleNamespace
 
-    from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
+    from sharddemo.watching.lineage import LineageWriter, validate_lineage_folder
 
     folder = str(tmp_path / "lineage")
-    check_lineage_folder(folder)  # (what watch() does: the folder made)
+    validate_lineage_folder(folder)  # (what watch() does: the folder made)
     state = SimpleNamespace(accelerator=None, n=200, name="train", epoch=0)
     monkeypatch.setenv("WORLD_SIZE", "3")
     for rank in range(3):

@@ -287,7 +287,7 @@ def test_the_reader_module_still_gives_the_format_names():
     names = ["BASE", "BATCH", "CHUNK", "CHUNK_BATCHES", "CHUNK_RESTART", "FILE_HEADER", "FLAGS",
              "MAGIC", "MAX_CHUNK_BATCHES", "MAX_CHUNK_IDS", "RESTART", "RUN_FILE", "RUNS",
              "SCHEMA", "U64", "UNIFORM", "UNKNOWN", "UNKNOWNS", "VERSION", "Layout",
-             "check_version", "encode", "encode_chunk", "encode_many", "file_header", "pack",
+             "validate_version", "encode", "encode_chunk", "encode_many", "file_header", "pack",
              "rank_file", "unpack", "valid_length", "walk"]
     assert all(getattr(reader, name) is getattr(fmt, name) for name in names)
     assert set(names) <= set(reader.__all__)

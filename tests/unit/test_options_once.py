@@ -78,7 +78,7 @@ def test_the_options_file_gives_the_ranks_the_same_options(tmp_path_factory, opt
 
 
 def test_the_library_refuses_a_counted_plot_with_the_clis_line(tmp_path):
-    """The refusal lives in options.check_compare: the CLI and compare_run say the same."""
+    """The refusal lives in options.validate_compare: the CLI and compare_run say the same."""
     from sharddemo.commands.compare import compare_run
 
     opts = RunOptions(dataset_size=1_000_000, modes=("prepared",)).validate()

@@ -213,7 +213,7 @@ def test_a_chain_reports_what_the_library_loops_received(chain):
     ("skip", "0:2,1:5", {2: 5, 3: 4}, False),
 ])
 def test_later_stops_are_checked_on_the_size_that_reaches_them(strategy, stops, steps, ok):
-    from sharddemo.commands.resume import check_later_stops
+    from sharddemo.commands.resume import validate_later_stops
     from sharddemo.errors import UsageError
     from sharddemo.options import ResumePlan
 
@@ -222,7 +222,7 @@ def test_later_stops_are_checked_on_the_size_that_reaches_them(strategy, stops, 
     epochs = {size: [{"epoch": e, "ranks": [{"steps": n}] * size} for e in (0, 1)]
               for size, n in steps.items()}
     if ok:
-        check_later_stops(plan, epochs, 2)
+        validate_later_stops(plan, epochs, 2)
     else:
         with pytest.raises(UsageError, match="an epoch of this loader has"):
-            check_later_stops(plan, epochs, 2)
+            validate_later_stops(plan, epochs, 2)

@@ -165,7 +165,7 @@ def test_invalid_split_batches_refused_as_the_library_refuses(b, world):
                           num_processes=world, split_batches=True)
     opts = RunOptions(batch_size=b, split_batches=True).validate()
     with pytest.raises(UsageError, match=f"batch size must divide by {world}"):
-        opts.check_split_batches(world)
+        opts.validate_split_batches(world)
 
 
 def test_double_split_literal():

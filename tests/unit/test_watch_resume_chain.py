@@ -14,7 +14,7 @@ from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from sharddemo import watch
-from sharddemo.analysis.watch_resume import restart, resume_check
+from sharddemo.analysis.entry_resume import restart, judge_resume
 
 
 # -- one process ---------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def test_a_chain_counts_each_part_and_each_restarts_repeats():
     again = np.array([0, 0, 1, 1, 0, 0, 0, 0], dtype=np.uint8)  # the first restart's repeats
     after = np.array([0, 0, 0, 0, 0, 1, 1, 1], dtype=np.uint8)
     first = {**restart(0, 1, 2, 2), "seen_before": 4, "repeated": {"count": 2, "ids": [2, 3]}}
-    got = resume_check(before, after, 0, [first, restart(0, 2, 2, 2)], again)
+    got = judge_resume(before, after, 0, [first, restart(0, 2, 2, 2)], again)
     assert got["seen_before"] == 8 and got["repeated"] == {"count": 3, "ids": [2, 3, 5]}
     assert got["skipped"]["count"] == 0 and not got["verdict"]["ok"]
     assert [r["repeated"]["ids"] for r in got["restarts"]] == [[2, 3], [5]]
@@ -139,7 +139,7 @@ def test_a_checkpoint_saved_with_the_watch_loads_without_it(tmp_path, fresh_acce
 ])
 def test_the_fill_of_a_resumed_part_is_read_from_each_ranks_last_batch(n, batch, world,
                                                                         skipped, fill):
-    from sharddemo.analysis.watch_resume import fill_ids
+    from sharddemo.analysis.entry_resume import fill_ids
 
     inner = BatchSampler(SequentialSampler(range(n)), batch, drop_last=False)
     ranks = []
@@ -158,17 +158,17 @@ def test_a_resumed_part_is_judged_on_its_repeats_only():
     repeated); 6 and 7 have not come (no skipped: the rest of the epoch may still come)."""
     before = np.array([1, 1, 1, 1, 0, 0, 0, 0], dtype=np.uint8)
     after = np.array([0, 0, 1, 1, 1, 1, 0, 0], dtype=np.uint8)
-    got = resume_check(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
+    got = judge_resume(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
     assert got["seen_before"] == 4 and got["repeated"] == {"count": 2, "ids": [2, 3]}
     assert got["skipped"] is None and not got["verdict"]["ok"]
     assert got["verdict"]["detail"].startswith("2 sample(s) delivered again after the restart "
                                                "so far")
     # 4-5 after the stop: nothing repeated yet, 6 and 7 still to come: ok
     after = np.array([0, 0, 0, 0, 1, 1, 0, 0], dtype=np.uint8)
-    got = resume_check(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
+    got = judge_resume(before, after, 0, [restart(0, 1, 2, 2)], partial=True)
     assert got["repeated"]["count"] == 0 and got["skipped"] is None and got["verdict"]["ok"]
     # the same part judged as a whole epoch: 6 and 7 skipped (unchanged)
-    whole = resume_check(before, after, 0, [restart(0, 1, 2, 2)])
+    whole = judge_resume(before, after, 0, [restart(0, 1, 2, 2)])
     assert whole["skipped"] == {"count": 2, "ids": [6, 7]} and not whole["verdict"]["ok"]
 
 

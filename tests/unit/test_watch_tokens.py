@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from sharddemo import watch
-from sharddemo.analysis.tokens import mixture_check, normalized
+from sharddemo.analysis.tokens import judge_mixture, normalized
 
 
 @settings(max_examples=60, deadline=None)
@@ -26,7 +26,7 @@ def test_a_mixture_drawn_with_its_weights_stays_inside_the_band(n, weights, seed
     million checks a source: beyond 5 sd)."""
     p = np.array(weights) / sum(weights)
     counts = np.random.default_rng(seed).multinomial(n, p)
-    check = mixture_check({str(i): int(k) for i, k in enumerate(counts)},
+    check = judge_mixture({str(i): int(k) for i, k in enumerate(counts)},
                           normalized(list(weights)))
     assert check["ok"], check
 
@@ -37,7 +37,7 @@ def test_a_mixture_off_by_ten_points_is_caught_from_five_thousand_samples(n, p, 
     """Two sources configured (p, 1 - p), drawn (p + 0.1, 0.9 - p): at n >= 5,000 the band
     (at most 5 x sqrt(n / 4) + 1, 1.8% of n) is far narrower than the 10-point shift."""
     counts = np.random.default_rng(shift_seed).multinomial(n, [p + 0.1, 0.9 - p])
-    check = mixture_check({"0": int(counts[0]), "1": int(counts[1])}, {"0": p, "1": 1 - p})
+    check = judge_mixture({"0": int(counts[0]), "1": int(counts[1])}, {"0": p, "1": 1 - p})
     assert not check["ok"]
     assert 5 * math.sqrt(n / 4) + 1 < 0.1 * n
 

@@ -1,4 +1,4 @@
-"""The watch's checks within an epoch, the judgement alone (analysis.watch_window): every
+"""The watch's checks within an epoch, the judgement alone (analysis.entry_window): every
 `check_every` steps the ranks meet once and judge the window of steps so far; literals worked
 out by hand. On real ranks: tests/ranks/test_watch_windows.py."""
 
@@ -12,7 +12,7 @@ from support.reports import entries
 from torch.utils.data import DataLoader, IterableDataset
 
 from sharddemo import watch
-from sharddemo.analysis.watch_window import judge_window
+from sharddemo.analysis.entry_window import judge_window
 
 
 def failed(entry: dict) -> set[str]:

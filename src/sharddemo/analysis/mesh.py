@@ -6,7 +6,7 @@ verdicts and the conclusion. Over every rank: what each rank received (shown sid
 its peers, labelled with its mesh coordinate), the step counts (a rank with fewer steps hangs
 its whole mesh), ragged batches, workers and what accelerator.gather returned. And the peer
 check: within each group every rank received the same batches at every step, compared id by
-id (sharddemo.mesh.peer_check)."""
+id (sharddemo.mesh.first_peer_difference)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Optional, cast
 from sharddemo.analysis.epoch import analyse_epoch, worker_shares
 from sharddemo.analysis.types import EpochRecord, LoaderDescription, Trace, TraceMode
 from sharddemo.analysis.views import EpochView, IdsEpoch, epoch_view, interleave_steps
-from sharddemo.mesh import (MeshLayout, PEER_VERDICT, accelerate_mesh_words, peer_check,
+from sharddemo.mesh import (MeshLayout, PEER_VERDICT, accelerate_mesh_words, first_peer_difference,
                             peer_verdict, project_record)
 
 # what the ranks' own view of an epoch decides on a mesh (every rank, not one per group)
@@ -74,7 +74,7 @@ def mesh_epochs(mode: str, sized: Trace, data: TraceMode,
     verdicts = []
     for e, view in zip(epochs, whole):
         every_rank(e, view, layout, loader)
-        finding = peer_check(layout, step_numbers(view))
+        finding = first_peer_difference(layout, step_numbers(view))
         e["peers_differ"] = finding
         verdicts.append(peer_verdict(mesh, finding, cast(Optional[dict], loader), e["epoch"]))
     return groups, views, epochs, verdicts

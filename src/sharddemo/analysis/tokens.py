@@ -32,7 +32,7 @@ def normalized(weights: Union[list, tuple, dict]) -> dict[str, float]:
     return {k: w / total for k, w in pairs}
 
 
-def mixture_check(counts: dict[str, int], weights: dict[str, float],
+def judge_mixture(counts: dict[str, int], weights: dict[str, float],
                   z: float = MIXTURE_Z) -> dict:
     """Each source's realized count against its weight (`weights` normalized): its expected
     count, the band n p +- (z sd + 1) and whether the count is inside; `ok` where all are."""
@@ -54,7 +54,7 @@ def mixture_check(counts: dict[str, int], weights: dict[str, float],
 
 
 def mixture_verdict(check: dict, epoch: int) -> dict:
-    """The verdict from mixture_check, its detail naming each source outside its band."""
+    """The verdict from judge_mixture, its detail naming each source outside its band."""
     bad = [r for r in check["sources"] if not r["ok"]]
     detail = "; ".join(
         (f"source {r['source']!r}: {r['samples']:,} of {check['samples']:,} samples "
@@ -167,7 +167,7 @@ def judge_tokens(parts: list[dict], weights: Optional[dict], limit: Optional[flo
                                     "weight": (weights or {}).get(name)}
                              for name, (s, t) in sorted(totals.items())}
         if weights is not None:
-            check = mixture_check({name: s for name, (s, _) in totals.items()}, weights)
+            check = judge_mixture({name: s for name, (s, _) in totals.items()}, weights)
             fields["mixture"] = check
             verdicts.append(mixture_verdict(check, epoch))
     return fields, verdicts

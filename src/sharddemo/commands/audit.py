@@ -7,11 +7,11 @@ from typing import Callable, Optional
 
 from sharddemo.analysis.keys import holds_keys, number_keys, source_keys_of
 from sharddemo.commands.launches import audit_launch, notice_size, refuse_ids_outside, report_of
-from sharddemo.commands.output import (check_files, error, large_report_notice, show,
+from sharddemo.commands.output import (validate_files, error, large_report_notice, show,
                                        wants_progress)
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, run_launch
-from sharddemo.options import AuditOptions, ResumeOptions, check_audit, mesh_world
+from sharddemo.options import AuditOptions, ResumeOptions, validate_audit, mesh_world
 from sharddemo.targets import read_keys
 
 
@@ -22,7 +22,7 @@ def audit_command(opts: AuditOptions, settings: LaunchSettings, resume: ResumeOp
     audit's with --resume-at), the report printed; exit 1 where a verdict failed."""
     from sharddemo.reportsize import what_it_lists
 
-    check_files(output, plot)
+    validate_files(output, plot)
     plan = resume.plan(opts.epochs)
     what = lambda world: what_it_lists(opts.dataset_size or 0, world, opts.epochs, opts.gather)
     notice = large_report_notice(what, fmt, output, can_count=not plot and plan is None)
@@ -61,13 +61,13 @@ def audit_run(opts: AuditOptions, settings: LaunchSettings = LaunchSettings(), *
               progress: bool = False,
               size_notice: Optional[Callable[[int, int], None]] = None) -> dict:
     """`sharddemo audit`: launch the user's factory on real ranks, then the report + verdicts.
-    Refuses what the CLI refuses (options.check_audit) before any rank starts. `size_notice`:
+    Refuses what the CLI refuses (options.validate_audit) before any rank starts. `size_notice`:
     as compare_run's."""
-    from sharddemo.targets import precheck_target
+    from sharddemo.targets import validate_target
 
-    opts = check_audit(opts, plot=plot, keep_checkpoint=keep_checkpoint,
+    opts = validate_audit(opts, plot=plot, keep_checkpoint=keep_checkpoint,
                        resume_num_processes=resume_num_processes)
-    precheck_target(opts.target, opts.framework)
+    validate_target(opts.target, opts.framework)
     if opts.mesh is not None:  # the mesh is the world (as compare_run)
         settings = dataclasses.replace(
             settings, num_processes=mesh_world(opts.mesh, settings.num_processes))

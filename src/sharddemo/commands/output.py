@@ -19,25 +19,25 @@ def error(message: str) -> None:
     click.echo(f"Error: {message}", err=True)
 
 
-def check_output(path: str, flag: str) -> None:
+def validate_output(path: str, flag: str) -> None:
     """Refuse now, before any rank starts, a `flag` file that could not be written later."""
-    from sharddemo.fileio import check_writable
+    from sharddemo.fileio import validate_writable
 
     try:
-        check_writable(path)
+        validate_writable(path)
     except OSError as exc:
         raise UsageError(f"{flag} {path} cannot be written ({exc}); pick another path") from None
 
 
-def check_files(output: Optional[str], plot: Optional[str]) -> None:
+def validate_files(output: Optional[str], plot: Optional[str]) -> None:
     """Refuse now, before any rank starts, what could not be written later."""
     if output:
-        check_output(output, "--output")
+        validate_output(output, "--output")
     if plot:
-        check_output(plot, "--plot")
-        from sharddemo.plot import check_plot_available
+        validate_output(plot, "--plot")
+        from sharddemo.plot import validate_plot_available
 
-        check_plot_available()
+        validate_plot_available()
 
 
 def show(result: dict, fmt: str, output: Optional[str], plot: Optional[str] = None) -> bool:

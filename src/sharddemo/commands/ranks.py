@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import click
 
-from sharddemo.commands.output import check_output
+from sharddemo.commands.output import validate_output
 from sharddemo.errors import UsageError
 from sharddemo.options import RunOptions, read_rank_options
 
@@ -33,7 +33,7 @@ def run_command(options_file: Optional[str], flag_options: Callable[[], RunOptio
         raise UsageError("mode resume stops and restarts launches, which only compare can do: "
                          "sharddemo compare --modes resume --dataset-size 40")
     if trace_out:
-        check_output(trace_out, "--trace-out")
+        validate_output(trace_out, "--trace-out")
     from sharddemo.rank.run import run_trace
 
     run_trace(opts, device=device, trace_out=trace_out, allow_alone=allow_alone,

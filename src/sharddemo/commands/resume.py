@@ -11,7 +11,7 @@ from sharddemo.commands.launches import (audit_launch, notice_size, refuse_ids_o
                                          report_of, run_args)
 from sharddemo.errors import UsageError
 from sharddemo.launch import LaunchSettings, make_launch, run_launch
-from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, check_audit
+from sharddemo.options import LAST, AuditOptions, ResumePlan, RunOptions, validate_audit
 
 
 def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
@@ -29,13 +29,13 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
     import shutil
     import tempfile
 
-    from sharddemo.targets import precheck_target
+    from sharddemo.targets import validate_target
     from sharddemo.analysis.resume import compare_chain, explain
 
-    opts = check_audit(opts, plot=plot, resume=plan, keep_checkpoint=keep_checkpoint)
-    precheck_target(opts.target, opts.framework)
+    opts = validate_audit(opts, plot=plot, resume=plan, keep_checkpoint=keep_checkpoint)
+    validate_target(opts.target, opts.framework)
     if keep_checkpoint:
-        _check_checkpoint_dir(keep_checkpoint)
+        _validate_checkpoint_dir(keep_checkpoint)
     checkpoint = keep_checkpoint or tempfile.mkdtemp(prefix="sharddemo-checkpoint-")
     stateful = plan.strategy == "stateful"
     last = plan.stops[-1]
@@ -79,7 +79,7 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
                 epochs = {world: reference["modes"]["audit"]["epochs"]}
                 epochs.update({size: trace["modes"]["audit"]["epochs"]
                                for size, trace in others.items()})
-                check_later_stops(plan, epochs, world)
+                validate_later_stops(plan, epochs, world)
         for index, stop in enumerate(plan.stops, start=1):
             if not launches[-1]:
                 break
@@ -115,7 +115,7 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
     return report
 
 
-def check_later_stops(plan: ResumePlan, epochs: dict[int, list[dict]], world: int) -> None:
+def validate_later_stops(plan: ResumePlan, epochs: dict[int, list[dict]], world: int) -> None:
     """Every stop after the first against its epoch's steps per rank on the world size of the
     launch that reaches it (`epochs`: {world size: the uninterrupted run's epoch records}),
     counted as that launch counts them (resumed in the same epoch: skip and stateful go on from
@@ -143,7 +143,7 @@ def check_later_stops(plan: ResumePlan, epochs: dict[int, list[dict]], world: in
                              f"{stop.epoch}:last after its last step); stop at an earlier step")
 
 
-def _check_checkpoint_dir(path: str) -> None:
+def _validate_checkpoint_dir(path: str) -> None:
     import os
 
     if os.path.exists(path) and not os.path.isdir(path):
@@ -175,7 +175,7 @@ def resume_demo_run(opts: RunOptions, settings: LaunchSettings = LaunchSettings(
             launch = make_launch(settings, {"run": opts.to_dict(), "phase": phase,
                                             "checkpoint": checkpoint, "stateful": stateful},
                                  run_args(opts), command="resume-demo-rank",
-                                 check=opts.check_split_batches)
+                                 check=opts.validate_split_batches)
             traces[phase] = run_launch(launch, timeout=opts.timeout, debug=debug)
     finally:
         shutil.rmtree(checkpoint, ignore_errors=True)

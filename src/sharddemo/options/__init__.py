@@ -11,7 +11,7 @@ below holds it:
 - run.py: RunOptions, the options of `run` and `compare`;
 - audit.py: AuditOptions, the options of `audit` (audit_target);
 - resume.py: --resume-at's chain (ResumePlan, ResumeOptions) and the resume demo's scenarios;
-- refusals.py: what needs several options to refuse (check_compare, check_audit);
+- refusals.py: what needs several options to refuse (validate_compare, validate_audit);
 - handoff.py: what a launch hands its ranks (the environment, the options file).
 """
 
@@ -27,8 +27,8 @@ from sharddemo.options.handoff import (EXPECT_ENV, NODE_ENV, PARENT_ENV, PROGRES
 from sharddemo.options.modes import (BASIC_MODES, MAP_SOURCES, MESH_MODES, MESH_PITFALL,
                                      MODE_GROUPS, MODE_HELP, MODES, PITFALL_MODES, SOURCE_HELP, SOURCES, WDS_MODES,
                                      mode_description, parse_modes)
-from sharddemo.options.refusals import (COUNTED_NO_PLOT, NO_EPOCHS_TO_PLOT, check_audit,
-                                        check_compare, check_memory, parse_size,
+from sharddemo.options.refusals import (COUNTED_NO_PLOT, NO_EPOCHS_TO_PLOT, validate_audit,
+                                        validate_compare, validate_memory, parse_size,
                                         refuse_counted_plot)
 from sharddemo.options.resume import (DEMO_WORKERS, LAST, STRATEGIES, ResumeOptions, ResumePlan,
                                       ResumeStop, demo_scenarios)
@@ -43,8 +43,8 @@ __all__ = [
     "GATHER_STRATEGIES", "LAST", "MAP_SOURCES", "MESH_MODES", "MESH_PITFALL", "MODES", "MODE_GROUPS", "MODE_HELP", "NODE_ENV",
     "NO_EPOCHS_TO_PLOT", "PARENT_ENV", "PER_BATCH_GATHER_LIMIT", "PITFALL_MODES", "PROGRESS_ENV",
     "ResumeOptions", "ResumePlan", "ResumeStop", "RunOptions", "SOURCES", "SOURCE_HELP",
-    "STATUS_ENV", "STRATEGIES", "WDS_MODES", "audit_target", "check_audit", "check_compare",
-    "check_memory", "code_width", "command_line", "counted", "counter_bytes", "demo_scenarios",
+    "STATUS_ENV", "STRATEGIES", "WDS_MODES", "audit_target", "validate_audit", "validate_compare",
+    "validate_memory", "code_width", "command_line", "counted", "counter_bytes", "demo_scenarios",
     "from_dict", "mesh_of", "mesh_world", "mode_description", "option", "parse_modes", "parse_size", "per_rank_batch",
     "read_rank_options", "refuse_counted_plot", "write_rank_options",
 ]

@@ -31,7 +31,7 @@ def parse_size(text: str, option: str) -> int:
     return int(value * 1024 ** "KMGT".index(unit) * 1024)
 
 
-def check_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
+def validate_memory(opts: RunOptions, world: Optional[int], limit: int) -> None:
     """One Error line before any rank starts when the ids would not fit in `limit` bytes."""
     n = opts.dataset_size
     is_counted = counted(opts.gather, n)
@@ -55,19 +55,19 @@ def refuse_counted_plot(gather: str, n: Optional[int]) -> None:
         raise UsageError(COUNTED_NO_PLOT)
 
 
-def check_compare(opts: RunOptions, *, world: Optional[int] = None, plot: bool = False,
+def validate_compare(opts: RunOptions, *, world: Optional[int] = None, plot: bool = False,
                   max_memory: Optional[str] = None) -> None:
     """What `compare` refuses beyond RunOptions.validate: --max-memory too small, --plot of a
     resume demo or of a counted run."""
     if max_memory is not None:
-        check_memory(opts, world, parse_size(max_memory, "--max-memory"))
+        validate_memory(opts, world, parse_size(max_memory, "--max-memory"))
     if plot:
         if "resume" in opts.modes:
             raise UsageError(NO_EPOCHS_TO_PLOT)
         refuse_counted_plot(opts.gather, opts.dataset_size)
 
 
-def check_audit(opts: AuditOptions, *, plot: bool = False,
+def validate_audit(opts: AuditOptions, *, plot: bool = False,
                 resume: Optional[ResumePlan] = None, keep_checkpoint: Optional[str] = None,
                 resume_num_processes: Optional[str] = None) -> AuditOptions:
     """What `audit` refuses beyond AuditOptions.validate; returns the options the launch runs

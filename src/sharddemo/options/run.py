@@ -174,7 +174,7 @@ class RunOptions:
                              "path keeps no batches (--gather count, or auto from 1,000,000 "
                              "samples): pass --gather epoch")
 
-    def check_split_batches(self, world: int) -> "RunOptions":
+    def validate_split_batches(self, world: int) -> "RunOptions":
         """Refuse --split-batches where the batch size does not divide by the world size (the
         one check that needs the world size: make_launch asks it before any rank starts, each
         rank again with the world it is in)."""

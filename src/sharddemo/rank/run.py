@@ -184,7 +184,7 @@ def run_trace(opts: RunOptions, *, device: str = "auto", say: Optional[Callable[
 
     with rank_session(device, opts.timeout, allow_alone=allow_alone) as session:
         accelerator = session.accelerator
-        opts.check_split_batches(accelerator.num_processes)
+        opts.validate_split_batches(accelerator.num_processes)
         world = accelerator.num_processes
         state = accelerator.state
         backend = getattr(state, "backend", None) or "none"

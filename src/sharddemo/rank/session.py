@@ -55,7 +55,7 @@ def make_accelerator(device: str, timeout: float):
     return Accelerator(cpu=(device == "cpu"), kwargs_handlers=handlers)
 
 
-def check_not_alone(num_processes: int, env: Optional[dict] = None) -> None:
+def validate_not_alone(num_processes: int, env: Optional[dict] = None) -> None:
     """Stop when the launcher asked for several processes but this one finds itself alone.
 
     That is the silent trap of `accelerate launch --cpu --num_processes 2` and of a
@@ -235,13 +235,13 @@ def rank_session(device: str, timeout: float, *, allow_alone: bool = False):
     """Run a rank command the one way: set up, check the world, and always tear down.
 
     An Accelerator with a short process-group timeout (make_accelerator), the check that this
-    process is not alone where the launcher asked for several (check_not_alone; `allow_alone` skips
+    process is not alone where the launcher asked for several (validate_not_alone; `allow_alone` skips
     it for `sharddemo trap`), and on any way out the end of training and of the process group
     (teardown)."""
     accelerator = make_accelerator(device, timeout)
     try:
         if not allow_alone:
-            check_not_alone(accelerator.num_processes)
+            validate_not_alone(accelerator.num_processes)
         yield RankSession(accelerator)
     finally:
         teardown(accelerator)

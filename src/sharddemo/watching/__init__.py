@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence, Union
 from sharddemo.errors import ShardingViolation
 from sharddemo.rank.collect import guard_forks
 from sharddemo.watching.hooks import attach, checkpoint, follow
-from sharddemo.watching.lineage import LineageWriter, check_lineage_folder
+from sharddemo.watching.lineage import LineageWriter, validate_lineage_folder
 from sharddemo.watching.state import ON_VIOLATION, WatchState
 from sharddemo.watching.step_windows import CHECK_EVERY
 
@@ -108,7 +108,7 @@ def watch(loader, accelerator=None, *, name: str = "train",
         loader.close()               # the epoch stopped in is reported (partial)
         accelerator.end_training()
     """
-    check_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
+    validate_arguments(loader, accelerator, name=name, report=report, id_field=id_field,
                     on_violation=on_violation)
     if isinstance(check_every, str) and check_every != "auto":
         raise ValueError("sharddemo.watch: check_every must be 'auto' (the default: windows "
@@ -122,16 +122,16 @@ def watch(loader, accelerator=None, *, name: str = "train",
                       else "the number of samples, at least 1")
             raise ValueError(f"sharddemo.watch: {label} must be {wanted} or None, got {value!r}")
     if lineage is not None:
-        check_lineage_folder(lineage)
+        validate_lineage_folder(lineage)
     place = mesh_place(accelerator, mesh, data_dims)
-    measure = check_measures(tokens, sources, weights, max_token_skew)
+    measure = validate_measures(tokens, sources, weights, max_token_skew)
     return watch_loader(loader, accelerator, name=name, report=report, id_field=id_field,
                         on_violation=on_violation, check_every=check_every,
                         dataset_size=dataset_size, lineage=lineage, mesh=place,
                         measure=measure)
 
 
-def check_measures(tokens, sources, weights, max_token_skew) -> Optional[dict]:
+def validate_measures(tokens, sources, weights, max_token_skew) -> Optional[dict]:
     """tokens=, sources=, weights=, max_token_skew= checked (one error naming the argument),
     as the watch keeps them; None where none is given."""
     def field(value) -> bool:
@@ -196,7 +196,7 @@ def mesh_place(accelerator, mesh, data_dims):
     return read_mesh(mesh, data_dims, world), rank
 
 
-def check_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
+def validate_arguments(loader, accelerator, *, name, report, id_field, on_violation) -> None:
     """Check watch()'s arguments when it is called: one error naming the argument.
 
     So that a mistake stops the script before its first step (never at an epoch's end, hours
@@ -246,10 +246,10 @@ def check_arguments(loader, accelerator, *, name, report, id_field, on_violation
                         "batch that is the ids) or an int (a tuple position), got "
                         f"{type(id_field).__name__} {id_field!r:.40}")
     if report is not None:
-        check_report(report, accelerator)
+        validate_report(report, accelerator)
 
 
-def check_report(report, accelerator) -> None:
+def validate_report(report, accelerator) -> None:
     """Check that the report file can be appended to.
 
     Its folder is made (by the main process, which writes it) if it does not exist; a folder in
@@ -304,7 +304,7 @@ def watch_loader(loader, accelerator=None, *, name: str, report: Optional[str], 
     `role` "eval" adds the eval verdict (eval-counts-each-sample-once); `start_epoch` numbers
     the first epoch (a resumed run); `lineage`: the folder of the lineage writer (checked by the
     caller); `mesh`: (sharddemo.mesh.MeshLayout, this rank) on a device mesh (mesh_place);
-    `measure`: the tokens and sources to count (check_measures)."""
+    `measure`: the tokens and sources to count (validate_measures)."""
     if getattr(loader, "__dict__", {}).get("_sharddemo_watch") is not None:
         return loader  # watched already (a callback called twice)
     shared = ray_watch(loader)

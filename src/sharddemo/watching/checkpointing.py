@@ -4,7 +4,7 @@ rank and the main process writes the state; the Trainer's and Lightning's callba
 watched loader's own state_dict() / load_state_dict(), under the key WATCH_KEY, for loops that
 checkpoint the loader itself), and what `load_state_dict()` takes back: the epoch, the samples
 delivered before the stop, the epoch's chain of restarts, the topology the state was saved on
-(analysis/watch_resume.py judges the resumed epoch with them).
+(analysis/entry_resume.py judges the resumed epoch with them).
 
 Checkpointing is a part of WatchState (watching/state.py), kept here: its methods read and set
 the watch's own attributes (epoch, previous, loaded, before, again, restarts, steps_before,
@@ -50,7 +50,7 @@ class Checkpointing:
 
     def place_now(self) -> dict:
         """state_dict(), computed."""
-        from sharddemo.analysis.watch_resume import id_list
+        from sharddemo.analysis.entry_resume import id_list
 
         if not self.closed and not self.finished and self.at_edge():
             return self.state_at_edge()
@@ -137,7 +137,7 @@ class Checkpointing:
     def resumed_without_state(self, why: str) -> None:
         """A resume from a checkpoint without (usable) watch state: the part of the epoch
         before the stop is unknown; the rest is judged (no missing verdict for the epoch)."""
-        from sharddemo.analysis.watch_resume import restart
+        from sharddemo.analysis.entry_resume import restart
 
         if self.ranks.is_main_process:
             warnings.warn(f"sharddemo.watch: {self.name}: resumed from a checkpoint without the "
@@ -153,7 +153,7 @@ class Checkpointing:
         the open epoch delivered before the stop, its chain of restarts), or, saved after the
         epoch's last step, the next epoch starts. A state that is not this loader's is said
         once and the resume judged without it (resumed_without_state)."""
-        from sharddemo.analysis.watch_resume import restart
+        from sharddemo.analysis.entry_resume import restart
 
         problem = self.foreign(state)
         if problem:
@@ -249,6 +249,6 @@ class Checkpointing:
 
     def note_restart(self, **facts) -> None:
         """What the framework did at the open epoch's last restart, for its words
-        (analysis.watch_line.restart_words): Lightning's `from_start`."""
+        (analysis.entry_line.restart_words): Lightning's `from_start`."""
         if self.restarts:
             self.restarts[-1].update(facts)

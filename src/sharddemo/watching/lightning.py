@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from sharddemo.watching import check_measures, watch_loader
-from sharddemo.watching.lineage import check_lineage_folder
+from sharddemo.watching import validate_measures, watch_loader
+from sharddemo.watching.lineage import validate_lineage_folder
 
 try:  # what most users have
     from pytorch_lightning import Callback as _PLCallback
@@ -84,10 +84,10 @@ class LightningWatch(*_BASES):
                  weights: Any = None, max_token_skew: Optional[float] = None) -> None:
         super().__init__()
         if lineage is not None:
-            check_lineage_folder(lineage)
+            validate_lineage_folder(lineage)
         self.lineage = lineage
         # tokens=, sources=, weights=, max_token_skew=: as watch()'s, for the train loader
-        self.measure = check_measures(tokens, sources, weights, max_token_skew)
+        self.measure = validate_measures(tokens, sources, weights, max_token_skew)
         self.report = report
         self.on_violation = on_violation
         self.train_states: list = []  # the train loaders' watches (the checkpoint's part)

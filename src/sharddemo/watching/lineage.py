@@ -37,7 +37,7 @@ FLUSH_BATCHES = 256
 FLUSH_IDS = 1 << 20  # 8 MB of int64 ids on the device at most
 
 
-def check_lineage_folder(lineage) -> None:
+def validate_lineage_folder(lineage) -> None:
     """Check watch()'s `lineage=`: a folder this rank can write its file in.
 
     Made if missing."""

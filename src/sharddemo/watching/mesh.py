@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sharddemo.mesh import MeshLayout, layout_of, peer_check
+from sharddemo.mesh import MeshLayout, layout_of, first_peer_difference
 
 
 def read_mesh(mesh, data_dims, world: int) -> MeshLayout:
@@ -107,7 +107,7 @@ def peer_exchange(ranks, layout: MeshLayout, log: PeerLog,
     """Peers compared, on every rank alike: where every rank's chain (exchanged here, or given
     in `chains`, by rank) equals its group's first rank's, None with no more exchange; else
     every rank's hashes are exchanged once and the first difference returned
-    (sharddemo.mesh.peer_check)."""
+    (sharddemo.mesh.first_peer_difference)."""
     from sharddemo.rank.collect import collective, exchange_ints, exchange_objects
 
     if chains is None:
@@ -122,4 +122,4 @@ def peer_exchange(ranks, layout: MeshLayout, log: PeerLog,
         collective(dist.all_gather_object, hashes, mine)
     else:
         hashes = exchange_objects(ranks, mine)
-    return peer_check(layout, hashes)
+    return first_peer_difference(layout, hashes)

@@ -1,6 +1,6 @@
 """The watch's state on one rank (WatchState): the ranks it exchanges with (an Accelerator, or
 torch.distributed alone), the epoch count, the passes of the loader, and the epoch's end: one
-exchange, the judgement (analysis.watch), the line and the report; then the run's close, and
+exchange, the judgement (analysis.entry), the line and the report; then the run's close, and
 the exit handler for a watch the loop left open.
 
 WatchState's other jobs each have a module of their own:
@@ -97,7 +97,7 @@ class WatchState(Checkpointing, Recording):
         # (main process; from the checkpoint, see state_dict)
         self.before: Optional[np.ndarray] = None
         self.loaded = False
-        # the open epoch's chain of restarts (analysis.watch_resume.restart), oldest first; the
+        # the open epoch's chain of restarts (analysis.entry_resume.restart), oldest first; the
         # samples an earlier restart of the chain repeated; the main process's steps in the
         # epoch before the last restart; a resume from a checkpoint without the watch's state
         self.restarts: list[dict] = []
@@ -169,10 +169,10 @@ class WatchState(Checkpointing, Recording):
         """The ranks the counts are over: the data-parallel groups on a mesh, else every rank."""
         return self.mesh.data_size if self.mesh is not None else self.ranks.num_processes
 
-    def check_peers(self, chains=None):
+    def compare_peers(self, chains=None):
         """On a mesh of several ranks, the peer check of the epoch so far (one small exchange,
         every rank alike): None where every peer received the same batches, else the first
-        difference (sharddemo.mesh.peer_check). None off a mesh."""
+        difference (sharddemo.mesh.first_peer_difference). None off a mesh."""
         from sharddemo.watching.mesh import peer_exchange
 
         if self.mesh is None or self.ranks.num_processes == 1:
@@ -330,7 +330,7 @@ class WatchState(Checkpointing, Recording):
         windows.next_epoch(resumed=self.before is not None)
         raising = self.on_violation == "raise"
         everywhere = self.recorder.delivers_everywhere
-        peers = self.check_peers()
+        peers = self.compare_peers()
         measured = self.token_parts()
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
         if self.peer_log is not None:
@@ -374,13 +374,13 @@ class WatchState(Checkpointing, Recording):
     def judge(self, record: dict, partial: bool = False, ranks=None,
               peers: Optional[dict] = None, tokens: Optional[list] = None,
               split: int = 0) -> dict:
-        """The record -> the report's entry and verdicts (analysis.watch, as `audit`). A
+        """The record -> the report's entry and verdicts (analysis.entry, as `audit`). A
         partial epoch's order is not compared; a resumed one is checked against what came
         before the stop as far as it went (the samples repeated so far; none is called
         skipped: its rest may still come). `ranks`: the main process alone (close_alone):
         its part holds no other rank's, so no resume check. `split`: the samples split
         across two packed rows (counted once: rank.ids.Packs)."""
-        from sharddemo.analysis.watch import judge_epoch
+        from sharddemo.analysis.entry import judge_epoch
         from sharddemo.rank.session import trace_header
 
         present = record.pop("_present", None)
@@ -517,7 +517,7 @@ class WatchState(Checkpointing, Recording):
         entry = self.judge(record, partial=True, ranks=MainAlone() if world > 1 else None,
                            split=self.packs.reset())
         if world > 1:
-            from sharddemo.analysis.watch import main_only_entry
+            from sharddemo.analysis.entry import main_only_entry
 
             entry = main_only_entry(entry, world, why)
         self.entries.append(entry)

@@ -1,7 +1,7 @@
 """The windows of steps within an epoch (watch's check_every): every so many steps the ranks
 exchange one row each (their figures and the first ids of their window) in one all-gather,
 started in the background and judged WINDOW_LAG batches later, the same on every rank
-(analysis/watch_window.py), so that a replicated loader is named within the first steps of a
+(analysis/entry_window.py), so that a replicated loader is named within the first steps of a
 run rather than at the epoch's end. Not analysis/windows.py, which is about gradient
 accumulation's windows.
 
@@ -315,8 +315,8 @@ class StepWindows:
         self.keep_within(heads, pending["first"], pending["last"])
         self.judge(heads, ids, pending["first"], pending["last"])
 
-    def check(self, done: int) -> list[dict]:
-        """A window's exchange, waited for, and its judgement (analysis.watch_window), the
+    def meet(self, done: int) -> list[dict]:
+        """A window's exchange, waited for, and its judgement (analysis.entry_window), the
         same on every rank: a failing window prints its line at once and is a report entry
         (each failing verdict once an epoch); with on_violation="raise" every rank raises
         here."""
@@ -331,7 +331,7 @@ class StepWindows:
         """Judge one exchange (the same heads and ids on every rank). Checked at: the step
         after the last any rank took, plus WINDOW_LAG where a rank was still running (its
         exchange was started in the background and waited for that many batches later)."""
-        from sharddemo.analysis.watch_window import judge_window
+        from sharddemo.analysis.entry_window import judge_window
 
         watch = self.watch
         errors = [r for r, h in enumerate(heads) if h["error"]]
@@ -347,7 +347,7 @@ class StepWindows:
             from sharddemo.mesh import PEER_VERDICT
 
             if PEER_VERDICT not in self.reported:
-                peers = watch.check_peers(chains=[h["chain"] for h in heads])
+                peers = watch.compare_peers(chains=[h["chain"] for h in heads])
             mesh = watch.mesh.describe()
             reps = watch.mesh.representatives()
             heads, ids = [heads[r] for r in reps], [ids[r] for r in reps]
@@ -371,6 +371,6 @@ class StepWindows:
         run closes): it answers the others' window exchanges until every rank is done, so that
         no rank still iterating is left waiting in a collective. Returns the last heads."""
         while True:
-            heads = self.check(done)
+            heads = self.meet(done)
             if all(h["done"] for h in heads):
                 return heads

@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
 
-from sharddemo.watching import check_measures, watch_loader
+from sharddemo.watching import validate_measures, watch_loader
 from sharddemo.watching.hooks import attach
-from sharddemo.watching.lineage import check_lineage_folder
+from sharddemo.watching.lineage import validate_lineage_folder
 from sharddemo.watching.state import WatchState
 
 
@@ -123,10 +123,10 @@ class TrainerWatch(TrainerCallback):
                  lineage: Optional[str] = None, tokens: Any = None, sources: Any = None,
                  weights: Any = None, max_token_skew: Optional[float] = None) -> None:
         if lineage is not None:
-            check_lineage_folder(lineage)
+            validate_lineage_folder(lineage)
         self.lineage = lineage
         # tokens=, sources=, weights=, max_token_skew=: as watch()'s, for the train loader
-        self.measure = check_measures(tokens, sources, weights, max_token_skew)
+        self.measure = validate_measures(tokens, sources, weights, max_token_skew)
         self.report = report
         self.on_violation = on_violation
         self.trainer: Optional[Trainer] = None

@@ -1,8 +1,8 @@
 """The watch's judgement of a resumed epoch, pure (no torch): which samples the part after a
-restart delivered again and which no part delivered (resume_check), the loader's own fill
+restart delivered again and which no part delivered (judge_resume), the loader's own fill
 told apart from a repeat (fill_ids, padding_ids), why a resume does not continue where it
 stopped (restart_cause, replay_cause), and a restart as the report keeps it (restart). Used by
-analysis/watch.py's judge_epoch and by the watch's checkpoint (watching/checkpointing.py). Not
+analysis/entry.py's judge_epoch and by the watch's checkpoint (watching/checkpointing.py). Not
 `audit --resume-at`'s comparison of launches: that is analysis/resume.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from sharddemo.analysis.watch_line import FILL_BY, changes_said, restart_words
+from sharddemo.analysis.entry_line import FILL_BY, changes_said, restart_words
 
 
 # why a resumed run does not continue where it stopped, where the loader's description names
@@ -32,7 +32,7 @@ def prepared_random_sampler(description: dict) -> bool:
 
 
 def restart_cause(description: dict, epoch: int, last: Optional[dict] = None) -> str:
-    """Why a resumed epoch repeats or skips samples (resume_check's `cause`), from what the
+    """Why a resumed epoch repeats or skips samples (judge_resume's `cause`), from what the
     restart did (`last`: the epoch's last restart) and what the loader is: never a cause the
     script may not have (a seed it set, a set_epoch it calls). A changed number of ranks, or a
     loop that skipped nothing of the steps taken before the stop, comes first: either alone
@@ -78,7 +78,7 @@ def replay_cause(description: dict) -> str:
             "use_stateful_dataloader)")
 
 
-def resume_check(before: np.ndarray, after: np.ndarray, epoch: int,
+def judge_resume(before: np.ndarray, after: np.ndarray, epoch: int,
                  restarts: Optional[list] = None,
                  again: Optional[np.ndarray] = None,
                  fill: Optional[np.ndarray] = None,
@@ -147,7 +147,7 @@ def restart(epoch: int, step: Optional[int], saved_on: Optional[int],
     process, in the epoch, over the whole chain) where the checkpoint was saved, on how many
     ranks it was saved and resumed; `at_edge`: saved after the epoch's last step (the run
     resumes with the next epoch). `seen_before` and `repeated` are filled as the epoch goes on
-    (resume_check); `skipped_batches`, by the resumed loader (skip_first_batches)."""
+    (judge_resume); `skipped_batches`, by the resumed loader (skip_first_batches)."""
     out = {"epoch": epoch, "step": step, "saved_on": saved_on, "resumed_on": resumed_on,
            "seen_before": None, "repeated": None, "skipped_batches": None}
     if at_edge:

@@ -1,7 +1,7 @@
 """The watch's line in words, pure (no torch): an epoch's report entry -> the one line
 `sharddemo.watch` prints for it (watch_line; partial_line for a part of an epoch), and how a
 resumed epoch's restarts are said in it (restart_words, restarts_said). The judgement that
-fills the entry is analysis/watch.py; a resumed epoch's, analysis/watch_resume.py."""
+fills the entry is analysis/entry.py; a resumed epoch's, analysis/entry_resume.py."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def partial_resume_words(resumed: Optional[dict]) -> str:
 
 
 # whose fill a restart's fill is where it does not say (saved before `by` was kept), and the
-# default of resume_check
+# default of judge_resume
 FILL_BY = "accelerate's even_batches"
 
 

@@ -1,9 +1,9 @@
 """The watch's judgement, pure (no torch): an epoch's record from the ranks -> the report
 entry that `sharddemo.watch` prints as one line and appends to its JSON-lines report
 (docs/watch.md, docs/watch.schema.json). The same analysis as `audit` (build_report), plus
-what only a watch knows: a resume from its checkpoint (judged in analysis/watch_resume.py),
-and the epoch numbers of a real run. The line's words are analysis/watch_line.py's; a window
-of steps within the epoch is judged in analysis/watch_window.py.
+what only a watch knows: a resume from its checkpoint (judged in analysis/entry_resume.py),
+and the epoch numbers of a real run. The line's words are analysis/entry_line.py's; a window
+of steps within the epoch is judged in analysis/entry_window.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 
 from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.tokens import judge_tokens
-from sharddemo.analysis.watch_line import partial_line, plural, watch_line
-from sharddemo.analysis.watch_resume import (fill_ids, fill_source, replay_cause,
-                                             restart_cause, resume_check, unknown_resume)
+from sharddemo.analysis.entry_line import partial_line, plural, watch_line
+from sharddemo.analysis.entry_resume import (fill_ids, fill_source, replay_cause,
+                                             restart_cause, judge_resume, unknown_resume)
 from sharddemo.analysis.types import EpochRecord, LoaderDescription, Trace
 from sharddemo.record import largest_id, loader_share
 from sharddemo.mesh import explain_on_mesh, peer_verdict
@@ -84,14 +84,14 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
 
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
     data-parallel group (its first), numbered by group, and `header` their count; `peers` is
-    sharddemo.mesh.peer_check's finding (None: every peer received the same batches).
+    sharddemo.mesh.first_peer_difference's finding (None: every peer received the same batches).
     `tokens`: each data-parallel group's token and source sums (watch's tokens= / sources=),
     judged by analysis.tokens with `weights` and `max_token_skew`.
 
     `before`/`present`: how many ranks received each sample before a checkpoint's stop and
     after the restart (a resumed epoch); `loaded`: the first epoch after a checkpoint was
     loaded (its order is compared with the checkpoint's epoch); `unattributed`: batches whose
-    indices were not noted. `restarts`, `again`: the epoch's chain of restarts (resume_check);
+    indices were not noted. `restarts`, `again`: the epoch's chain of restarts (judge_resume);
     `unknown_before`: resumed from a checkpoint without the watch's state, so the part before
     the stop is unknown: no missing verdict, the rest judged. `partial`: the loop stopped
     before the epoch's end (see partial_entry); a resumed part carries `resume` too, with the
@@ -132,7 +132,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             and (again is None or not again.any())):
         # restarted before the epoch's first step (a save after the previous epoch, or after
         # its last step): nothing came before, the epoch is judged as any other
-        resume = resume_check(before, present, epoch, restarts, again)
+        resume = judge_resume(before, present, epoch, restarts, again)
         resume.pop("verdict")
         # (a part: the rest of the epoch may still come, so nothing is called skipped)
         resume["skipped"] = (None if partial else
@@ -146,7 +146,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             (last.get("step") or 0) if last.get("loader_state") else 0)
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
-        resume = resume_check(before, present, epoch, restarts, again, fill,
+        resume = judge_resume(before, present, epoch, restarts, again, fill,
                               fill_by=fill_source(description), partial=partial,
                               cause=restart_cause(description, epoch,
                                                   (restarts or [{}])[-1]))

@@ -1,7 +1,7 @@
 """The watch's check of a window of steps, pure (no torch).
 
 What a part of an epoch can already show, judged from one exchange in which every rank sent its
-figures and the ids it received in the window (sharddemo.watching.step_windows.StepWindows.check).
+figures and the ids it received in the window (sharddemo.watching.step_windows.StepWindows.meet).
 
 Two ranks, a stream that every rank reads whole, windows of 50 steps of 8: at step 51 both ranks
 send ids 0..399 (judged a batch later, at step 52: the exchange runs in the background meanwhile);
@@ -23,8 +23,8 @@ import numpy as np
 from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.reasons import draws_repeat
 from sharddemo.analysis.types import LoaderDescription
-from sharddemo.analysis.watch import WATCH_SCHEMA, out_of_range_detail
-from sharddemo.analysis.watch_line import plural
+from sharddemo.analysis.entry import WATCH_SCHEMA, out_of_range_detail
+from sharddemo.analysis.entry_line import plural
 from sharddemo.analysis.tokens import token_summary
 from sharddemo.mesh import explain_on_mesh, peer_verdict
 
