@@ -156,28 +156,36 @@ def first_peer_difference(layout: MeshLayout, hashes: list[list[int]]) -> Option
     """Replica peers against their group's first rank, from every rank's per-step hashes
     (`hashes[r]`: rank r's, one per step of the epoch or window): None where every peer
     received the same batches at every step, else the first difference found (the lowest
-    step, then the lowest group and rank): {"step", "rank", "peer", "dims", "group", "said"}."""
+    step, then the lowest group and rank): {"step", "rank", "peer", "dims", "group", "groups",
+    "said"}. `step` counts from 0 within the epoch; `said` counts from 1, as the watch's window
+    lines do; `groups`: how many data-parallel groups hold peers that differ."""
     best: Optional[tuple[int, int, int, list[str]]] = None  # step, rank, peer, dims
+    differing = 0
     for group in layout.groups():
         first = group[0]
+        found_here = False
         for other in group[1:]:
             step = first_difference(hashes[first], hashes[other])
             if step is None:
                 continue
+            found_here = True
             if best is None or step < best[0]:
                 differ = [d for d in layout.replica_dims
                           if layout.coords[first][layout.dims.index(d)]
                           != layout.coords[other][layout.dims.index(d)]]
                 best = (step, first, other, differ)
+        differing += found_here
     if best is None:
         return None
     step, rank, peer, dims = best
     where = layout.place(rank, layout.data_dims) or "one data group"
-    said = (f"{'/'.join(dims)} peers ({where}) differ from step {step}: rank {rank} "
+    more = (f" (and peers in {differing - 1} more data-parallel group"
+            f"{'s' if differing > 2 else ''} differ too)" if differing > 1 else "")
+    said = (f"{'/'.join(dims)} peers ({where}) differ from step {step + 1}: rank {rank} "
             f"({layout.place(rank)}) and rank {peer} ({layout.place(peer)}) received different "
-            "batches")
+            f"batches{more}")
     return {"step": step, "rank": rank, "peer": peer, "dims": dims,
-            "group": layout.data_index(rank), "said": said}
+            "group": layout.data_index(rank), "groups": differing, "said": said}
 
 
 # the verdict on a mesh: within each data-parallel group, every rank received the same batches

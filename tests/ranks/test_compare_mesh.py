@@ -89,7 +89,7 @@ def test_compare_on_a_dp_tp_mesh(tmp_path):
     failed = modes["world-sampler"]["peers"]
     assert [v["ok"] for v in failed] == [False, False]
     assert failed[0]["detail"].startswith(
-        "tp peers (dp=0) differ from step 0: rank 0 (dp=0, tp=0) and rank 1 (dp=0, tp=1)")
+        "tp peers (dp=0) differ from step 1: rank 0 (dp=0, tp=0) and rank 1 (dp=0, tp=1)")
     assert "splits over all 4 ranks" in failed[0]["detail"]
     assert any("world-sampler epoch 0: peers-receive-the-same-batches" in p
                for p in report["broken_promises"])
@@ -140,7 +140,7 @@ def test_compare_on_a_cp_first_mesh_with_workers():
         # counted by ranks 0 and 1 (the groups' first), which accelerate gave the same half
         assert e["seen"] == 8 and e["unique"] == 4 and e["missing"] == [2, 3, 6, 7]
     assert prepared["peers"][0]["detail"].startswith(
-        "cp peers (dp_shard=0) differ from step 0: rank 0 (cp=0, dp_shard=0) and rank 2 "
+        "cp peers (dp_shard=0) differ from step 1: rank 0 (cp=0, dp_shard=0) and rank 2 "
         "(cp=1, dp_shard=0)")
     assert "rank // (cp)" in prepared["note"] and "ordered (cp, dp_shard)" in prepared["note"]
 
@@ -158,7 +158,7 @@ def test_audit_on_a_mesh_gives_the_factory_the_mesh(tmp_path, monkeypatch):
     verdicts = {v["verdict"]: v for v in report["modes"]["audit"]["verdicts"] if v["epoch"] == 0}
     peers = verdicts["peers-receive-the-same-batches"]
     assert not peers["ok"] and peers["detail"].startswith(
-        "tp peers (dp_shard=0) differ from step 0: rank 0 (dp_shard=0, tp=0) and rank 1 "
+        "tp peers (dp_shard=0) differ from step 1: rank 0 (dp_shard=0, tp=0) and rank 1 "
         "(dp_shard=0, tp=1)")
     # counted by ranks 0 and 2: DistributedSampler(12, 4 replicas) gives them 0 4 8 and 2 6 10
     e = report["modes"]["audit"]["epochs"][0]

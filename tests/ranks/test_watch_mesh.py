@@ -62,21 +62,24 @@ def truth(logs, case: str, epoch: int) -> dict:
     for rank in sorted(got):
         key = tuple(v for d, v in where[rank].items() if d in DATA_NAMES)
         groups.setdefault(key, []).append(rank)
-    firsts, differ = [], None
+    firsts, differ, differing = [], None, 0
     for key in sorted(groups):
         members = groups[key]
         first = next(r for r in members
                      if all(v == 0 for d, v in where[r].items() if d not in DATA_NAMES))
         firsts.append(first)
+        apart = False
         for other in members:
             a, b = got[first], got[other]
             step = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y),
                         None if len(a) == len(b) else min(len(a), len(b)))
+            apart = apart or step is not None
             if step is not None and (differ is None or step < differ[0]):
                 differ = (step, first, other)
+        differing += apart
     ids = [i for r in firsts for batch in got[r] for i in batch]
     return {"groups": len(groups), "seen": len(ids), "unique": len(set(ids)), "differ": differ,
-            "firsts": firsts, "got": got, "where": where}
+            "differing": differing, "firsts": firsts, "got": got, "where": where}
 
 
 def epoch_entries(entries, case: str) -> list[dict]:
@@ -101,8 +104,12 @@ def check_case(logs, entries, case: str) -> list[dict]:
         assert v["ok"] == (t["differ"] is None), (case, v)
         if t["differ"] is not None:
             step, first, other = t["differ"]
-            assert f"differ from step {step}: rank {first} (" in v["detail"]
+            # (the sentence counts the epoch's steps from 1, as the window lines do)
+            assert f"differ from step {step + 1}: rank {first} (" in v["detail"]
             assert f"and rank {other} (" in v["detail"]
+            assert e["mesh"]["peers_differ"]["groups"] == t["differing"]
+            more = t["differing"] - 1
+            assert (f"(and peers in {more} more data-parallel group" in v["detail"]) == (more > 0)
     return got
 
 
@@ -134,7 +141,7 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
         assert all(e["ok"] and e["unique"] == N for e in got), got
     world = check_case(logs, entries, "world")
     assert all("splits over all 4 ranks" in peer(e)["detail"] for e in world)
-    assert "tp peers (dp=0) differ from step 0" in peer(world[0])["detail"]
+    assert "tp peers (dp=0) differ from step 1" in peer(world[0])["detail"]
     batch = check_case(logs, entries, "batch")
     assert not any(peer(e)["ok"] for e in batch)
     # accelerate's prepare_data_loader splits over dims named dp_replicate/dp_shard only: a
@@ -179,7 +186,7 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
             for r in g["ranks"]:
                 by_batch.setdefault(str(t["got"][r][step % 3]), []).append(r)
             assert g["alike"] == list(by_batch.values())
-        # (the planted fault: the tp=1 peers' batches of 2 differ from step 0)
+        # (the planted fault: the tp=1 peers' batches of 2 differ from the first step)
         assert all(g["same"] for g in shown["mesh"]["peers"]) == (case != "batch")
         text = sharddemo(["lineage", str(tmp_path / f"lineage-{case}"), "--step",
                           str(step)]).stdout
@@ -193,7 +200,7 @@ def test_eight_ranks_on_a_2x2x2_mesh_cp_peers_shuffled_apart_are_named(tmp_path)
                                               "seeds:dp,cp,tp:2,2,2:seeds:0"])
     assert all(e["ok"] for e in check_case(logs, entries, "ok"))
     seeds = check_case(logs, entries, "seeds")
-    assert all(peer(e)["detail"].startswith("cp peers (dp=0) differ from step 0") for e in seeds)
+    assert all(peer(e)["detail"].startswith("cp peers (dp=0) differ from step 1") for e in seeds)
     assert all(e["mesh"]["dims"] == {"dp": 2, "cp": 2, "tp": 2} for e in seeds)
 
 

@@ -122,3 +122,22 @@ def test_a_failing_window_carries_each_groups_tokens_so_far(launched):
     per_group = [sum(sum(r["tokens"]) for r in rows(logs, "sftworld", 0, [rank])[:last])
                  for _, rank in firsts]
     assert window["tokens"]["per_group"] == per_group
+
+
+def test_a_resumed_epochs_tokens_count_what_came_before_the_stop(launched):
+    """sftresume: every rank saved its StatefulDataLoader's state after 3 steps of epoch 0 and
+    a fresh watched loader took the rest. The resumed epoch's tokens and supervised tokens are
+    those of every row the groups' first ranks (0 and 2) received, before the stop and after
+    it, as the epoch's samples are (before: only the part after the restart)."""
+    logs, entries, _ = launched
+    [entry] = [e for e in epochs(entries, "sftresume") if e.get("resume")
+               and not e.get("partial")]
+    got = rows(logs, "sftresume", 0, ranks=(0, 2))
+    assert [r["step"] for r in rows(logs, "sftresume", 0, ranks=(0,))] == list(range(
+        len(rows(logs, "sftresume", 0, ranks=(0,)))))
+    assert entry["seen"] == sum(len(r["ids"]) for r in got)
+    per_group = [sum(t for r in rows(logs, "sftresume", 0, ranks=(first,)) for t in r["tokens"])
+                 for first in (0, 2)]
+    assert entry["tokens"]["per_group"] == per_group
+    assert entry["tokens"]["supervised"] == sum(s for r in got for s in r["supervised"])
+    assert "after_restart" not in entry["tokens"]

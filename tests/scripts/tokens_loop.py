@@ -15,7 +15,11 @@ Cases, one watch each:
   DistributedSampler over every rank, watched with sources="source", weights=[0.7, 0.3];
 - mixwrong: the same loader, watched with the weights the other way round (0.3, 0.7);
 - weighted: a WeightedRandomSampler drawing source 0 with weight 0.7 over the whole dataset,
-  each rank with its own generator, watched with weights {"0": 0.7, "1": 0.3}.
+  each rank with its own generator, watched with weights {"0": 0.7, "1": 0.3};
+- sftresume: the sft rows in torchdata's StatefulDataLoader (a DistributedSampler over dp),
+  watched with the mesh and tokens=("attention_mask", "labels"); every rank saves
+  `loader.state_dict()` after 3 steps of epoch 0 and stops that loader, then a fresh watched
+  loader loads it and takes the rest of the epoch (a resume, in one launch).
 """
 
 from __future__ import annotations
@@ -114,6 +118,30 @@ def main() -> None:
     walk("weighted", watch(DataLoader(mixed, batch_size=BATCH, sampler=sampler), name="weighted",
                            report=report, id_field="id", sources="source",
                            weights={"0": 0.7, "1": 0.3}), sampler, epochs=1)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sampler = DistributedSampler(rows, num_replicas=2, rank=mesh["dp"].get_local_rank(),
+                                 shuffle=True, seed=0)
+    kw = dict(name="sftresume", mesh=mesh, report=report, tokens=("attention_mask", "labels"))
+    first = watch(StatefulDataLoader(rows, batch_size=BATCH, sampler=sampler), **kw)
+    sampler.set_epoch(0)
+    for step, batch in enumerate(first):
+        log.append({"case": "sftresume", "epoch": 0, "step": step,
+                    "ids": batch["id"].tolist(),
+                    "tokens": batch["attention_mask"].sum(1).tolist(),
+                    "supervised": (batch["labels"] != -100).sum(1).tolist()})
+        if step == 2:
+            state = first.state_dict()  # (every rank, at the same step)
+            break
+    first.close()
+    second = watch(StatefulDataLoader(rows, batch_size=BATCH, sampler=sampler), **kw)
+    second.load_state_dict(state)
+    for step, batch in enumerate(second, start=3):
+        log.append({"case": "sftresume", "epoch": 0, "step": step,
+                    "ids": batch["id"].tolist(),
+                    "tokens": batch["attention_mask"].sum(1).tolist(),
+                    "supervised": (batch["labels"] != -100).sum(1).tolist()})
+    second.close()
     with open(os.path.join(out, f"log{rank}.json"), "w") as f:
         json.dump({"rank": rank, "coordinate": mesh.get_coordinate(), "log": log}, f)
     dist.barrier()

@@ -231,3 +231,64 @@ def test_the_sources_line_says_it_counts_repeats_where_the_samples_line_does_not
     assert tokens_words({"unique": 58, "sources": sources}) == (
         ", sources (of all 60 received, repeats too) code 25.0% / web 75.0%")
     assert tokens_words({"unique": 60, "sources": sources}) == ", sources code 25.0% / web 75.0%"
+
+
+def _resumed_epoch(tmp_path, drop_tokens_before: bool) -> tuple[dict, list[dict]]:
+    """One process, a StatefulDataLoader of 8 rows (batch 2, in order), watched with tokens= and
+    sources=; its state saved after 2 steps, loaded into a fresh watched loader that takes the
+    rest. Returns the resumed epoch's entry and every row the two loops received."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    masks = [[1] * (k % 4 + 1) + [0] * (3 - k % 4) for k in range(8)]  # 1..4 tokens of 4
+    data = [{"id": k, "mask": torch.tensor(masks[k]), "source": k % 2} for k in range(8)]
+    report = tmp_path / "w.jsonl"
+    kw = dict(report=str(report), id_field="id", tokens="mask", sources="source")
+    received = []
+    first = watch(StatefulDataLoader(data, batch_size=2), **kw)
+    for step, batch in enumerate(first):
+        received += [{"id": int(i), "mask": m.tolist(), "source": int(s)}
+                     for i, m, s in zip(batch["id"], batch["mask"], batch["source"])]
+        if step == 1:
+            state = first.state_dict()
+            break
+    first.close()  # (the stopped launch's part: a partial entry)
+    if drop_tokens_before:  # a checkpoint the watch saved before it kept the tokens so far
+        state["_sharddemo_watch"].pop("tokens_before")
+    second = watch(StatefulDataLoader(data, batch_size=2), **kw)
+    second.load_state_dict(state)
+    for batch in second:
+        received += [{"id": int(i), "mask": m.tolist(), "source": int(s)}
+                     for i, m, s in zip(batch["id"], batch["mask"], batch["source"])]
+    second.close()
+    entries = [json.loads(line) for line in report.read_text().splitlines()]
+    [entry] = [e for e in entries if e.get("resume") and not e.get("partial")]
+    return entry, received
+
+
+def test_a_resumed_epochs_tokens_and_sources_count_the_whole_epoch(tmp_path):
+    """Resumed from the loader's own state after 2 of 4 steps: the epoch's tokens and sources
+    are those of every row the two loops received (before the stop and after), as its samples
+    are, not only the rows after the restart."""
+    entry, received = _resumed_epoch(tmp_path, drop_tokens_before=False)
+    assert sorted(r["id"] for r in received) == list(range(8))
+    assert entry["tokens"]["total"] == sum(sum(r["mask"]) for r in received)
+    assert "after_restart" not in entry["tokens"]
+    for name in ("0", "1"):
+        mine = [r for r in received if str(r["source"]) == name]
+        assert entry["sources"][name]["samples"] == len(mine)
+        assert entry["sources"][name]["tokens"] == sum(sum(r["mask"]) for r in mine)
+
+
+def test_a_resumed_epoch_without_the_tokens_before_the_stop_says_so(tmp_path):
+    """The same, from a checkpoint that holds no tokens so far: the figures are the rows
+    after the restart (the last 4 received), and the entry and its line say so."""
+    entry, received = _resumed_epoch(tmp_path, drop_tokens_before=True)
+    after = received[4:]
+    assert entry["tokens"]["total"] == sum(sum(r["mask"]) for r in after)
+    assert entry["tokens"]["after_restart"] is True
+    assert sum(row["samples"] for row in entry["sources"].values()) == len(after)
+    from sharddemo.analysis.tokens import tokens_words
+
+    words = tokens_words(entry)
+    assert f", {entry['tokens']['total']:,} tokens after the restart" in words
+    assert ", sources after the restart (of its 4 received)" in words

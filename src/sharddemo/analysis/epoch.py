@@ -150,5 +150,7 @@ def analyse_epoch(mode: str, trace: Trace, view: EpochView, previous: Optional[E
     before = previous.order_key() if previous is not None else None
     out["order_changed"] = None if before is None or before[0] != how else before[1] != keys
     out["same_ids_on_every_rank"] = view.same_ids()
+    # copies past a sample's first that reached another rank (the rest: a rank's own repeats)
+    out["copies_on_other_ranks"] = out["seen"] - out["unique"] - view.own_repeats()
     return out
 

@@ -91,6 +91,9 @@ def token_summary(parts: list[dict]) -> dict:
     mean = total / len(counted) if counted else 0
     out: dict = {"per_group": counted, "total": total,
                  "skew": (max(counted) / mean) if mean else None}
+    if any(p.get("after_restart") for p in parts):
+        # a resumed epoch whose sums before the stop are not known here (docs/tokens.md)
+        out["after_restart"] = True
     slots = [int(p["slots"]) for p in parts if p.get("slots") is not None]
     room = sum(slots)
     if len(slots) == len(parts) and room > 0:
@@ -133,14 +136,19 @@ def tokens_words(entry: dict) -> str:
             bits.append(f"padding {measured['padding_share']:.0%}")
         if measured.get("supervised") is not None:
             bits.append(f"{measured['supervised']:,} supervised")
-        words += f", {measured['total']:,} tokens" + (f" ({', '.join(bits)})" if bits else "")
+        after = " after the restart" if measured.get("after_restart") else ""
+        words += (f", {measured['total']:,} tokens{after}"
+                  + (f" ({', '.join(bits)})" if bits else ""))
     sources = entry.get("sources")
     if sources:
         # over every sample received: where a sampler's padding or fill repeated some, more
         # than the distinct samples the line counts
         over = sum(row["samples"] for row in sources.values())
-        said = (f" (of all {over:,} received, repeats too)"
-                if entry.get("unique") is not None and over != entry["unique"] else "")
+        if any(row.get("after_restart") for row in sources.values()):
+            said = f" after the restart (of its {over:,} received)"
+        else:
+            said = (f" (of all {over:,} received, repeats too)"
+                    if entry.get("unique") is not None and over != entry["unique"] else "")
         words += f", sources{said} " + " / ".join(f"{name} {row['share']:.1%}"
                                                   for name, row in sources.items())
     return words
@@ -161,10 +169,12 @@ def judge_tokens(parts: list[dict], weights: Optional[dict], limit: Optional[flo
         totals = source_totals(parts)
         samples = sum(s for s, _ in totals.values())
         tokens = sum(t for _, t in totals.values())
+        after = any(p.get("after_restart") for p in parts)
         fields["sources"] = {name: {"samples": s, "tokens": t,
                                     "share": s / samples if samples else 0.0,
                                     "token_share": t / tokens if tokens else None,
-                                    "weight": (weights or {}).get(name)}
+                                    "weight": (weights or {}).get(name),
+                                    **({"after_restart": True} if after else {})}
                              for name, (s, t) in sorted(totals.items())}
         if weights is not None:
             check = judge_mixture({name: s for name, (s, _) in totals.items()}, weights)

@@ -182,12 +182,11 @@ def audit_verdicts(trace: Trace, epochs: list[dict], role: str = "train",
             "" if e["steps_equal"] else f"steps per rank {steps}: DDP would hang")
         if promised == "sharded":
             ok = w == 1 or not copies_across_ranks(e)
-            same = e["seen"] == w * e["unique"] and all(
-                r["samples"] == e["unique"] for r in e["ranks"])
+            # every rank the same set of ids (a sampler's own repeats within a rank included)
+            same = e["same_ids_on_every_rank"]
             add("no-silent-replication", k, ok, "" if ok else
                 f"all {w} {ranks} received the same samples: the loader is not sharded" if same
-                else f"{e['seen'] - e['unique']:,} of the {e['seen']:,} deliveries are samples "
-                f"another {rank} received too: the loader is not sharded")
+                else _shared_deliveries(e, rank) + ": the loader is not sharded")
         else:
             ok = replicated_ok(e)
             short = [r["rank"] for r in e["ranks"] if r["samples"] < max(x["samples"] for x in e["ranks"])]
@@ -213,6 +212,13 @@ def audit_verdicts(trace: Trace, epochs: list[dict], role: str = "train",
                 "the same shuffled order as the previous epoch: set_epoch is never called")
         previous = e
     return out
+
+
+def _shared_deliveries(e: dict, rank: str) -> str:
+    """'26 of the 320 deliveries are samples another rank received too': the copies past a
+    sample's first that reached another rank (a rank's own repeats not counted)."""
+    return (f"{e['copies_on_other_ranks']:,} of the {e['seen']:,} deliveries are samples "
+            f"another {rank} received too")
 
 
 def copies_across_ranks(e: dict) -> set:

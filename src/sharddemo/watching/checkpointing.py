@@ -67,7 +67,10 @@ class Checkpointing:
                 restarts[-1].update(seen_before=int(self.before.sum(dtype=np.int64)),
                                     repeated=id_list(np.flatnonzero(last)))
                 before = np.minimum(self.before.astype(np.int64) + before, 255).astype(np.uint8)
-        return self.saved(epoch=self.epoch,
+        # the tokens and sources so far, by group (a collective, as above), so that the
+        # resumed epoch's sums include them
+        tokens_before = self.token_parts(keep=True)
+        return self.saved(epoch=self.epoch, tokens_before=tokens_before,
                           before=None if before is None else torch.from_numpy(before),
                           again=(None if again is None
                                  else torch.from_numpy(again.astype(np.uint8))),
@@ -144,6 +147,7 @@ class Checkpointing:
                           f"watch's state ({why}): the part of the epoch before the stop is "
                           "unknown; the rest is judged", RuntimeWarning, stacklevel=3)
         self.before, self.again, self.steps_before = None, None, 0
+        self.tokens_before = None
         self.unknown_before = True
         self.restarts = [restart(self.epoch, None, None, self.ranks.num_processes)]
         self.loaded_at, self.saved_at = self.moment(), None
@@ -190,6 +194,7 @@ class Checkpointing:
             before = np.zeros(self.n, dtype=np.uint8)  # (a restart at the epoch's start)
         self.before, self.again = before, again
         self.steps_before = int(step or 0)
+        self.tokens_before = None if state.get("at_edge") else state.get("tokens_before")
         self.loaded_at, self.saved_at = self.moment(), None
 
     # -- the watch's part of the watched loader's own state (hooks.attach)

@@ -137,6 +137,9 @@ class WatchState(Checkpointing, Recording):
         self.speaks = True
         # tokens= / sources= (watching/tokens.py): this rank's sums, the weights, the limit
         self.meter = None
+        # a resumed epoch's token parts before the stop (the checkpoint's), by group; None
+        # where it holds none (no tokens=, or no restart)
+        self.tokens_before: Optional[list] = None
         self.weights: Optional[dict] = None
         self.max_token_skew: Optional[float] = None
 
@@ -147,15 +150,25 @@ class WatchState(Checkpointing, Recording):
         self.meter = TokenMeter(tokens, sources)
         self.weights, self.max_token_skew = weights, max_token_skew
 
-    def token_parts(self) -> Optional[list]:
+    def token_parts(self, keep: bool = False) -> Optional[list]:
         """Each data-parallel group's token and source sums for the epoch (one small
-        exchange, every rank alike), None where the watch counts none."""
-        from sharddemo.watching.tokens import exchange_parts
+        exchange, every rank alike), None where the watch counts none. A resumed epoch's
+        include what came before the stop (tokens_before, from the checkpoint), where the
+        groups are as many; `keep`: the sums so far, left counting (a checkpoint's)."""
+        from sharddemo.watching.tokens import add_parts, exchange_parts
 
         if self.meter is None:
             return None
         speakers = self.mesh.representatives() if self.mesh is not None else None
-        return exchange_parts(self.ranks, self.meter.take(), speakers)
+        parts = exchange_parts(self.ranks, self.meter.take(keep=keep), speakers)
+        before = self.tokens_before
+        if before is not None and len(before) == len(parts):
+            parts = add_parts(before, parts)
+        elif self.unknown_before or (self.before is not None and self.steps_before > 0):
+            # resumed mid-epoch, and what came before the stop is not in these sums (a
+            # checkpoint without them, or another number of data-parallel groups): said
+            parts = [{**p, "after_restart": True} for p in parts]
+        return parts
 
     def on_mesh(self, layout, rank: int) -> None:
         """The run is a device mesh (sharddemo.mesh.MeshLayout): this rank is `rank` in it."""
@@ -429,6 +442,7 @@ class WatchState(Checkpointing, Recording):
         if present is not None or self.unknown_before:
             self.before, self.again, self.restarts = None, None, []
             self.steps_before, self.unknown_before = 0, False
+            self.tokens_before = None
 
     def flush_lineage(self) -> None:
         """What the loop has received, on disk in the lineage (watch(..., lineage=DIR)) at each

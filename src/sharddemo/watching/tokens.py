@@ -173,8 +173,9 @@ class TokenMeter:
         self.settle()
         return int(self.tokens)
 
-    def take(self) -> dict:
-        """The epoch's sums as host ints (one read of each device sum), then empty."""
+    def take(self, keep: bool = False) -> dict:
+        """The epoch's sums as host ints (one read of each device sum), then empty (`keep`:
+        not emptied, a checkpoint's look at the epoch so far)."""
         self.settle()
         part: dict = {"tokens": int(self.tokens), "slots": int(self.slots) if self.has_slots
                       else None,
@@ -190,8 +191,33 @@ class TokenMeter:
                     row[0] += count
                     row[1] += tokens[index] if index < len(tokens) else 0
         part["sources"] = sources if self.sources is not None else None
-        self.reset()
+        if not keep:
+            self.reset()
         return part
+
+
+def add_parts(before: list[dict], after: list[dict]) -> list[dict]:
+    """Each group's sums before a restart and after it, added group by group (the same
+    groups: a run resumed on as many data-parallel groups)."""
+    def plus(a, b):
+        return None if a is None or b is None else a + b
+
+    out = []
+    for x, y in zip(before, after):
+        sources = None
+        if x.get("sources") is not None and y.get("sources") is not None:
+            sources = {k: list(v) for k, v in x["sources"].items()}
+            for name, (samples, tokens) in y["sources"].items():
+                row = sources.setdefault(name, [0, 0])
+                row[0] += samples
+                row[1] += tokens
+        out.append({"tokens": plus(x.get("tokens"), y.get("tokens")),
+                    "slots": plus(x.get("slots"), y.get("slots")),
+                    "supervised": plus(x.get("supervised"), y.get("supervised")),
+                    "sources": sources if sources is not None else y.get("sources"),
+                    # (a part of the chain lost: what came before an earlier stop)
+                    **({"after_restart": True} if x.get("after_restart") else {})})
+    return out
 
 
 def grow(tensor: torch.Tensor, size: int) -> torch.Tensor:
