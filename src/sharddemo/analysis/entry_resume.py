@@ -53,6 +53,15 @@ def restart_cause(description: dict, epoch: int, last: Optional[dict] = None) ->
         return (f"the resumed loop skipped none of the {last['step']} steps taken before the "
                 "stop (skip_first_batches, or a loader that keeps its own state, restores the "
                 "position); docs/resume.md")
+    if last.get("loader_state") and description.get("stream") == "datasets":
+        # the loader restored its own state (its load_state_dict), and in it the stream's: the
+        # library's own resume is what did not continue (measured: docs/resume.md)
+        held = ("a shuffled stream's state holds its source's position, not its shuffle "
+                "buffer (datasets issue 7901)" if description.get("shuffled") else
+                "the stream went on from its own state elsewhere than where it stopped, or "
+                "the launches built different streams")
+        return ("the loader restored its own state (loader.state_dict()), the stream's own "
+                f"state with it (datasets IterableDataset): {held}; docs/resume.md")
     if prepared_random_sampler(description):
         if epoch == 0:
             return ("accelerate's prepared RandomSampler draws each launch's order from its "

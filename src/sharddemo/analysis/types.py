@@ -43,6 +43,7 @@ class LoaderDescription(TypedDict, total=False):
     domain: Optional[int]
     draws: Optional[Draws]
     shuffled: Optional[bool]
+    stream: str  # the library a stream comes from, where the watch knows it: "datasets"
     shard_batch_size: int
     batch_sampler_class: str
     ray_data: dict[str, Any]  # watching.raydata: a Ray Data iterator's split

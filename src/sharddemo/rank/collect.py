@@ -93,6 +93,21 @@ def exchange_objects(accelerator, mine: Any) -> list[Any]:
     return collective(gather_object, [mine])
 
 
+def share_from_main(accelerator, mine: Any) -> Any:
+    """Return the main process's picklable object on every rank (the others' `mine` unused).
+
+    A collective: torch.distributed's broadcast_object_list from rank 0 (through the device
+    where the backend needs one: NCCL); alone, or without a process group, `mine`."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not (dist.is_available() and dist.is_initialized()):
+        return mine
+    box = [mine if accelerator.is_main_process else None]
+    device = accelerator.device if accelerator.device.type != "cpu" else None
+    collective(dist.broadcast_object_list, box, src=0, device=device)
+    return box[0]
+
+
 def gather_ragged(accelerator, tensor: torch.Tensor, lengths: Sequence[int],
                   main_only: bool = False) -> list[torch.Tensor]:
     """Return every rank's 1-D tensor, of lengths that may differ, as a list indexed by rank.

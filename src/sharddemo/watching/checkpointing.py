@@ -12,11 +12,14 @@ unknown_before, edge_rest, lineage)."""
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Optional
 
 import numpy as np
 import torch
+
+from sharddemo.rank.collect import share_from_main
 
 SCHEMA = "sharddemo.watch-state/1"
 # the key of the watch's part in a watched loader's state_dict() (hooks.attach): the loader's own
@@ -198,25 +201,42 @@ class Checkpointing:
         self.loaded_at, self.saved_at = self.moment(), None
 
     # -- the watch's part of the watched loader's own state (hooks.attach)
-    def loader_part(self) -> Optional[dict]:
+    def loader_part(self) -> Optional[bytes]:
         """The watch's part of the watched loader's state_dict(): state_dict() (a collective:
         every rank asks for the loader's state at the same point, as loops that checkpoint
-        the loader on every rank do). None where the watch cannot give it (said once): the
-        loader's own state is saved without it, and the training goes on."""
+        the loader on every rank do), the same on every rank, as one bytes value. None where
+        the watch cannot give it (said once): the loader's own state is saved without it, and
+        the training goes on.
+
+        The same on every rank: what the epoch delivered so far and the last epoch's order are
+        the main process's alone, and torch.distributed.checkpoint keeps one copy of a value
+        every rank saves under the same name (whichever rank's), so every rank's part is the
+        main process's (one broadcast), with this rank's own lineage place. One bytes value
+        (torch.save of it): DCP flattens a dict into its leaves and loads into the structure
+        the fresh loader's state_dict() gives, which differs from a saved one's (no order yet,
+        no restarts, no count where the save was after an epoch's last step)."""
         try:
-            return self.state_dict()
+            part = self.state_dict()
+            mine = part.get("lineage")
+            part = share_from_main(self.ranks, part)
+            buffer = io.BytesIO()
+            torch.save({**part, "lineage": mine}, buffer)
+            return buffer.getvalue()
         except Exception as error:
             self.part_fault("save", error)
             return None
 
     def load_loader_part(self, part) -> None:
         """The watch's part of a state given to the watched loader's load_state_dict() (None:
-        the state holds none, it was saved before the watch was added). A second load at the
-        same moment (accelerate's load_state: the watch's file, then its loader's state) is
+        the state holds none, it was saved before the watch was added; bytes: loader_part's;
+        a dict: as sharddemo saved it before it packed the part into bytes). A second load at
+        the same moment (accelerate's load_state: the watch's file, then its loader's state) is
         the same resume: the first is kept."""
         try:
             if self.loaded_at is not None and self.loaded_at == self.moment():
                 return
+            if isinstance(part, (bytes, bytearray)):
+                part = torch.load(io.BytesIO(part), weights_only=True)
             if part is None:
                 self.resumed_without_state("the loader's state holds no part of the watch's "
                                            f"({WATCH_KEY!r}): it was saved before the watch was "

@@ -51,6 +51,8 @@ class Recording:
             # a stream: its own object says whether it is built to shuffle (workers
             # interleaving its shards are no shuffle)
             self.description["shuffled"] = stream_shuffles(dataset)
+        if type(dataset).__module__.split(".")[0] == "datasets":
+            self.description["stream"] = "datasets"  # (whose own state a resume restores)
         if self.n is None:
             self.n = root_length(dataset)
         if self.id_field is None and self.mapping is None:

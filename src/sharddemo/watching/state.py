@@ -357,10 +357,13 @@ class WatchState(Checkpointing, Recording):
         entry = None
         try:  # the watch's own reporting: a failure here never stops the training by itself
             if record is not None:
+                midway = self.resumed_midway()
                 entry = self.judge(record, partial=partial, peers=peers, tokens=measured,
                                    split=sum(split))
-                if not partial:  # (a part's order is no epoch's order to compare the next with)
-                    self.previous = record
+                if not partial:
+                    # a part's order is no epoch's order to compare the next with, nor is the
+                    # order of an epoch resumed mid-way (only the part after its restart)
+                    self.previous = None if midway else record
                 self.entries.append(entry)
             if self.ranks.is_main_process:
                 publish(entry, self.on_violation, self.report)
@@ -421,6 +424,8 @@ class WatchState(Checkpointing, Recording):
         previous = self.previous
         if previous is not None and len(previous.get("ranks", ())) != self.data_world():
             previous = None  # saved on another number of ranks: its order is no comparison
+        if self.resumed_midway():
+            previous = None  # (the record holds the order after the restart alone)
         entry = judge_epoch(header, record, previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
                             n=self.n, batch_size=self.batch_size, before=self.before,
@@ -435,6 +440,14 @@ class WatchState(Checkpointing, Recording):
         self.loaded = False
         self.unattributed = 0
         return entry
+
+    def resumed_midway(self) -> bool:
+        """Whether the open epoch was resumed after some of its steps: its record holds the
+        order of the part after the restart alone (the checkpoint keeps which samples came
+        before the stop, not their order), so it is compared with no other epoch's order."""
+        return bool(self.unknown_before
+                    or (self.before is not None and self.before.any())
+                    or (self.again is not None and self.again.any()))
 
     def forget_resume(self, present) -> None:
         """The resumed epoch was judged (`present`: its part after the restart, or None where
