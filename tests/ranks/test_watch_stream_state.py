@@ -36,10 +36,11 @@ LAUNCHES = [
               "shuf-ref:4:0:8:0:-:-", "shuf:4:0:8:0:-:0.2", "twice:4:0:0:0:-:0.1",
               "edge:4:0:0:0:-:0.5", "ep1:4:0:0:0:-:1.2", "w2-ref:4:0:0:2:-:-",
               "w2:4:0:0:2:-:0.2", "r3:6:0:0:0:-:0.2", "dcp:4:0:0:0:-:0.2d",
-              "titan:4:0:0:0:-:0.2T"]),
+              "titan:4:0:0:0:-:0.2T", "noep:4:0:0:0:-:0.2"]),
     ("b", 2, ["even:4:0:0:0:t:-", "odd:3:0:0:0:t:-", "map:4:1:0:0:t:-", "shuf:4:0:8:0:t:-",
               "twice:4:0:0:0:t:0.3", "edge:4:0:0:0:t:-", "ep1:4:0:0:0:t:-", "w2:4:0:0:2:t:-",
-              "dcp:4:0:0:0:d:-", "titan:4:0:0:0:T:-"]),
+              "dcp:4:0:0:0:d:-", "titan:4:0:0:0:T:-",
+              "noep:4:0:0:0:t:-"]),
     ("c", 2, ["twice:4:0:0:0:t:-"]),
     ("d", 3, ["r3:6:0:0:0:t:-", "r3-ref:6:0:0:0:-:-"]),
 ]
@@ -214,3 +215,21 @@ def test_a_two_rank_stream_state_resumed_on_three_ranks(run):
     assert figures(e) == want and want["skipped"] and not want["repeated"]
     assert e["resume"]["restarts"][-1]["changed"] == {"world_size": [2, 3]}
     assert "(2 -> 3 ranks" in e["line"] and not e["ok"]
+
+
+def test_a_restored_stream_without_set_epoch_replays_its_position_each_epoch(run):
+    """noep: the loop never calls the stream's set_epoch. Resumed at epoch 0 step 2, epoch 0 is
+    exact, but datasets 5.2 applies the restored state again at epoch 1's start: each rank's
+    epoch 1 begins where epoch 0 was restored (the loops' logs: the first 2 batches of each
+    rank's shards never come). The watch reports exactly what the loops received and names the
+    restored state as the cause."""
+    e0, e1 = entry(run, "b", "noep", 0), entry(run, "b", "noep", 1)
+    assert figures(e0) == expected([part(run, "a", "noep", 0), part(run, "b", "noep", 0)])
+    got = part(run, "b", "noep", 1)
+    assert sorted(set(got)) != list(range(N))  # (the library's own replay, in the logs)
+    assert (e1["seen"], e1["unique"]) == (len(got), len(set(got)))
+    [missing] = [v for v in e1["verdicts"] if v["verdict"] == "no-missing-samples"]
+    assert not missing["ok"]
+    assert f"{N - len(set(got))} never seen" in missing["detail"]
+    assert "until set_epoch(epoch) is called on the dataset" in missing["detail"]
+    assert "set_epoch(epoch) is called on the dataset" in e1["line"]

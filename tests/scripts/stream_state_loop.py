@@ -17,7 +17,7 @@ the split, as datasets issue 7630 does); BUFFER: the shuffle buffer (0: no shuff
 rank 0's, as a loop resharded onto more ranks does), `d` (dcp.load of {"loader":
 loader.state_dict(), ...} from OUT/NAME.dcp) or `T` (torchtitan's way: a loader that keeps each
 data-parallel rank's state under its own key, pickled, loaded by DCP as a Stateful object);
-STOP: `E.S`: save after step S of epoch E (steps counted over the restarts) with torch.save,
+STOP (a NAME beginning "noep": a loop that never calls the stream's set_epoch): `E.S`: save after step S of epoch E (steps counted over the restarts) with torch.save,
 `E.Sd` with dcp.save, `E.ST` torchtitan's way, then stop; `-`: run to the end of epoch 1. Each rank writes OUT/ids.TAG.RANK.json
 (per case, each pass's epoch and batches, and the error DCP raised); the watch appends to OUT/report.TAG.jsonl.
 """
@@ -117,7 +117,8 @@ def run_case(out: str, tag: str, case: str, rank: int, world: int) -> dict:
     at = None if stop == "-" else (int(stop.split(".")[0]), int(stop.split(".")[1].rstrip("dT")))
     try:
         for epoch in range(epoch, EPOCHS):
-            ds.set_epoch(epoch)
+            if not name.startswith("noep"):  # (noep: a loop that never calls set_epoch)
+                ds.set_epoch(epoch)
             got: list = []
             log["passes"].append({"epoch": epoch, "batches": got})
             for batch in loader:

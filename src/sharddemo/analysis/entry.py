@@ -79,7 +79,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 again: Optional[np.ndarray] = None, unknown_before: bool = False,
                 mesh: Optional[dict] = None, peers: Optional[dict] = None,
                 tokens: Optional[list] = None, weights: Optional[dict] = None,
-                max_token_skew: Optional[float] = None, split_samples: int = 0) -> dict:
+                max_token_skew: Optional[float] = None, split_samples: int = 0,
+                stream_restored: bool = False) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
@@ -99,7 +100,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     `id_field`: where the ids are a batch's field (named where some fall outside 0..N-1: the
     verdict ids-in-range, listed only then). `split_samples`: samples of packed rows split
     across two consecutive rows of a rank, already counted once in `record` (the entry and the
-    line say how many: docs/watch.md, "Packed rows")."""
+    line say how many: docs/watch.md, "Packed rows"). `stream_restored`: an earlier epoch was
+    resumed from the loader's own state over a datasets stream (a later epoch's missing samples
+    may be that state applied again: named as a cause)."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -167,6 +170,13 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             if twice and v["detail"] and f"ids {twice}" in v["detail"]:
                 v["detail"] = v["detail"].replace(f"ids {twice}",
                                                   f"ids {[names[i] for i in twice]}")
+    if stream_restored and resume is None:
+        for v in verdicts:
+            if v["verdict"] == "no-missing-samples" and not v["ok"]:
+                v["detail"] += (" (a datasets stream restored from the loader's state goes on "
+                                "from the restored position at every later epoch until "
+                                "set_epoch(epoch) is called on the dataset: call it each "
+                                "epoch, as datasets' own examples do; docs/resume.md)")
     if e["out_of_range"]:  # ids that number no sample: one finding, not a contradiction
         verdicts.append({"verdict": "ids-in-range", "epoch": epoch, "ok": False,
                          "detail": out_of_range_detail(sorted(e["out_of_range"]),

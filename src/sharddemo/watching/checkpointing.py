@@ -244,6 +244,8 @@ class Checkpointing:
             else:
                 self.load_state_dict(part)
                 self.restarts[-1]["loader_state"] = True
+                # (a datasets stream's restored state may apply again at a later epoch)
+                self.stream_restored = (self.description or {}).get("stream") == "datasets"
                 self.say_refused_workers()
             self.loaded_at = self.moment()
         except Exception as error:

@@ -140,6 +140,8 @@ class WatchState(Checkpointing, Recording):
         # a resumed epoch's token parts before the stop (the checkpoint's), by group; None
         # where it holds none (no tokens=, or no restart)
         self.tokens_before: Optional[list] = None
+        # an epoch was resumed from the loader's own state over a datasets stream
+        self.stream_restored = False
         self.weights: Optional[dict] = None
         self.max_token_skew: Optional[float] = None
 
@@ -434,7 +436,8 @@ class WatchState(Checkpointing, Recording):
                             restarts=self.restarts, again=self.again,
                             unknown_before=self.unknown_before, mesh=mesh, peers=peers,
                             tokens=tokens, weights=self.weights,
-                            max_token_skew=self.max_token_skew, split_samples=split)
+                            max_token_skew=self.max_token_skew, split_samples=split,
+                            stream_restored=self.stream_restored)
         entry.update(run_stamp())  # which run wrote it (two runs may append to one file)
         self.forget_resume(present)
         self.loaded = False
