@@ -534,3 +534,19 @@ def unseeded_logged_80(accelerator):
     logs the ids it is asked for (Logged)."""
     return accelerator.prepare(DataLoader(Logged(accelerator.process_index), batch_size=4,
                                           shuffle=True))
+
+
+def hf_stream_state_40(accelerator, rank=None, world=None):
+    """A datasets stream of ids 0..39 (4 shards) split by node, read by torchdata's
+    StatefulDataLoader (batch 4), not prepared: the loader keeps its own state (what
+    `--resume-strategy stateful` saves). `rank`, `world`: for a test building it in one
+    process."""
+    from datasets import Dataset
+    from datasets.distributed import split_dataset_by_node
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rank = accelerator.process_index if rank is None else rank
+    world = accelerator.num_processes if world is None else world
+    ds = Dataset.from_dict({"id": list(range(40))}).to_iterable_dataset(num_shards=4)
+    ds = split_dataset_by_node(ds, rank, world).with_format("torch")
+    return StatefulDataLoader(ds, batch_size=4)
