@@ -98,8 +98,9 @@ def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
         return None
     size = opts.dataset_size or trace.get("dataset_size") or None
     where = f"--keys {opts.keys}" if known is not None else None
-    if known is None and source_keys_of(trace) is not None:
-        known, where = source_keys_of(trace)
+    source = source_keys_of(trace) if known is None else None
+    if source is not None:
+        known, where = source
         first: dict[str, int] = {}
         for row, key in enumerate(known):
             if first.setdefault(key, row) != row:
@@ -110,6 +111,8 @@ def number_trace_keys(trace: Optional[dict], opts, known: Optional[list[str]]):
             raise UsageError(f"{where} holds {len(known)} keys but --dataset-size is "
                              f"{opts.dataset_size}; leave --dataset-size out (the keys give N)")
     keys = number_keys(trace, known, size)
+    if keys is None:  # (holds_keys said some record holds keys: number_keys numbers them)
+        return None
     keys["from"] = where
     if known is None and size is not None and keys["seen"] > size:
         raise UsageError(f"the loader delivered {keys['seen']} different keys in "

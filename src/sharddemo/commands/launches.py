@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from sharddemo.analysis import build_report
+from sharddemo.analysis.types import Trace
 from sharddemo.errors import UsageError
 from sharddemo.launch import Launch, LaunchSettings, make_launch
 from sharddemo.options import AuditOptions, RunOptions, command_line
@@ -21,8 +22,8 @@ def report_of(launch: Launch, trace: Optional[dict], keys: Optional[dict] = None
     the names of a trace whose samples are keys (analysis.keys.number_keys)."""
     if not trace:
         return {}
-    return build_report(trace, launch_command=launch.display(), config_file=launch.config_file,
-                        keys=keys, key_field=key_field)
+    return build_report(cast(Trace, trace), launch_command=launch.display(),
+                        config_file=launch.config_file, keys=keys, key_field=key_field)
 
 
 def run_args(opts: RunOptions) -> list[str]:

@@ -4,7 +4,7 @@ received, read from the lineage a watched run wrote (sharddemo.lineage reads it)
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
@@ -23,7 +23,8 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
     found = Lineage(folder)
     if step is not None:
         batches, missing = found.lookup(step, rank, epoch)
-        result = {"step": step, "epoch": epoch, "batches": batches, "not_written": missing}
+        result: dict[str, Any] = {"step": step, "epoch": epoch, "batches": batches,
+                                  "not_written": missing}
         mesh = found.mesh_at(batches[0]["step"]) if batches else None
 
         def place(r: int) -> str:
@@ -46,6 +47,7 @@ def lineage_command(folder: str, step: Optional[int], rank: Optional[int], epoch
                     b["coordinate"] = dict(zip(mesh.dims, mesh.coords[b["rank"]]))
             lines += [g["said"] for g in result["mesh"]["peers"]]
     else:
+        assert sample is not None  # (one of --step and --id: refused above otherwise)
         hits = found.where(sample)
         outside = found.outside(sample)
         if outside and not hits:

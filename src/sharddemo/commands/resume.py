@@ -4,7 +4,7 @@ stop and save, run uninterrupted, and load and resume; then the comparison
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 from sharddemo.analysis.keys import holds_keys
 from sharddemo.commands.launches import (audit_launch, notice_size, refuse_ids_outside,
@@ -101,7 +101,8 @@ def resume_audit_run(opts: AuditOptions, plan: ResumePlan,
     audit = report["modes"]["audit"]
     references = {reference["world_size"]: reference["modes"]["audit"]["epochs"]}
     references.update({size: trace["modes"]["audit"]["epochs"] for size, trace in others.items()})
-    resume = compare_chain(plan, references, reference["world_size"], launches)
+    # (every launch gave its trace: a node whose machine rank 0 reports returned above)
+    resume = compare_chain(plan, references, reference["world_size"], cast(list, launches))
     resume["explanation"] = explain(resume)
     audit["resume"] = resume
     ok = resume["resume_exact"]

@@ -3,9 +3,12 @@ N` starts one process) run for real, and explained."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import click
 
 from sharddemo.analysis import build_report
+from sharddemo.analysis.types import Trace
 from sharddemo.commands.launches import run_args
 from sharddemo.errors import UsageError
 from sharddemo.launch import Launch, run_launch
@@ -32,7 +35,7 @@ def trap_run(opts: RunOptions, num_processes: int) -> str:
                     options={"run": opts.to_dict(), "allow_alone": True},
                     display_args=run_args(opts), device="cpu", expect_world=False)
     trace = run_launch(launch, timeout=opts.timeout)
-    report = build_report(trace, launch_command=launch.display())
+    report = build_report(cast(Trace, trace), launch_command=launch.display())
     world, n = report["world_size"], opts.dataset_size
     seen = report["modes"]["prepared"]["epochs"][0]["seen"]
     lines = [
