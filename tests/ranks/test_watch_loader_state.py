@@ -21,6 +21,7 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from support.launch import SCRIPTS, free_port, run_cmd
+from support.reports import entry
 
 LOOP = str(SCRIPTS / "loader_state_loop.py")
 SCHEMA = json.loads((Path(LOOP).parents[2] / "docs" / "watch.schema.json").read_text())
@@ -50,8 +51,8 @@ def run(tmp_path_factory):
                      for r in range(nproc)]
         report = out / f"report.{tag}.jsonl"
         entries[tag] = [json.loads(line) for line in report.read_text().splitlines()]
-        for entry in entries[tag]:
-            jsonschema.validate(entry, SCHEMA)
+        for written in entries[tag]:
+            jsonschema.validate(written, SCHEMA)
     return {"logs": logs, "entries": entries, "stderr": stderr, "lines": lines}
 
 
@@ -68,17 +69,6 @@ def chunks(ids: list[int], size: int) -> list[list[int]]:
 
 def passes(run, tag: str, case: str, rank: int) -> list[dict]:
     return run["logs"][tag][rank][case]["passes"]
-
-
-def entry(run, tag: str, case: str, epoch: int, partial: bool = False) -> dict:
-    """The report's entry for the epoch, with the line the main process printed for it."""
-    found = [e for e in run["entries"][tag] if e["loader"] == case and e["epoch"] == epoch
-             and bool(e.get("partial")) == partial]
-    assert len(found) == 1, (tag, case, epoch, run["entries"][tag])
-    head = f"sharddemo: epoch {epoch} {case}{' (partial)' if partial else ''}:"
-    said = [line for line in run["lines"][tag] if line.startswith(head)]
-    assert len(said) == 1, (head, run["lines"][tag])
-    return {**found[0], "line": said[0]}
 
 
 def epoch0(run, tag: str, case: str) -> list[int]:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from support.launch import SCRIPTS, free_port, run_cmd
+from support.reports import entry
 
 LOOP = str(SCRIPTS / "stream_state_loop.py")
 SCHEMA = json.loads((Path(LOOP).parents[2] / "docs" / "watch.schema.json").read_text())
@@ -64,8 +65,8 @@ def run(tmp_path_factory):
                      for r in range(nproc)]
         entries[tag] = [json.loads(line)
                         for line in (out / f"report.{tag}.jsonl").read_text().splitlines()]
-        for entry in entries[tag]:
-            jsonschema.validate(entry, SCHEMA)
+        for written in entries[tag]:
+            jsonschema.validate(written, SCHEMA)
     return {"logs": logs, "entries": entries, "lines": lines, "out": out}
 
 
@@ -82,17 +83,6 @@ def part(run, tag: str, case: str, epoch: int) -> list[int]:
     """Every id the ranks of launch `tag` received in `epoch` (with repeats)."""
     return [i for rank in range(len(run["logs"][tag]))
             for i in received(run, tag, case, rank).get(epoch, [])]
-
-
-def entry(run, tag: str, case: str, epoch: int, partial: bool = False) -> dict:
-    """The report's entry for the epoch, with the line the main process printed for it."""
-    found = [e for e in run["entries"][tag] if e["loader"] == case and e["epoch"] == epoch
-             and bool(e.get("partial")) == partial]
-    assert len(found) == 1, (tag, case, epoch, run["entries"][tag])
-    head = f"sharddemo: epoch {epoch} {case}{' (partial)' if partial else ''}:"
-    said = [line for line in run["lines"][tag] if line.startswith(head)]
-    assert len(said) == 1, (head, run["lines"][tag])
-    return {**found[0], "line": said[0]}
 
 
 def expected(parts: list[list[int]]) -> dict:

@@ -57,3 +57,16 @@ def cli_json(*args: str) -> dict:
     result = lineage_cli(*args, "--format", "json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
+
+
+def entry(run, tag: str, case: str, epoch: int, partial: bool = False) -> dict:
+    """The report's entry for the epoch, with the line the main process printed for it.
+
+    `run`: a launched loop's {"entries": {tag: [entry, ...]}, "lines": {tag: [line, ...]}}."""
+    found = [e for e in run["entries"][tag] if e["loader"] == case and e["epoch"] == epoch
+             and bool(e.get("partial")) == partial]
+    assert len(found) == 1, (tag, case, epoch, run["entries"][tag])
+    head = f"sharddemo: epoch {epoch} {case}{' (partial)' if partial else ''}:"
+    said = [line for line in run["lines"][tag] if line.startswith(head)]
+    assert len(said) == 1, (head, run["lines"][tag])
+    return {**found[0], "line": said[0]}
