@@ -51,8 +51,11 @@ class Recording:
             # a stream: its own object says whether it is built to shuffle (workers
             # interleaving its shards are no shuffle)
             self.description["shuffled"] = stream_shuffles(dataset)
-        if type(dataset).__module__.split(".")[0] == "datasets":
-            self.description["stream"] = "datasets"  # (whose own state a resume restores)
+        if (self.description.get("iterable_dataset")
+                and type(dataset).__module__.split(".")[0] == "datasets"):
+            # a datasets stream, whose own state a loader's state restores (a map-style
+            # datasets.Dataset is dealt by the loader's sampler: not tagged)
+            self.description["stream"] = "datasets"
         if self.n is None:
             self.n = root_length(dataset)
         if self.id_field is None and self.mapping is None:

@@ -166,7 +166,7 @@ class WatchState(Checkpointing, Recording):
         before = self.tokens_before
         if before is not None and len(before) == len(parts):
             parts = add_parts(before, parts)
-        elif self.unknown_before or (self.before is not None and self.steps_before > 0):
+        elif self.resumed_midway():
             # resumed mid-epoch, and what came before the stop is not in these sums (a
             # checkpoint without them, or another number of data-parallel groups): said
             parts = [{**p, "after_restart": True} for p in parts]

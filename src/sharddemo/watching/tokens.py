@@ -199,6 +199,8 @@ class TokenMeter:
 def add_parts(before: list[dict], after: list[dict]) -> list[dict]:
     """Each group's sums before a restart and after it, added group by group (the same
     groups: a run resumed on as many data-parallel groups)."""
+    from sharddemo.analysis.tokens import source_totals
+
     def plus(a, b):
         return None if a is None or b is None else a + b
 
@@ -206,11 +208,7 @@ def add_parts(before: list[dict], after: list[dict]) -> list[dict]:
     for x, y in zip(before, after):
         sources = None
         if x.get("sources") is not None and y.get("sources") is not None:
-            sources = {k: list(v) for k, v in x["sources"].items()}
-            for name, (samples, tokens) in y["sources"].items():
-                row = sources.setdefault(name, [0, 0])
-                row[0] += samples
-                row[1] += tokens
+            sources = source_totals([x, y])  # (the two parts' {name: [samples, tokens]})
         out.append({"tokens": plus(x.get("tokens"), y.get("tokens")),
                     "slots": plus(x.get("slots"), y.get("slots")),
                     "supervised": plus(x.get("supervised"), y.get("supervised")),
