@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from loop_end import end_loader
 from sharddemo import watch
 
 N, EPOCHS = 40, 2
@@ -78,12 +79,7 @@ def run_case(out: str, tag: str, case: str, rank: int) -> dict:
         pass
     except AssertionError as error:  # (torchdata's refusal of another number of workers)
         log["error"] = f"AssertionError: {error}"
-    loader.close()
-    # the workers of a pass left open end here, not in a later case's forked worker (where
-    # the iterator's __del__ would test a process that is not its child)
-    iterator = loader.__dict__.get("_iterator")
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
+    end_loader(loader)
     return log
 
 

@@ -38,6 +38,7 @@ from datasets import Dataset
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from loop_end import end_loader
 from sharddemo import watch
 
 N, BATCH, EPOCHS = 40, 4, 2
@@ -157,11 +158,7 @@ def last_line(error: BaseException) -> str:
 
 def finish(loader, log: dict) -> dict:
     """The case's end: the epoch stopped in is reported (partial), the workers end here."""
-    loader.close()
-    # the workers of a pass left open end here, not in a later case's forked worker
-    iterator = loader.__dict__.get("_iterator")
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
+    end_loader(loader)
     return log
 
 
