@@ -10,7 +10,7 @@ import os
 
 import pytest
 from support.launch import (ROOT, accelerate_launch, ended_or_aborted_at_teardown, launch_env,
-                      run_cmd, transformers_older_than)
+                            lightning_fit, run_cmd, transformers_older_than)
 from support.frameworks import W, example, trainer_for_rank
 from support.reports import entries
 
@@ -133,13 +133,9 @@ def test_lightning_watch_catches_what_a_mid_epoch_resume_repeats_and_skips(tmp_p
     pytest.importorskip("pytorch_lightning")
     from torch.utils.data import DistributedSampler
 
-    env = launch_env()
-    import sys
-
     for args in (["--stop-at", "3"],
                  ["--resume", str(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt")]):
-        proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
-                        *args], env=env, check=False)
+        proc = lightning_fit(["examples/watch_lightning.py", "--root", tmp_path, *args])
         assert ended_or_aborted_at_teardown(proc), proc.stderr
     train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl") if e["loader"] == "train"]
     # the stopped fit reports its 3 steps of epoch 0 as partial at on_train_end (24 samples)
@@ -182,12 +178,10 @@ def test_lightning_capped_runs_report_partial_epochs_that_pass(tmp_path, args, s
     DistributedSampler as Lightning injects it (seed 0, shuffled, set_epoch each epoch): the
     first 3 batches of 4 of each rank's order."""
     pytest.importorskip("pytorch_lightning")
-    import sys
 
     from torch.utils.data import DistributedSampler
 
-    proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
-                    *args], env=launch_env(), check=False)
+    proc = lightning_fit(["examples/watch_lightning.py", "--root", tmp_path, *args])
     assert ended_or_aborted_at_teardown(proc), proc.stderr
     train = [e for e in entries(tmp_path / "sharddemo-watch.jsonl") if e["loader"] == "train"]
     assert [e["epoch"] for e in train] == list(range(len(steps)))

@@ -11,23 +11,20 @@ prepare_data_loader(torch_device_mesh=) builds."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
 from torch.utils.data import DistributedSampler
 
-from support.launch import free_port, run_cmd, sharddemo
+from support.launch import sharddemo, torchrun
 
 LOOP = str(Path(__file__).resolve().parents[1] / "scripts" / "mesh_loop.py")
 N, BATCH, EPOCHS = 24, 4, 2  # (tests/scripts/mesh_loop.py's)
 DATA_NAMES = ("dp", "dp_replicate", "dp_shard")
 
 
-def torchrun(tmp_path, nproc: int, cases: list[str]):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), LOOP, str(tmp_path), *cases]
-    proc = run_cmd(cmd, timeout=240)
+def launch_mesh(tmp_path, nproc: int, cases: list[str]):
+    proc = torchrun([LOOP, tmp_path, *cases], nproc=nproc, timeout=240)
     logs = [json.loads((tmp_path / f"ids{r}.json").read_text()) for r in range(nproc)]
     report = tmp_path / "report.jsonl"
     entries = ([json.loads(line) for line in report.read_text().splitlines()]
@@ -124,7 +121,7 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
              "world:dp,tp:2,2:world:0", "batch:dp,tp:2,2:batch:0",
              "prepdp:dp,tp:2,2:prepared:0", "preptp:tp,dp_replicate:2,2:prepared:0",
              "submesh:dp,tp:2,2:submesh", "nodims:dp,tp:2,2:nodims", "flat:dp:4:flat-batch:0"]
-    proc, logs, entries = torchrun(tmp_path, 4, cases)
+    proc, logs, entries = launch_mesh(tmp_path, 4, cases)
     for case in ("ok", "okt"):
         # torch's own DistributedSampler over the data dim gives each rank what it received
         for epoch in range(EPOCHS):
@@ -196,7 +193,7 @@ def test_four_ranks_on_2x2_meshes_every_verdict_is_what_the_loop_received(tmp_pa
 def test_eight_ranks_on_a_2x2x2_mesh_cp_peers_shuffled_apart_are_named(tmp_path):
     """8 processes, (dp, cp, tp) = (2, 2, 2): a sampler over dp is sound; the cp peers
     shuffling with their own seeds are named (cp, in data group dp=0, from step 0)."""
-    _, logs, entries = torchrun(tmp_path, 8, ["ok:dp,cp,tp:2,2,2:sampler:0",
+    _, logs, entries = launch_mesh(tmp_path, 8, ["ok:dp,cp,tp:2,2,2:sampler:0",
                                               "seeds:dp,cp,tp:2,2,2:seeds:0"])
     assert all(e["ok"] for e in check_case(logs, entries, "ok"))
     seeds = check_case(logs, entries, "seeds")
@@ -212,9 +209,9 @@ def test_a_resume_on_a_mesh_laid_out_anew_counts_each_group_once(tmp_path):
     on. The mesh lists its dims in another order, so rank 1 is in group dp=0 before and dp=1
     after: each rank's place is read from the mesh, and the resumed epoch is judged over the
     groups. Expected from the ids the two launches' loops logged."""
-    torchrun(tmp_path, 4, ["res:dp,tp:2,2:save", "flat:dp,tp:2,2:save"])
+    launch_mesh(tmp_path, 4, ["res:dp,tp:2,2:save", "flat:dp,tp:2,2:save"])
     before = [json.loads((tmp_path / f"ids{r}.json").read_text()) for r in range(4)]
-    proc, after, entries = torchrun(tmp_path, 4, ["res:tp,dp:2,2:load",
+    proc, after, entries = launch_mesh(tmp_path, 4, ["res:tp,dp:2,2:load",
                                                   "flat:dp,tp:2,2:load-flat"])
 
     def group_ids(logs, epoch):

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from support.launch import ROOT, audit, free_port, run_cmd, verdicts
+from support.launch import ROOT, audit, torchrun, verdicts
 from support.packs import by_hand
 
 LOOP = str(ROOT / "tests" / "scripts" / "packed_loop.py")
@@ -51,9 +51,7 @@ def test_packed_rows_on_two_ranks_coverage_splits_lineage_and_faults(tmp_path):
     each loop logged, flattened by hand, and torch's sampler."""
     import jsonschema
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), LOOP, str(tmp_path)]
-    proc = run_cmd(cmd, timeout=120)
+    proc = torchrun([LOOP, tmp_path], nproc=2, timeout=120)
     logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     entries = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
     for entry in entries:

@@ -24,15 +24,12 @@ def test_a_lightning_fit_resumed_from_a_checkpoint_without_the_callbacks_state(t
     remaining 2 steps (2 x 2 ranks x batch 4 = 16 samples, by hand); the part before the stop
     is unknown, the rest judged."""
     pytest.importorskip("pytorch_lightning")
-    import sys
-
-    from support.launch import launch_env, run_cmd
+    from support.launch import lightning_fit
 
     ckpt = tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
     outputs = []
     for args in (["--stop-at", "3"], ["--resume", str(ckpt)]):
-        proc = run_cmd([sys.executable, "examples/watch_lightning.py", "--root", str(tmp_path),
-                        *args], env=launch_env(), check=False)
+        proc = lightning_fit(["examples/watch_lightning.py", "--root", tmp_path, *args])
         assert ended_or_aborted_at_teardown(proc), proc.stderr
         outputs.append(proc.stdout + proc.stderr)
         if args[0] == "--stop-at":
@@ -58,14 +55,11 @@ class LightningChain(Chain):
         self.report = tmp_path / "sharddemo-watch.jsonl"  # (<default_root_dir>/...)
 
     def fit(self, devices: int, *args: str) -> None:
-        import sys
-
-        from support.launch import launch_env, run_cmd
+        from support.launch import lightning_fit
 
         self.launches += 1
-        proc = run_cmd([sys.executable, LIGHTNING_LOOP, "--root", str(self.tmp), "--ids",
-                        str(self.ids), "--launch", str(self.launches), "--devices",
-                        str(devices), *args], env=launch_env(), check=False)
+        proc = lightning_fit([LIGHTNING_LOOP, "--root", self.tmp, "--ids", self.ids, "--launch",
+                              self.launches, "--devices", devices, *args], devices=devices)
         assert ended_or_aborted_at_teardown(proc), proc.stderr
         self.outputs.append(proc.stdout + proc.stderr)
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
-from support.launch import SCRIPTS, free_port, run_cmd
+from support.launch import SCRIPTS, torchrun
 from support.reports import entry
 
 LOOP = str(SCRIPTS / "stream_state_loop.py")
@@ -57,9 +56,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream_state")
     logs, entries, lines = {}, {}, {}
     for tag, nproc, cases in LAUNCHES:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), LOOP, str(out), tag, *cases]
-        proc = run_cmd(cmd, timeout=180)
+        proc = torchrun([LOOP, out, tag, *cases], nproc=nproc, timeout=180)
         lines[tag] = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
         logs[tag] = [json.loads((out / f"ids.{tag}.{r}.json").read_text())
                      for r in range(nproc)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from support.launch import free_port, run_cmd, sharddemo
+from support.launch import sharddemo, torchrun
 
 LOOP = Path(__file__).resolve().parents[1] / "scripts" / "tokens_loop.py"
 SCHEMA = json.loads((LOOP.parents[2] / "docs" / "watch.schema.json").read_text())
@@ -27,8 +27,7 @@ T = 16  # (tokens_loop's row length)
 def launched(tmp_path_factory):
     """The loop launched once: (every rank's log, the report's entries, the output folder)."""
     out = tmp_path_factory.mktemp("tokens")
-    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-             "--master_port", str(free_port()), str(LOOP), str(out)], timeout=240)
+    torchrun([LOOP, out], nproc=4, timeout=240)
     logs = [json.loads((out / f"log{r}.json").read_text()) for r in range(4)]
     entries = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
     for entry in entries:

@@ -36,11 +36,49 @@ def launch_env() -> dict:
 
 
 def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT,
-                      check: bool = True, config: str = CPU_CONFIG) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`."""
+                      check: bool = True, config: str = CPU_CONFIG,
+                      warm: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`.
+
+    By default the ranks are forked by the warm launcher (support/warm.py: the same processes,
+    process group and environment, without importing torch and accelerate three times a
+    launch); `warm=False`, or SHARDDEMO_TEST_LAUNCHER=accelerate for the whole suite, runs the
+    real `accelerate launch`."""
+    if warm and config == CPU_CONFIG and args and args[0].endswith(".py") \
+            and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+        from support.warm import warm_launch
+
+        return warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
     return run_cmd(cmd, timeout=timeout, check=check)
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, check: bool = True,
+             preload: tuple = (), warm: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N --master_port FREE SCRIPT ARGS` (`python -m
+    torch.distributed.run`), its ranks forked by the warm launcher as accelerate_launch's are
+    (`preload`: modules it imports once first, e.g. Lightning; `warm=False`: the real torchrun)."""
+    if warm and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+        from support.warm import warm_launch
+
+        return warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
+                           check=check, preload=preload)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), *map(str, args)]
+    return run_cmd(cmd, timeout=timeout, check=check)
+
+
+def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIMEOUT,
+                  warm: bool = True) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` for a script whose Lightning Trainer (devices=`devices`, DDP) starts
+    its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
+    takes them as launched (its TorchElasticEnvironment) and starts none; `warm=False`:
+    Lightning's own launcher."""
+    if warm and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+        return torchrun(args, nproc=devices, timeout=timeout, check=False,
+                        preload=("pytorch_lightning",))
+    return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
 
 
 def run_cmd(cmd: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,

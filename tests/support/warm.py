@@ -1,0 +1,62 @@
+"""The warm launcher: ranks forked from a server that imported torch and accelerate once.
+
+A real 2-rank `accelerate launch` spends about 3 of its 5 seconds here importing torch and
+accelerate in three processes (the launcher and each rank). The server (support/warm_server.py,
+one for each pytest worker, started at its first launch) imports them once and forks the ranks
+of each launch with the environment accelerate's launcher gives them (accelerate's own env
+builder for the config, then torchrun's per-rank variables); each rank reseeds its generators
+as a fresh process would. The ranks are real processes in a real gloo process group; what they
+skip is the launcher process itself (its agent's store, its error files, its own messages), so
+the tests of launching, faults and signals use the real launcher (`warm=False`).
+`SHARDDEMO_TEST_LAUNCHER=accelerate` sends every launch through the real launcher."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import subprocess
+import sys
+
+import pytest
+from support.launch import ROOT, SUPPORT, free_port, launch_env
+
+_server: subprocess.Popen | None = None
+
+
+def server() -> subprocess.Popen:
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = launch_env()
+        _server = subprocess.Popen([sys.executable, str(SUPPORT / "warm_server.py")],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                   cwd=ROOT, env=env, start_new_session=True)
+        atexit.register(_server.kill)
+    return _server
+
+
+def warm_launch(args: list[str], nproc: int, config: str | None, timeout: float,
+                check: bool, preload: tuple = ()) -> subprocess.CompletedProcess:
+    """What `accelerate launch --config_file CONFIG --num_processes NPROC ARGS` (config None:
+    `torchrun --nproc_per_node NPROC ARGS`) gives the test (its exit code, every rank's stdout
+    and stderr), from forked ranks; `preload`: modules the server imports first (once)."""
+    srv = server()
+    request = {"argv": args, "nproc": nproc, "config": config, "port": free_port(),
+               "cwd": str(ROOT), "env": launch_env(), "timeout": timeout,
+               "preload": list(preload)}
+    assert srv.stdin is not None and srv.stdout is not None
+    srv.stdin.write(json.dumps(request) + "\n")
+    srv.stdin.flush()
+    line = srv.stdout.readline()
+    if not line:
+        pytest.fail(f"the warm launcher ended (exit {srv.wait()}) during: {' '.join(args)}")
+    reply = json.loads(line)
+    cmd = (["accelerate", "launch (warm)", "--num_processes", str(nproc), *args] if config else
+           ["torchrun (warm)", "--nproc_per_node", str(nproc), *args])
+    if reply["timed_out"]:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{reply['stdout']}"
+                    f"\n--- stderr (all ranks)\n{reply['stderr']}")
+    proc = subprocess.CompletedProcess(cmd, reply["rc"], reply["stdout"], reply["stderr"])
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n"
+                    f"--- stderr (all ranks)\n{proc.stderr}")
+    return proc
