@@ -1,0 +1,65 @@
+"""The warm launcher (tests/support/warm.py) against the real `accelerate launch` and
+`torchrun`: each rank of a warm launch sees what a rank of the real launch sees (its launch
+variables, its accelerate state, a working gloo group, its own seeds, its argv, path and
+working folder), and a rank's failure fails the launch as the real launchers' does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.launch import ROOT, SCRIPTS, accelerate_launch, torchrun
+
+PROBE = str(SCRIPTS / "launch_probe.py")
+
+
+def probes(out, nproc):
+    return [json.loads((out / f"probe{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_warm_rank_sees_what_an_accelerate_launched_rank_sees(tmp_path, nproc):
+    seen = {}
+    for warm in (True, False):
+        out = tmp_path / str(warm)
+        out.mkdir()
+        accelerate_launch([PROBE, str(out)], nproc=nproc, warm=warm)
+        seen[warm] = probes(out, nproc)
+    for r in range(nproc):
+        warm, real = seen[True][r], seen[False][r]
+        assert warm["env"] == real["env"], r
+        assert warm["state"] == real["state"]  # (the device too: accelerate's, as it names it)
+        assert real["state"][:3] == ["DistributedType.MULTI_CPU", nproc, r]
+        assert real["state"][4] == "gloo"
+        assert warm["gathered"] == real["gathered"] == list(range(nproc))
+        assert warm["argv"] == [str(tmp_path / "True")] and real["argv"] == [str(tmp_path / "False")]
+        assert warm["main"] == real["main"] == "__main__"
+        assert warm["path0"] == real["path0"] == str(SCRIPTS)
+        assert warm["cwd"] == real["cwd"] == str(ROOT)
+    # every process draws its own seeds (torch 2.13 seeds each process at random; Python's and
+    # numpy's from the OS): no two ranks of either launch, nor the two launches, share one
+    for k in range(3):
+        draws = [p["draws"][k] for launch in seen.values() for p in launch]
+        assert len(set(draws)) == len(draws), k
+
+
+def test_a_warm_torchrun_rank_sees_what_a_torchrun_rank_sees(tmp_path):
+    seen = {}
+    for warm in (True, False):
+        out = tmp_path / str(warm)
+        out.mkdir()
+        torchrun([PROBE, out], nproc=2, warm=warm)
+        seen[warm] = probes(out, 2)
+    for r in range(2):
+        assert seen[True][r]["env"] == seen[False][r]["env"]
+        assert seen[True][r]["state"] == seen[False][r]["state"]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_rank_that_exits_with_an_error_fails_the_launch(tmp_path, warm):
+    """Rank 1 exits 3 after the group's last collective: the launch exits 1 (torchrun's agent:
+    a failed rank fails the launch), and rank 0's work is there."""
+    proc = accelerate_launch([PROBE, str(tmp_path), "--exit-on", "1:3"], warm=warm, check=False)
+    assert proc.returncode == 1
+    assert len(probes(tmp_path, 2)) == 2
