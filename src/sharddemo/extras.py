@@ -5,7 +5,7 @@ starts, which extra to install.
 
 Checked without importing the package (importlib.util.find_spec), so that a check costs nothing
 and a package that is present but hidden (or broken at import) counts as absent. The extras are
-those of setup.cfg: `hf`, `lightning`, `stateful`, `plot`, `webdataset`.
+those of setup.cfg: `hf`, `lightning`, `stateful`, `plot`, `webdataset`, `litdata`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ EXTRAS = {
     "torchdata": (("torchdata",), "stateful", "torchdata's StatefulDataLoader"),
     "matplotlib": (("matplotlib",), "plot", "matplotlib"),
     "webdataset": (("webdataset",), "webdataset", "WebDataset"),
+    "litdata": (("litdata",), "litdata", "litdata's StreamingDataset"),
 }
 
 

@@ -14,6 +14,7 @@ from support.launch import FACTORIES, ROOT, SCHEMA, launch_env, sharddemo
 
 PLUGIN = str(ROOT / "tests" / "support" / "hideplugin")
 LIGHTNING_EXAMPLE = "examples/lightning_example.py:make_datamodule"
+LITDATA_FACTORY = str(ROOT / "tests" / "support" / "litdata_factories.py")
 
 
 def run_without(hidden: list[str], args: list[str], tmp_path):
@@ -38,6 +39,7 @@ def run_without(hidden: list[str], args: list[str], tmp_path):
     (["webdataset"], ["audit", "examples/webdataset_loaders.py:split", "--id-field",
                       "__key__"], "webdataset"),
     (["webdataset"], ["compare", "--source", "webdataset"], "webdataset"),
+    (["litdata"], ["audit", f"{LITDATA_FACTORY}:split", "--id-field", "id"], "litdata"),
 ])
 def test_a_command_that_needs_an_absent_package_says_which_extra_before_any_rank(
         tmp_path, hidden, args, extra):

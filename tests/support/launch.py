@@ -55,7 +55,8 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, check: bool = True,
-             preload: tuple = (), warm: bool = True) -> subprocess.CompletedProcess:
+             preload: tuple = (), warm: bool = True,
+             env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N --master_port FREE SCRIPT ARGS` (`python -m
     torch.distributed.run`), its ranks forked by the warm launcher as accelerate_launch's are
     (`preload`: modules it imports once first, e.g. Lightning; `warm=False`: the real torchrun)."""
@@ -63,10 +64,10 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, ch
         from support.warm import warm_launch
 
         return warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
-                           check=check, preload=preload)
+                           check=check, preload=preload, env=env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *map(str, args)]
-    return run_cmd(cmd, timeout=timeout, check=check)
+    return run_cmd(cmd, timeout=timeout, check=check, env=env)
 
 
 def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIMEOUT,

@@ -35,13 +35,15 @@ def server() -> subprocess.Popen:
 
 
 def warm_launch(args: list[str], nproc: int, config: str | None, timeout: float,
-                check: bool, preload: tuple = ()) -> subprocess.CompletedProcess:
+                check: bool, preload: tuple = (),
+                env: dict | None = None) -> subprocess.CompletedProcess:
     """What `accelerate launch --config_file CONFIG --num_processes NPROC ARGS` (config None:
     `torchrun --nproc_per_node NPROC ARGS`) gives the test (its exit code, every rank's stdout
-    and stderr), from forked ranks; `preload`: modules the server imports first (once)."""
+    and stderr), from forked ranks; `preload`: modules the server imports first (once); `env`:
+    the launch's environment (launch_env() unless given)."""
     srv = server()
     request = {"argv": args, "nproc": nproc, "config": config, "port": free_port(),
-               "cwd": str(ROOT), "env": launch_env(), "timeout": timeout,
+               "cwd": str(ROOT), "env": env or launch_env(), "timeout": timeout,
                "preload": list(preload)}
     assert srv.stdin is not None and srv.stdout is not None
     srv.stdin.write(json.dumps(request) + "\n")

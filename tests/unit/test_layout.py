@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # torch and the libraries that import it when imported
 HEAVY = {"torch", "accelerate", "transformers", "lightning", "pytorch_lightning", "datasets",
-         "webdataset", "torchdata", "ray"}
+         "webdataset", "torchdata", "ray", "litdata"}
 SHARED = {"sharddemo.options", "sharddemo.options.declare", "sharddemo.options.modes",
           "sharddemo.options.gather", "sharddemo.options.run", "sharddemo.options.audit",
           "sharddemo.options.resume", "sharddemo.options.refusals", "sharddemo.options.handoff",

@@ -149,10 +149,14 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
             (last.get("step") or 0) if last.get("loader_state") else 0)
         fill = (fill_ids(record, description, n, batch_size, skipped)
                 if loader_share(description, n) == n else None)
+        # what drop_last leaves out of an uninterrupted epoch (under one global batch, as
+        # explain_missing judges it) is no skip of the resume's
+        drops = ((batch_size or 1) * header["world_size"] - 1
+                 if description.get("drop_last") and loader_share(description, n) == n else 0)
         resume = judge_resume(before, present, epoch, restarts, again, fill,
                               fill_by=fill_source(description), partial=partial,
                               cause=restart_cause(description, epoch,
-                                                  (restarts or [{}])[-1]))
+                                                  (restarts or [{}])[-1]), drops=drops)
         # the epoch is what came before the stop and after it: no-missing-samples of the
         # part after the restart alone would count the samples delivered before it
         verdicts = [v for v in verdicts if v["verdict"] != "no-missing-samples"]
@@ -225,7 +229,8 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         else:
             entry["unique"] = n - resume["skipped"]["count"]
             entry["missing"] = {"count": resume["skipped"]["count"],
-                                "ids": resume["skipped"]["ids"], "reason": None}
+                                "ids": resume["skipped"]["ids"],
+                                "reason": resume["skipped"].get("reason")}
     entry.update(measured)
     if mesh is not None:
         entry["mesh"] = {**mesh, "peers_differ": peers}

@@ -54,9 +54,12 @@ def watch_line(entry: dict, failed: list[dict]) -> str:
                  f"{r.get('step')}{', after its last step' if r.get('at_edge') else ''}"
                  f"{restored_words(r)})")
     elif resumed:
+        skipped = resumed["skipped"]
         once = (f": {resumed['seen_before']:,} before the stop, {resumed['repeated']['count']:,} "
                 f"repeated after {restarts_said(resumed.get('restarts') or [])}, "
-                f"{resumed['skipped']['count']:,} skipped")
+                + (f"{skipped['count']:,} never delivered (what drop_last leaves out)"
+                   if skipped.get("reason") == "drop-last" else
+                   f"{skipped['count']:,} skipped"))
     text = (f"sharddemo: epoch {entry['epoch']} {entry['loader']}: {entry['unique']:,} of {part} "
             f"{'sample' if n == 1 else 'samples'}{'' if once[0] in ',:' else ' '}{once}"
             f"{split_words(entry)} {across(entry)}, {each}, order changed: {order}")

@@ -39,6 +39,16 @@ def restart_cause(description: dict, epoch: int, last: Optional[dict] = None) ->
     repeats samples, whatever the order."""
     last = last or {}
     saved_on, resumed_on = last.get("saved_on"), last.get("resumed_on")
+    if (saved_on and resumed_on and saved_on != resumed_on and last.get("loader_state")
+            and description.get("stream") == "litdata"):
+        # litdata 0.2.76 neither refuses nor replays per rank: it re-splits (measured:
+        # docs/resume.md, "litdata")
+        return (f"the restart changed the number of ranks ({saved_on} -> {resumed_on}) and "
+                "litdata re-split the rest of the epoch onto the new ranks (its elastic "
+                "resume, litData PR 878): it goes on from the saved position rounded down to a "
+                f"whole batch on each of the {resumed_on} ranks, so the samples past that point "
+                "come again, and its drop_last cuts the rest to whole batches on every rank; "
+                "docs/resume.md")
     if saved_on and resumed_on and saved_on != resumed_on:
         return (f"the restart changed the number of ranks ({saved_on} -> {resumed_on}): a "
                 "position counted in batches of one world size is other samples at another; "
@@ -92,7 +102,7 @@ def judge_resume(before: np.ndarray, after: np.ndarray, epoch: int,
                  again: Optional[np.ndarray] = None,
                  fill: Optional[np.ndarray] = None,
                  fill_by: str = FILL_BY, partial: bool = False,
-                 cause: str = RESTART_CAUSE) -> dict:
+                 cause: str = RESTART_CAUSE, drops: int = 0) -> dict:
     """A resumed epoch: the samples delivered both before a stop and after its restart
     (repeated) and in no part (skipped), from how many ranks received each sample in each part.
 
@@ -108,6 +118,11 @@ def judge_resume(before: np.ndarray, after: np.ndarray, epoch: int,
     it): `skipped` is None and only the repeats fail the verdict (a repeat is a fault as soon
     as it happens; a sample not delivered yet may still come). `cause`: why a resumed run does
     not continue where it stopped, as far as the loader's description tells (restart_cause).
+    `drops`: the most samples the loader's drop_last leaves out of an epoch (less than one
+    global batch, as an uninterrupted epoch is judged: analysis/reasons.py's explain_missing);
+    an epoch whose only gap is that many or fewer, with nothing repeated, resumed exactly
+    (litdata drops them by its own drop_last in every epoch, resumed or not: docs/resume.md),
+    and its skipped samples carry `"reason": "drop-last"`.
 
     Two restarts, N = 8: before the first stop 0-3, then 2-5 (2 and 3 repeated), then 5-7 (5
     repeated): `before` counts 0-5 (2 and 3 twice), `again` marks 2 and 3, `after` is 5-7:
@@ -128,7 +143,8 @@ def judge_resume(before: np.ndarray, after: np.ndarray, epoch: int,
     if (both & filled).any():
         restarts[-1]["fill"] = {**id_list(np.flatnonzero(both & filled)), "by": fill_by}
     # (a part: a sample not delivered yet may still come, so only the repeats count)
-    ok = not len(repeated) and (partial or not len(skipped))
+    dropped = not partial and not len(repeated) and 0 < len(skipped) <= drops
+    ok = not len(repeated) and (partial or not len(skipped) or dropped)
     detail = "" if ok else (
         f"{len(repeated)} sample(s) delivered again after "
         f"{'a restart' if len(restarts) > 1 else 'the restart'}"
@@ -139,7 +155,9 @@ def judge_resume(before: np.ndarray, after: np.ndarray, epoch: int,
     if not ok and said:
         detail += "; " + "; ".join(restart_words(r) for r in said)
     return {"seen_before": int(before.sum()), "repeated": id_list(repeated),
-            "skipped": None if partial else id_list(skipped), "restarts": restarts,
+            "skipped": None if partial else {**id_list(skipped),
+                                             **({"reason": "drop-last"} if dropped else {})},
+            "restarts": restarts,
             "verdict": {"verdict": "resume-exact", "epoch": epoch, "ok": ok, "detail": detail}}
 
 

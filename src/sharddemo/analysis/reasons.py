@@ -101,6 +101,10 @@ def by_design_sentence(code: str, loader: LoaderDescription, n: int, missing: in
                 "as random_split makes, a SubsetRandomSampler, or a view of a datasets.Dataset "
                 f"such as train_test_split, select or filter make); the other {n - domain} "
                 "are not its data")
+    elif draws.get("cycle"):
+        return (f"the stream cycles its data ({draws['sampler']}): each pass takes that many "
+                "samples a rank where the last one stopped, wrapping around, so a pass holds a "
+                "window of the data, some samples twice or none, by design")
     elif draws["replacement"] and draws["count"] is None:
         return (f"the stream draws its shards with replacement ({draws['sampler']}): some "
                 "samples come several times and some never, by design (for each sample once "

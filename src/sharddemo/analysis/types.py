@@ -20,6 +20,7 @@ class Draws(TypedDict, total=False):
     replacement: bool
     count: Optional[int]
     repeated_indices: bool
+    cycle: bool  # a stream that cycles its data, a window a pass (litdata's ParallelStreamingDataset)
 
 
 class LoaderDescription(TypedDict, total=False):

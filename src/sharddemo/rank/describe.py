@@ -12,6 +12,9 @@ from typing import Any, Optional
 import torch
 import xxhash
 
+from sharddemo.rank.streams import is_litdata, litdata_length, stream_draws
+
+
 def safe_len(loader) -> Optional[int]:
     """Return the loader's length, or None where it has none.
 
@@ -257,14 +260,9 @@ def _index_domain(base) -> dict:
     if rows is not None:
         chain.append(rows)
     sampler = _index_sampler(base)
-    out: dict[str, Any] = {"domain": None, "draws": None}
-    if resampled_stream(dataset):
-        # WebDataset(resampled=True): every worker draws shards with replacement, as many as
-        # its epoch takes (with_epoch)
-        out["draws"] = {"sampler": "WebDataset(resampled=True)", "replacement": True,
-                        "count": None}
-        return out
-    if sampler is None:
+    # (a stream that draws by design: WebDataset(resampled=True), litdata's cycling stream)
+    out: dict[str, Any] = {"domain": None, "draws": stream_draws(dataset)}
+    if out["draws"] is not None or sampler is None:
         return out
     # A DistributedSampler shards the positions (every one, once, over the ranks): no draw
     # of its own, but a Subset or a view under it narrows them as under any sampler. One that
@@ -303,15 +301,6 @@ def _index_domain(base) -> dict:
             out["draws"] = {"sampler": type(sampler).__name__, "replacement": False,
                             "count": int(count), "repeated_indices": True}
     return out
-
-
-def resampled_stream(dataset) -> bool:
-    """Say whether a WebDataset pipeline's shards come from ResampledShards (resampled=True).
-
-    Those are drawn with replacement, by design."""
-    stages = getattr(dataset, "pipeline", None)
-    return (isinstance(stages, list) and bool(stages)
-            and type(stages[0]).__name__ == "ResampledShards")
 
 
 def _wrapped_sampler(sampler):
@@ -462,6 +451,8 @@ def root_length(dataset) -> Optional[int]:
     dataset, _ = under_subsets(dataset)
     if _is_hf_view(dataset):
         return int(dataset.data.num_rows)
+    if is_litdata(dataset):  # (its len() is one rank's share)
+        return litdata_length(dataset)
     try:
         return len(dataset)
     except TypeError:

@@ -191,7 +191,8 @@ def attach(loader, state):
 
     methods = {"__iter__": __iter__, "__module__": cls.__module__, "close": close,
                "__enter__": __enter__, "__exit__": __exit__,
-               "__reduce_ex__": _as_plain(cls, "_sharddemo_watch", "_sharddemo_loader_tap")}
+               "__reduce_ex__": _as_plain(cls, "_sharddemo_watch", "_sharddemo_loader_tap",
+                                          INSIDE)}
     if callable(getattr(cls, "state_dict", None)) and callable(getattr(cls, "load_state_dict",
                                                                             None)):
         methods.update(carried_state(cls))
@@ -221,7 +222,9 @@ def carried_state(cls) -> dict:
 
     def state_dict(self, *args, **kwargs):
         own = cls.state_dict(self, *args, **kwargs)
-        if not isinstance(own, Mapping):  # (a state the watch cannot ride in: left as it is)
+        if not isinstance(own, Mapping) or self.__dict__.get(INSIDE):
+            # (a state the watch cannot ride in, or the loader asking itself while it makes a
+            # batch: left as it is)
             return own
         part = self.__dict__["_sharddemo_watch"].loader_part()
         return own if part is None else {**own, WATCH_KEY: part}
@@ -232,17 +235,40 @@ def carried_state(cls) -> dict:
             part = state[WATCH_KEY]
             own = {k: v for k, v in state.items() if k != WATCH_KEY}
         result = cls.load_state_dict(self, own, *args, **kwargs)
-        if isinstance(state, Mapping):
+        if isinstance(state, Mapping) and not self.__dict__.get(INSIDE):
             self.__dict__["_sharddemo_watch"].load_loader_part(part)
         return result
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 
 
+# Set in a watched loader's __dict__ while its own code makes a batch (own_batches): a
+# state_dict() or load_state_dict() it calls on itself then is its own bookkeeping, not the
+# loop's checkpoint (litdata's StreamingDataLoader over a cycling ParallelStreamingDataset calls
+# load_state_dict(state_dict()) as each pass begins, to go on where the last one stopped: taken
+# for a resume, each epoch was called restarted, and the watch's collective ran inside it)
+INSIDE = "_sharddemo_inside"
+
+
+def own_batches(loader, batches):
+    """Yield `batches`, with the loader marked INSIDE while it makes each one."""
+    made = iter(batches)
+    attrs = loader.__dict__
+    while True:
+        attrs[INSIDE] = True
+        try:
+            batch = next(made)
+        except StopIteration:
+            return
+        finally:
+            attrs[INSIDE] = False
+        yield batch
+
+
 def watched_pass(loader, batches, watch_state, my_tap, this_pass):
     """The batches of one pass, each noted by the watch; the epoch closes at their end."""
     try:
-        for batch in batches:
+        for batch in own_batches(loader, batches):
             watch_state.add(batch, my_tap)
             yield batch
     finally:

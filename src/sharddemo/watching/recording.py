@@ -9,6 +9,7 @@ unattributed, field_error, windows, lineage)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -51,15 +52,47 @@ class Recording:
             # a stream: its own object says whether it is built to shuffle (workers
             # interleaving its shards are no shuffle)
             self.description["shuffled"] = stream_shuffles(dataset)
-        if (self.description.get("iterable_dataset")
-                and type(dataset).__module__.split(".")[0] == "datasets"):
-            # a datasets stream, whose own state a loader's state restores (a map-style
-            # datasets.Dataset is dealt by the loader's sampler: not tagged)
-            self.description["stream"] = "datasets"
+        library = type(dataset).__module__.split(".")[0]
+        if self.description.get("iterable_dataset") and library in ("datasets", "litdata"):
+            # a stream whose own state a loader's state restores: a datasets stream (a
+            # map-style datasets.Dataset is dealt by the loader's sampler: not tagged), or
+            # litdata's, which splits by rank itself and whose StreamingDataLoader keeps its
+            # position (docs/resume.md, "litdata")
+            self.description["stream"] = library
+        if library == "litdata":
+            self.say_litdata_ranks(dataset)
         if self.n is None:
             self.n = root_length(dataset)
         if self.id_field is None and self.mapping is None:
             self.mapping = subset_mapping(dataset)
+
+    def say_litdata_ranks(self, dataset) -> None:
+        """Say once, from this rank, where litdata's dataset reads itself as another rank.
+
+        litdata splits by rank itself and reads the ranks when the dataset is built: from the
+        process group, else from the environment (WORLD_SIZE, GLOBAL_RANK). Built before
+        init_process_group under torchrun (which sets WORLD_SIZE and RANK, not GLOBAL_RANK),
+        every rank reads itself as rank 0 and receives rank 0's share (measured: docs/watch.md,
+        "litdata"). The watch's verdicts show the replication at the epoch's end; only this rank
+        knows why, so it says so now, as a per-rank line."""
+        import torch.distributed as dist
+
+        if getattr(self, "litdata_said", False) or not (dist.is_available()
+                                                        and dist.is_initialized()):
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for part in [dataset, *(getattr(dataset, "_datasets", None) or [])]:
+            env = getattr(part, "distributed_env", None)
+            read = (getattr(env, "global_rank", None), getattr(env, "world_size", None))
+            if None in read or read == (rank, world):
+                continue
+            self.litdata_said = True
+            warnings.warn(f"[rank {rank}/{world}] sharddemo.watch: {self.name}: litdata's "
+                          f"{type(part).__name__} on this rank reads itself as rank {read[0]} "
+                          f"of {read[1]} (it reads the ranks when it is built): it deals that "
+                          "rank's share here; build it after init_process_group (or set "
+                          "GLOBAL_RANK and WORLD_SIZE)", RuntimeWarning, stacklevel=4)
+            return
 
     def new_recorder(self):
         """The open epoch's recorder (rank.recorder.Recorder, as `audit`'s), on the watch's
@@ -192,8 +225,13 @@ class Recording:
 
 def stream_shuffles(dataset) -> bool:
     """Whether a stream is built to deal a new order: a datasets IterableDataset after
-    .shuffle() (a BufferShuffledExamplesIterable in its chain of example iterables). Anything
+    .shuffle() (a BufferShuffledExamplesIterable in its chain of example iterables), a litdata
+    StreamingDataset(shuffle=True) (a new chunk and item order each epoch). Anything
     else (a stream of the user's, workers interleaving shards) is not known to shuffle."""
+    from sharddemo.rank.streams import is_litdata
+
+    if is_litdata(dataset):
+        return getattr(dataset, "shuffle", None) is True  # (StreamingDataset(shuffle=...))
     inner = getattr(dataset, "_ex_iterable", None)
     for _ in range(32):
         if inner is None:
