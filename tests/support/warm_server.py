@@ -42,9 +42,13 @@ def accelerate_env(config: str, nproc: int) -> dict:
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(
-        ["--config_file", config, "--num_processes", str(nproc), "script.py"])
+        ["--config_file", config, "--num_processes", str(nproc), "--main_process_port", "0",
+         "script.py"])
     args, _, _ = _validate_launch_command(args)
-    return prepare_multi_gpu_env(args)
+    env = prepare_multi_gpu_env(args)
+    # (it starts from a copy of this process's environment: keep what it adds or changes, so
+    # that each launch's own environment is the rest)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
 def rank_env(base: dict, launcher: dict, rank: int, nproc: int, port: int) -> dict:
@@ -84,6 +88,10 @@ def run_rank(argv: list, env: dict, cwd: str, out: str, err: str) -> None:
         os.environ.update(env)
         os.chdir(cwd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # a hung rank's stacks, written to its stderr before the timeout kills it (launch())
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         # a fresh process's seeds: its own Python, numpy and torch generators
         import random
 
@@ -165,7 +173,14 @@ def launch(request: dict, launchers: dict) -> dict:
             now = time.monotonic()
             if now > deadline:
                 timed_out = True
-                kill({p: r for p, r in pids.items() if pids[p] not in codes})
+                hung = {p: r for p, r in pids.items() if pids[p] not in codes}
+                for p in hung:
+                    try:
+                        os.kill(p, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(1)
+                kill(hung)
                 for p in pids:
                     if pids[p] not in codes:
                         os.waitpid(p, 0)
