@@ -6,7 +6,8 @@ one for each pytest worker, started at its first launch) imports them once and f
 of each launch with the environment accelerate's launcher gives them (accelerate's own env
 builder for the config, then torchrun's per-rank variables); each rank reseeds its generators
 as a fresh process would. The ranks are real processes in a real gloo process group; what they
-skip is the launcher process itself (its agent's store, its error files, its own messages), so
+skip is the launcher process itself (its error files, its own messages; the rendezvous store
+its agent hosts is forked for each launch, support/warm_server.py's serve_store), so
 the tests of launching, faults and signals use the real launcher (`warm=False`).
 `SHARDDEMO_TEST_LAUNCHER=accelerate` sends every launch through the real launcher."""
 

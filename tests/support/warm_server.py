@@ -52,8 +52,8 @@ def accelerate_env(config: str, nproc: int) -> dict:
 
 
 def rank_env(base: dict, launcher: dict, rank: int, nproc: int, port: int) -> dict:
-    """torchrun's variables for one rank of a one-node launch (its agent's store left out:
-    rank 0 serves the rendezvous store itself, as a launch without an agent does)."""
+    """torchrun's variables for one rank of a one-node launch (the rendezvous store is the
+    launch's, serve_store's, as torchrun's agent's is)."""
     env = dict(base)
     env.update(launcher)
     env.update({
@@ -62,6 +62,7 @@ def rank_env(base: dict, launcher: dict, rank: int, nproc: int, port: int) -> di
         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     })
     env.pop("MASTER_PORT_FREE", None)
@@ -133,6 +134,31 @@ def run_rank(argv: list, env: dict, cwd: str, out: str, err: str) -> None:
             os._exit(code)
 
 
+def serve_store(port: int, nproc: int, timeout: float) -> int:
+    """Fork the launch's rendezvous store, as torchrun's agent hosts it (the ranks connect to it
+    as clients: TORCHELASTIC_USE_AGENT_STORE); its pid, killed when the launch ends."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:
+        os.setsid()
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout), multi_tenant=True)
+        while store is not None:
+            time.sleep(3600)  # (until the launch ends: SIGKILL)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
 def kill(pids: dict) -> None:
     for pid in pids:
         try:
@@ -156,6 +182,7 @@ def launch(request: dict, launchers: dict) -> dict:
     outs = [(os.path.join(folder, f"out{r}"), os.path.join(folder, f"err{r}"))
             for r in range(nproc)]
     sys.stderr.flush()
+    store = serve_store(request["port"], nproc, request["timeout"])
     pids: dict = {}
     for r in range(nproc):
         env = rank_env(request["env"], launchers[key], r, nproc, request["port"])
@@ -203,6 +230,11 @@ def launch(request: dict, launchers: dict) -> dict:
                         os.killpg(p, signal.SIGTERM)
                     except (ProcessLookupError, PermissionError):
                         pass
+    kill({store: None})
+    try:
+        os.waitpid(store, 0)
+    except ChildProcessError:
+        pass  # (it ended early, reaped in the loop above)
     stdout = stderr = ""
     for r, (out, err) in enumerate(outs):
         with open(out, errors="replace") as f:
