@@ -16,12 +16,17 @@ import time
 
 import torch
 
+from sharddemo.watching.tokens import row_sums
+
 WAYS = {
     "(mask != 0).sum(1)": lambda m: (m != 0).sum(1),
     "count_nonzero(mask, dim=1)": lambda m: torch.count_nonzero(m, dim=1),
     "mask.bool().view(uint8).sum(1, int32)":
         lambda m: m.bool().view(torch.uint8).sum(1, dtype=torch.int32),
     "mask.sum(1) (0/1 only)": lambda m: m.sum(1),
+    # (what the meter does since 2026-12-06, 06:50 UTC: the bools' bytes as int64 words,
+    # summed byte lane by byte lane, then each row's lanes: watching/tokens.py's row_sums)
+    "row_sums(mask.bool()) (int64 words)": lambda m: row_sums(m.bool()),
 }
 
 

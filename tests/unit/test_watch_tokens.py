@@ -298,3 +298,70 @@ def test_a_resumed_epoch_without_the_tokens_before_the_stop_says_so(tmp_path):
     words = tokens_words(entry)
     assert f", {entry['tokens']['total']:,} tokens after the restart" in words
     assert ", sources after the restart (of its 4 received)" in words
+
+
+@pytest.mark.parametrize("width", [1, 8, 13, 2040, 2048, 8200])
+def test_each_rows_count_is_torchs_count_of_its_nonzero_entries(width):
+    """row_sums (a bool tensor's bytes summed eight at a time) against torch's own
+    count_nonzero(dim=1): widths that are no multiple of 8, one lane's limit (255 words, 2,040
+    bytes) and beyond it, a slice that starts at an odd byte, and a transposed view."""
+    from sharddemo.watching.tokens import row_sums
+
+    g = torch.Generator().manual_seed(width)
+    flags = torch.rand(6, width + 1, generator=g) < 0.7
+    flags[0] = True  # (a row of all ones: every lane at its most)
+    for view in (flags[:, :width], flags[:, 1:], flags[:, :width].contiguous(),
+                 flags.t().contiguous().t()):
+        assert torch.equal(row_sums(view).to(torch.int64), torch.count_nonzero(view, dim=1))
+
+
+def test_batches_of_several_widths_and_a_tokenizers_mask_count_every_row(tmp_path):
+    """Batches padded each to its longest row (a collator's dynamic padding: widths 3, 5, 2
+    ...), an int64 attention_mask and labels, int sources: the tokens, the supervised tokens
+    and each source's tokens are torch's counts of the rows the loop received."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 7, (150,), generator=g).tolist()
+    rows = [{"attention_mask": torch.ones(n, dtype=torch.int64),
+             "labels": torch.where(torch.rand(n, generator=g) < 0.5, -100, 7),
+             "source": k % 3} for k, n in enumerate(lengths)]
+
+    def pad(batch):
+        width = max(len(r["attention_mask"]) for r in batch)
+        return {"attention_mask": torch.stack([torch.nn.functional.pad(
+                    r["attention_mask"], (0, width - len(r["attention_mask"])))
+                    for r in batch]),
+                "labels": torch.stack([torch.nn.functional.pad(
+                    r["labels"], (0, width - len(r["labels"])), value=-100) for r in batch]),
+                "source": torch.tensor([r["source"] for r in batch])}
+
+    seen = {"tokens": 0, "supervised": 0, "by_source": {0: 0, 1: 0, 2: 0}}
+    report = tmp_path / "w.jsonl"
+    loader = watch(DataLoader(rows, batch_size=2, collate_fn=pad), report=str(report),
+                   tokens=("attention_mask", "labels"), sources="source")
+    for batch in loader:
+        per_row = torch.count_nonzero(batch["attention_mask"], dim=1)
+        seen["tokens"] += int(per_row.sum())
+        seen["supervised"] += int(torch.count_nonzero(batch["labels"] != -100))
+        for s, n in zip(batch["source"].tolist(), per_row.tolist()):
+            seen["by_source"][s] += n
+    loader.close()
+    (entry,) = [json.loads(line) for line in report.read_text().splitlines()]
+    assert entry["tokens"]["total"] == seen["tokens"] == sum(lengths)
+    assert entry["tokens"]["supervised"] == seen["supervised"]
+    assert {k: v["tokens"] for k, v in entry["sources"].items()} == {
+        str(s): n for s, n in seen["by_source"].items()}
+
+
+def test_a_batch_with_a_source_too_few_is_an_error_even_where_another_has_one_too_many():
+    """Two batches of 4 rows, the first with 3 sources and the second with 5 (7 + 1 = 8 in all,
+    as many as the rows): each batch's sources against its own rows, so torch's bincount
+    refuses the first (weights of 4 for 3 indices), as when each batch was summed alone; never
+    the sources moved between the batches' rows."""
+    from sharddemo.watching.tokens import TokenMeter
+
+    meter = TokenMeter("attention_mask", "source")
+    mask = torch.ones(4, 3, dtype=torch.int64)
+    meter.add({"attention_mask": mask, "source": torch.tensor([0, 1, 2])})
+    meter.add({"attention_mask": mask, "source": torch.tensor([0, 1, 2, 0, 1])})
+    with pytest.raises(RuntimeError):
+        meter.settle()

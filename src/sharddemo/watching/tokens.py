@@ -11,13 +11,17 @@ ones from the labels. A source field holds each sample's source: an int index or
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from operator import attrgetter, itemgetter
 from typing import Any, Optional
 
 import torch
 
 # a label that is no supervised token (the loss ignores it: torch's cross_entropy default)
 IGNORE_INDEX = -100
+# a tensor's shape (torch.Size: a tuple), read in one C call a tensor
+SHAPE = attrgetter("shape")
 
 
 def is_labels(field: Any) -> bool:
@@ -33,6 +37,21 @@ class TokenMeter:
         self.label_fields = [f for f in fields if is_labels(f)]
         self.token_fields = [f for f in fields if not is_labels(f)] or self.label_fields[:1]
         self.sources = sources
+        # what a batch is read for, in the order add() keeps them: its token field, its labels
+        # (where they are not the token field) and its sources
+        token = self.token_fields[0] if self.token_fields else None
+        labels = self.label_fields[0] if self.label_fields and self.label_fields[0] != token \
+            else None
+        self.keys = tuple(k for k in (token, labels, sources) if k is not None)
+        self.has = (token is not None, labels is not None, sources is not None)
+        # each field in one C call (operator.itemgetter), for the batches of the kind whose
+        # fields the first batch showed to be tensors read by key or position at once (`direct`:
+        # that batch's type), so that each batch costs a handful of Python operations: no
+        # field's rule looked up again a step (plain tensors only: a subclass is read by the
+        # rule each time)
+        self.get = itemgetter(*self.keys) if len(self.keys) > 1 else (
+            (lambda batch, key=self.keys[0]: (batch[key],)) if self.keys else None)
+        self.direct: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -43,34 +62,76 @@ class TokenMeter:
         self.by_source: dict = {}  # name -> [samples, tokens] (host ints)
         self.source_counts: Any = None  # int sources: per-index counts (device)
         self.source_tokens: Any = None
-        # the fields of the batches not yet summed: (token field, labels, sources) a batch,
-        # kept as they came and summed SETTLE_BATCHES at a time (settle): a handful of
-        # operations for them all, not a handful a step
+        # the fields of the batches not yet summed (the tuple of `keys` a batch), kept as they
+        # came and summed SETTLE_BATCHES at a time (settle): a handful of operations for them
+        # all, not a handful a step
         self.pending: list = []
-        self.pending_size = 0
+        self.settle_at = self.SETTLE_BATCHES  # (fewer for large batches: SETTLE_SIZE)
+        self.pending_named = False  # (a kept batch's sources were names: its sources None)
 
     # batches kept before their fields are summed, and the most entries they may hold (32 MB
-    # of int64 at most, on their device)
+    # of int64, on their device; counted from the mean size of the batches summed last, and
+    # the size of a batch read by its fields' rule: batches larger than those before them may
+    # take a window over it)
     SETTLE_BATCHES = 64
     SETTLE_SIZE = 1 << 22
 
     def add(self, batch):
         """One batch's fields, kept to be summed (a ValueError names a field it lacks); returns
         its token field (None without one)."""
+        if type(batch) is self.direct:  # (a batch of the kind seen: its fields at once)
+            try:
+                values = self.get(batch)
+            except (KeyError, IndexError, TypeError):
+                return self.add_read(batch)
+            for value in values:  # (tensors, as add_read would keep them)
+                if type(value) is not torch.Tensor:
+                    return self.add_read(batch)
+            # (nothing else asked of a tensor here: each call into torch costs about a
+            # microsecond a step on caches a training step has emptied; its size and a source's
+            # type are looked at when the kept batches are summed)
+            self.pending.append(values)
+            if len(self.pending) >= self.settle_at:
+                self.settle()
+            return values[0] if self.has[0] else None
+        return self.add_read(batch)
+
+    def keep(self, values: tuple) -> None:
+        """One batch's fields kept (its sources None where they are names, counted already);
+        the kept ones summed once there are enough."""
+        self.pending.append(values)
+        if self.has[0]:  # (fewer batches kept where they are large: SETTLE_SIZE)
+            size = values[0].numel() + (values[1].numel() if self.has[1] else 0)
+            self.settle_at = max(1, min(self.settle_at, self.SETTLE_SIZE // max(size, 1)))
+        if len(self.pending) >= self.settle_at:
+            self.settle()
+
+    def add_read(self, batch):
+        """add() for any batch: each field read by its rule (read); a batch whose fields are
+        tensors under a key or position makes its type the one add() reads at once."""
         tokens = labels = sources = None
-        if self.token_fields:
+        if self.has[0]:
             tokens = self.read(batch, self.token_fields[0], "tokens")
-        if self.label_fields and self.label_fields[0] != (self.token_fields or [None])[0]:
+        if self.has[1]:
             labels = self.read(batch, self.label_fields[0], "tokens")
-        if self.sources is not None:
+        if self.has[2]:
             sources = self.read(batch, self.sources, "sources")
             if not (torch.is_tensor(sources) and not sources.is_floating_point()):
                 self.add_named(sources, tokens)  # (names: host data, counted as they come)
                 sources = None
-        self.pending.append((tokens, labels, sources))
-        self.pending_size += sum(t.numel() for t in (tokens, labels) if t is not None)
-        if len(self.pending) >= self.SETTLE_BATCHES or self.pending_size >= self.SETTLE_SIZE:
-            self.settle()
+        values = tuple(v for v, has in zip((tokens, labels, sources), self.has) if has)
+        if sources is not None or not self.has[2]:
+            try:  # (the same objects at once: batches of this kind are read so from now on)
+                if (isinstance(batch, (dict, tuple, list)) or hasattr(batch, "keys")) and all(
+                        a is b for a, b in zip(self.get(batch), values)):
+                    self.direct = type(batch)
+            except (KeyError, IndexError, TypeError):
+                pass
+        if sources is None and self.has[2]:
+            self.pending_named = True
+            if len(values) == 1:  # (the named sources alone: nothing to keep)
+                return tokens
+        self.keep(values)
         return tokens
 
     def token_field(self, batch):
@@ -100,51 +161,148 @@ class TokenMeter:
             value and not isinstance(value[0], str)) else value
 
     def settle(self) -> None:
-        """Sum the kept batches' fields: those of one shape together."""
-        pending, self.pending, self.pending_size = self.pending, [], 0
-        by_shape: dict = {}
+        """Sum the kept batches' fields: each field's batches joined into one tensor (a
+        handful of operations for them all); where they do not join (a field wider in one
+        batch than in another: summed batch by batch, their row counts joined), and where one
+        field has more dimensions in one batch than in another or sources are names, those of
+        one shape together, as the sums were always made there."""
+        pending, self.pending = self.pending, []
+        named, self.pending_named = self.pending_named, False
+        if not pending:
+            return
+        columns = list(zip(*pending))
+        if not named:
+            # (no check of the batches' shapes a batch first: each check of 64 tensors costs
+            # about a microsecond a step; torch's join refuses what does not join)
+            saved = self.sums()
+            try:
+                if self.sum_batches(columns, None):
+                    return
+            except RuntimeError:
+                pass
+            self.restore(saved)
+        if self.has[2]:  # (floating point sources are names, '0.0': as add_read counts them)
+            named = self.name_floats(pending) or named
+        columns = list(zip(*pending))
+        if not named:
+            shapes = [list(map(SHAPE, column)) for column in columns]
+            if all(len({len(s) for s in set(column)}) == 1 for column in shapes):
+                self.sum_batches(columns, shapes)
+                return
+        kinds: dict = {}
         for entry in pending:
-            key = tuple(tuple(t.shape) if t is not None else None for t in entry)
-            by_shape.setdefault(key, []).append(entry)
-        for group in by_shape.values():
-            tokens, labels, sources = (
-                (torch.cat([e[k] for e in group]) if len(group) > 1 else group[0][k])
-                if group[0][k] is not None else None for k in range(3))
-            per_sample = None
-            if tokens is not None and (sources is not None or self.label_fields
-                                       and labels is None):
-                # (each sample's: the sources' tokens need them)
-                per_sample = self.count(tokens, self.token_fields[0])
-                self.tokens = self.tokens + per_sample.sum()
-            elif tokens is not None:  # (the total alone: one count over them all)
-                self.tokens = self.tokens + self.total(tokens, self.token_fields[0])
-            if labels is not None:
-                self.supervised = self.supervised + torch.count_nonzero(labels != IGNORE_INDEX)
-            elif self.label_fields and tokens is not None:  # (the labels are the token field)
-                self.supervised = self.supervised + per_sample.sum()
-            if sources is not None:
-                self.add_indexed(sources, per_sample)
+            key = tuple(tuple(v.shape) if v is not None else None for v in entry)
+            kinds.setdefault(key, []).append(entry)
+        for key, entries in kinds.items():
+            self.sum_batches(list(zip(*entries)), [[k] * len(entries) for k in key])
 
-    def count(self, values: torch.Tensor, field) -> torch.Tensor:
-        """Each sample's tokens from a token field (a mask, lengths or labels); a mask's size
-        goes to the slots. A mask's nonzero entries are its tokens (a packer's mask may hold
-        segment numbers 1, 2, ..., not ones): row_tokens."""
-        self.has_slots = not is_labels(field) and values.dim() >= 2
+    def sums(self) -> tuple:
+        """The sums as they stand (restore puts them back): what settle's join changes."""
+        return (self.tokens, self.slots, self.supervised, self.has_slots, self.source_counts,
+                self.source_tokens, self.settle_at)
+
+    def restore(self, sums: tuple) -> None:
+        (self.tokens, self.slots, self.supervised, self.has_slots, self.source_counts,
+         self.source_tokens, self.settle_at) = sums
+
+    def name_floats(self, pending: list) -> bool:
+        """The kept batches whose sources are floating point counted by name (add_named, as
+        add_read does for a batch it reads so), their sources then None; whether there were."""
+        if not any(entry[-1] is not None and entry[-1].is_floating_point() for entry in pending):
+            return False
+        for i, entry in enumerate(pending):
+            if entry[-1] is not None and entry[-1].is_floating_point():
+                self.add_named(entry[-1], entry[0] if self.has[0] else None)
+                pending[i] = entry[:-1] + (None,)
+        return True
+
+    def sum_batches(self, columns: list, shapes: Optional[list]) -> bool:
+        """Add kept batches of one kind to the sums: `columns`, each field's tensors in the
+        batches' order (the token field, the labels, the sources: those asked for), and
+        `shapes`, their shapes; None: each field's batches are joined, and a RuntimeError
+        (torch's, where they do not join) leaves the sums half made (settle restores them),
+        False where a batch's sources are floating point (names: nothing added)."""
+        fields = iter(zip(columns, shapes or [None] * len(columns)))
+        tokens, token_shapes = next(fields) if self.has[0] else (None, None)
+        labels, label_shapes = next(fields) if self.has[1] else (None, None)
+        sources, source_shapes = next(fields) if self.has[2] else (None, None)
+        if sources is not None and sources[0] is None:  # (names: counted as they came)
+            sources = None
+        index = None
+        if sources is not None:
+            if source_shapes is None or {len(s) for s in set(source_shapes)} == {1}:
+                index = joined(sources)
+            else:
+                index = torch.cat([s.reshape(-1) for s in sources])
+            if index.is_floating_point():
+                return False
+        if tokens is not None:
+            # the next window's length, from these batches' mean size (SETTLE_SIZE)
+            entries = sum(map(torch.Tensor.numel, tokens)) + (
+                sum(map(torch.Tensor.numel, labels)) if labels is not None else 0)
+            self.settle_at = max(1, min(self.SETTLE_BATCHES,
+                                        self.SETTLE_SIZE * len(tokens) // max(entries, 1)))
+        rows = None
+        if tokens is not None:
+            field = self.token_fields[0]
+            if sources is not None:  # (each row's: the sources' tokens need them)
+                rows = self.count(tokens, token_shapes, field)
+                total = rows.sum()
+            else:  # (the total alone: no row's count)
+                total = self.total(tokens, token_shapes, field)
+            self.tokens = self.tokens + total
+            if self.label_fields and labels is None:  # (the labels are the token field)
+                self.supervised = self.supervised + total
+        if labels is not None:
+            self.supervised = self.supervised + count_flags(
+                labels, label_shapes is None or uniform(label_shapes), labels=True)
+        if index is None:
+            return True
+        if rows is not None and token_shapes is None:
+            # (joined at once: each batch's rows against its sources, so that a batch with a
+            # source too few and another with one too many are torch's error, as summed alone,
+            # not sources moved between rows)
+            token_shapes = list(map(SHAPE, tokens))
+            source_shapes = list(map(SHAPE, sources))
+        lengths = (list(map(itemgetter(0), token_shapes))
+                   if rows is not None and token_shapes is not None else None)
+        if lengths is not None and lengths != list(map(math.prod, source_shapes)):
+            # (a batch whose sources are not one a row: torch's own error, as when each batch
+            # was summed alone; joined, a count of sources other than of rows is that error)
+            for one, part in zip(sources, rows.split(lengths)):
+                self.add_indexed(one, part)
+            return True
+        self.add_indexed(index, rows)
+        return True
+
+    def count(self, values: tuple, shapes: Optional[list], field) -> torch.Tensor:
+        """Each row's tokens of the kept batches' token field (a mask, lengths or labels), in
+        the batches' order (row_tokens); a mask's size goes to the slots. `shapes`: as
+        sum_batches'."""
+        dim = values[0].dim()
+        self.has_slots = not is_labels(field) and dim >= 2
+        if dim < 2:  # (lengths, or one label a sample)
+            return row_tokens(joined(values), field)
         if self.has_slots:
-            self.slots = self.slots + values.numel()
-        return row_tokens(values, field)
+            self.slots = self.slots + sum(map(torch.Tensor.numel, values))
+        if shapes is None or uniform(shapes):  # (batches of one width: one count)
+            return row_sums(token_flags(values, is_labels(field)))
+        return torch.cat([row_sums(token_flags((v,), is_labels(field))) for v in values])
 
-    def total(self, values: torch.Tensor, field) -> torch.Tensor:
-        """A token field's tokens, all of its batches together (one count)."""
-        if is_labels(field):
-            self.has_slots = False
-            return torch.count_nonzero(values != IGNORE_INDEX)
-        if values.dim() >= 2:
-            self.has_slots = True
-            self.slots = self.slots + values.numel()
-            return torch.count_nonzero(values)
-        self.has_slots = False
-        return values.to(torch.int64).sum()
+    def total(self, values: tuple, shapes: Optional[list], field) -> torch.Tensor:
+        """The kept batches' tokens of a token field, all together."""
+        labels = is_labels(field)
+        dim = values[0].dim()
+        self.has_slots = not labels and dim >= 2
+        if not labels and dim < 2:  # (lengths)
+            return joined(values).to(torch.int64).sum()
+        if shapes is None and len(set(map(torch.Tensor.dim, values))) > 1:
+            # (a mask counted batch by batch is never joined: torch would not refuse a
+            # batch of lengths among masks, so this refuses it as a join would)
+            raise RuntimeError("the token field has more dimensions in one batch than another")
+        if self.has_slots:
+            self.slots = self.slots + sum(map(torch.Tensor.numel, values))
+        return count_flags(values, shapes is None or uniform(shapes), labels)
 
     def add_indexed(self, values: torch.Tensor, per_sample) -> None:
         index = values.reshape(-1).to(torch.int64)
@@ -194,6 +352,7 @@ class TokenMeter:
         if not keep:
             self.reset()
         return part
+
 
 
 def add_parts(before: list[dict], after: list[dict]) -> list[dict]:
@@ -266,13 +425,65 @@ def row_tokens(values: torch.Tensor, field) -> torch.Tensor:
     sixth of `(mask != 0).sum(1)`'s time (docs/benchmarks.md, "Tokens")."""
     if is_labels(field):
         mask = values != IGNORE_INDEX
-        return _row_sums(mask) if mask.dim() > 1 else mask.to(torch.int64)
+        return row_sums(mask).to(torch.int64) if mask.dim() > 1 else mask.to(torch.int64)
     if values.dim() >= 2:
-        return _row_sums(values.bool())
+        return row_sums(values.bool()).to(torch.int64)
     return values.to(torch.int64)
 
 
-def _row_sums(flags: torch.Tensor) -> torch.Tensor:
-    """Each row's True entries of a bool tensor (B x ...), as int64."""
-    rows = flags.reshape(flags.shape[0], -1).view(torch.uint8)
-    return rows.sum(1, dtype=torch.int32).to(torch.int64)
+def row_sums(flags: torch.Tensor) -> torch.Tensor:
+    """Each row's True entries of a bool tensor (B x ...), as int32. Its bytes are summed eight
+    at a time: read as int64 words, a row's words add up byte lane by byte lane (no carry from
+    one lane to the next while a lane holds at most 255, so 255 words at a time), then each
+    row's lanes are summed; the sum 4-5x faster than the bytes summed one by one
+    (docs/benchmarks.md, "Tokens"). Rows of a width that is no multiple of 8, or bytes not laid out so, are summed
+    byte by byte."""
+    rows = flags.reshape(flags.shape[0], -1)
+    width = rows.shape[1]
+    if not width or width % 8 or not rows.is_contiguous() or rows.storage_offset() % 8:
+        return rows.view(torch.uint8).sum(1, dtype=torch.int32)
+    words = rows.view(torch.int64)
+    lanes = (words.sum(1, keepdim=True) if width <= 8 * 255 else
+             torch.stack([words[:, i:i + 255].sum(1) for i in range(0, width // 8, 255)], 1))
+    return lanes.view(torch.uint8).sum(1, dtype=torch.int32)
+
+
+def joined(values: tuple) -> torch.Tensor:
+    """Tensors joined along their first dimension (one alone: itself, no copy)."""
+    return torch.cat(values) if len(values) > 1 else values[0]
+
+
+def token_flags(values: tuple, labels: bool) -> torch.Tensor:
+    """The counted entries of batches of one shape beyond their first dimension (a mask's
+    nonzero ones, labels other than -100), as one bool tensor, the batches joined. Entries of
+    more than a byte on the CPU are made bools batch by batch, then joined: each batch read
+    once and an eighth of it written, where joining them first reads, writes and reads the
+    whole again (19.5 against 11.8 us a step: docs/benchmarks.md, "Tokens"); bytes, or a GPU's
+    tensors, are joined first (on a GPU each operation's launch is the cost, not the bytes)."""
+    flag = (lambda v: v != IGNORE_INDEX) if labels else torch.Tensor.bool
+    first = values[0]
+    if len(values) > 1 and first.element_size() > 1 and first.device.type == "cpu":
+        return torch.cat([flag(v) for v in values])
+    return flag(joined(values))
+
+
+def count_flags(values: tuple, same_width: bool, labels: bool) -> torch.Tensor:
+    """The counted entries of batches (a mask's nonzero ones, labels other than -100), all
+    together: one count of the joined batches where they have one shape beyond their first
+    dimension (`same_width`; of their flags, for labels); a mask of more than a byte on the
+    CPU, or batches of several shapes, one count a batch, added (token_flags says why)."""
+    first = values[0]
+    if labels and same_width:
+        return torch.count_nonzero(token_flags(values, labels=True))
+    if len(values) > 1 and (labels or not same_width or first.element_size() > 1
+                            and first.device.type == "cpu"):
+        count = (lambda v: torch.count_nonzero(v != IGNORE_INDEX)) if labels \
+            else torch.count_nonzero
+        return torch.stack([count(v) for v in values]).sum()
+    return torch.count_nonzero(joined(values))
+
+
+def uniform(shapes: list) -> bool:
+    """Whether tensors of these shapes have one shape beyond their first dimension (they
+    join along it)."""
+    return len({s[1:] for s in set(shapes)}) == 1
