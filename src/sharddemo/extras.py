@@ -42,8 +42,22 @@ def available(what: str) -> bool:
 
 def install_hint(what: str) -> str:
     extra = EXTRAS[what][1]
-    return (f"pip install 'sharddemo[{extra}]' (from a checkout: pip install -e "
-            f"'.[{extra}]')")
+    pins = ""
+    if extra == "litdata":
+        # litdata needs torchvision, and pip's newest torchvision brings its own newer torch (a
+        # CUDA build of several GB in place of the one installed): name both in one command
+        # (docs/frameworks.md, "litdata")
+        try:
+            from importlib.metadata import version
+
+            torch_version = version("torch").split("+")[0]
+        except Exception:  # (no torch installed: nothing to keep)
+            torch_version = None
+        if torch_version:
+            pins = (f" torch=={torch_version} torchvision==<the one built for torch "
+                    f"{torch_version}>")
+    return (f"pip install 'sharddemo[{extra}]'{pins} (from a checkout: pip install -e "
+            f"'.[{extra}]'{pins})")
 
 
 def missing_module_hint(exc: BaseException) -> str:

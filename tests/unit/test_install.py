@@ -25,3 +25,19 @@ def test_configs_lists_every_shipped_config():
     assert result.exit_code == 0
     listed = [line.split()[0] for line in result.output.splitlines()]
     assert listed == sorted(p.name for p in PACKAGE_CONFIGS.glob("*.yaml"))
+
+
+def test_the_litdata_extras_hint_keeps_the_installed_torch():
+    """litdata needs torchvision, whose newest wheel brings a newer torch (docs/frameworks.md):
+    the hint names the installed torch (importlib.metadata's version, the local build tag
+    dropped) and a torchvision built for it, in the same command; other extras get none."""
+    from importlib.metadata import version
+
+    from sharddemo.extras import install_hint
+
+    torch_version = version("torch").split("+")[0]
+    hint = install_hint("litdata")
+    assert hint.startswith(f"pip install 'sharddemo[litdata]' torch=={torch_version} "
+                           f"torchvision==<the one built for torch {torch_version}>")
+    assert install_hint("webdataset") == ("pip install 'sharddemo[webdataset]' (from a "
+                                          "checkout: pip install -e '.[webdataset]')")
