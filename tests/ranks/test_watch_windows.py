@@ -242,3 +242,33 @@ def test_the_default_windows_grow_and_a_late_repeat_raises_on_every_rank(tmp_pat
     [window] = [e for e in got if e["loader"] == "dup"]
     assert window["window"] == {"first_step": first, "last_step": last, "checked_at": last + 2}
     assert failed(window) == {"no-unexplained-duplicates"}
+
+
+def test_ranks_whose_datasets_differ_in_length_are_named_and_training_goes_on(tmp_path):
+    """A stream whose len() is each rank's own part's (rank 0: 30 ids, rank 1: 60; batches of
+    2, id_field "."), windows of 5 steps, 2 epochs: each rank's counter was sized from its own
+    length, and gloo aborted the epoch's all-reduce of unequal sizes ("Received data size
+    doesn't match"). Now the loop runs to its end on both ranks, every epoch's entry agrees
+    with the ids the loops logged (counted over 0..29, the shortest length) and names the
+    disagreement."""
+    proc, got, ids = run(tmp_path, "--loader", "sized", "--check-every", "5", "--epochs", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "Received data size" not in proc.stderr
+    epochs = [e for e in got if "window" not in e]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    for e in epochs:
+        mine = [ids[r][e["epoch"]] for r in range(2)]
+        assert [len(m) for m in mine] == [30, 60]  # (each rank's len(), as its loop received)
+        received = mine[0] + mine[1]
+        assert e["seen"] == len(received) == 90
+        assert e["unique"] == len(set(received))
+        assert e["steps"] == [len(m) // 2 for m in mine] == [15, 30]
+        assert e["dataset_size"] == 30
+        assert e["missing"]["count"] == len(set(range(30)) - set(received))
+        assert {"ranks-agree-on-dataset", "equal-step-counts"} <= failed(e)
+        [agree] = [v for v in e["verdicts"] if v["verdict"] == "ranks-agree-on-dataset"]
+        assert "rank 0 has 30, rank 1 has 60" in agree["detail"]
+    windows = [e for e in got if "window" in e]
+    assert windows and all(e["window"]["first_step"] <= e["window"]["last_step"]
+                           for e in windows)
+    assert "ranks-agree-on-dataset" in failed(windows[0])

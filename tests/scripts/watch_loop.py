@@ -37,7 +37,8 @@ stream (every rank reads ids 0..999 whole, batch 8, id_field), hf (a datasets st
 ids in 4 shards, split_dataset_by_node unless `--no-split`, `--workers`, dataset_size=1001) or
 uneven (a stream split by rank
 whose lengths differ: rank r reads 30 * (r + 1) ids in batches of 2, so rank 0 runs out of
-data after 15 steps while rank 1 goes on). Each rank writes the ids it received, epoch by
+data after 15 steps while rank 1 goes on) or sized (the same ids, id_field=".", from a stream
+whose len() is each rank's own part's: 30 on rank 0, 60 on rank 1). Each rank writes the ids it received, epoch by
 epoch, to `--ids`/rank<r>.json; then loader.close() and end_training().
 
 `cases`: several loaders in one launch, each watched under its own name (`--cases`, comma
@@ -282,6 +283,20 @@ class UnevenStream(torch.utils.data.IterableDataset):
         return iter({"id": self.rank + self.world * k} for k in range(30 * (self.rank + 1)))
 
 
+class SizedStream(torch.utils.data.IterableDataset):
+    """Rank r's part of a stream whose len() is its own part's: ids r, r + W, ..., 30 * (r + 1)
+    of them, and len() says so (it differs by rank)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self):
+        return iter(self.rank + self.world * k for k in range(len(self)))
+
+    def __len__(self):
+        return 30 * (self.rank + 1)
+
+
 def windows(args, accelerator) -> None:
     from torch.utils.data import DistributedSampler
 
@@ -293,6 +308,9 @@ def windows(args, accelerator) -> None:
     elif args.loader == "uneven":
         data = UnevenStream(accelerator.process_index, accelerator.num_processes)
         loader = watch(DataLoader(data, batch_size=2), accelerator, id_field="id", **common)
+    elif args.loader == "sized":
+        data = SizedStream(accelerator.process_index, accelerator.num_processes)
+        loader = watch(DataLoader(data, batch_size=2), accelerator, id_field=".", **common)
     elif args.loader == "hf":
         import datasets
         from datasets.distributed import split_dataset_by_node
@@ -319,7 +337,8 @@ def windows(args, accelerator) -> None:
         mine: list[int] = []
         seen.append(mine)
         for batch in loader:
-            mine.extend((batch["id"] if isinstance(batch, dict) else batch[0]).tolist())
+            mine.extend((batch["id"] if isinstance(batch, dict) else
+                         batch if torch.is_tensor(batch) else batch[0]).tolist())
             with open(path, "w") as handle:  # (what came, even where the watch raises)
                 json.dump(seen, handle)
     loader.close()
@@ -439,7 +458,7 @@ def main() -> None:
     parser.add_argument("--cases", default="dup,replacement,shuffle,shuffle-no-set-epoch")
     parser.add_argument("--some", action="store_true")
     parser.add_argument("--loader", choices=["prepared", "stream", "sampler", "uneven", "hf",
-                                             "replicated"],
+                                             "replicated", "sized"],
                         default="prepared")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--check-every", type=check_every, default="auto")

@@ -80,7 +80,7 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
                 mesh: Optional[dict] = None, peers: Optional[dict] = None,
                 tokens: Optional[list] = None, weights: Optional[dict] = None,
                 max_token_skew: Optional[float] = None, split_samples: int = 0,
-                stream_restored: bool = False) -> dict:
+                stream_restored: bool = False, sizes: Optional[list[int]] = None) -> dict:
     """The record of epoch `epoch` -> the watch's report entry, with its verdicts and line.
 
     On a mesh (`mesh`: sharddemo.mesh.MeshLayout.describe()), `record` holds one rank per
@@ -102,7 +102,9 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
     across two consecutive rows of a rank, already counted once in `record` (the entry and the
     line say how many: docs/watch.md, "Packed rows"). `stream_restored`: an earlier epoch was
     resumed from the loader's own state over a datasets stream (a later epoch's missing samples
-    may be that state applied again: named as a cause)."""
+    may be that state applied again: named as a cause). `sizes`: each rank's dataset length
+    (-1: none) where the ranks' differ, the epoch counted over 0..n-1 (the shortest): the
+    verdict ranks-agree-on-dataset names them."""
     from sharddemo.analysis import build_report
 
     inferred = n is None  # a stream with no dataset_size: N from the ids it delivered
@@ -185,6 +187,11 @@ def judge_epoch(header: dict, record: dict, previous: Optional[dict], *, epoch: 
         verdicts.append({"verdict": "ids-in-range", "epoch": epoch, "ok": False,
                          "detail": out_of_range_detail(sorted(e["out_of_range"]),
                                                        None if inferred else n, id_field)})
+    if sizes is not None:  # (each rank's dataset length, where they differ: counted over `n`)
+        ok, detail = sizes_agree(sizes, list(range(len(sizes))))
+        verdicts.append({"verdict": "ranks-agree-on-dataset", "epoch": epoch, "ok": ok,
+                         "detail": detail + (f"; counted over ids 0..{n - 1:,}, the shortest"
+                                             if not ok else "")})
     if mesh is not None:
         verdicts.append(peer_verdict(mesh, peers, description, epoch))
         explain_on_mesh(verdicts, mesh, description)
@@ -304,3 +311,12 @@ def out_of_range_detail(outside: list[int], n: Optional[int], id_field: object =
     return (f"{source} gave {plural(len(outside), 'id')} {where} ({shown}): the "
             "watch counts samples by ids 0..N-1 (dataset_size=N); these name no sample of the "
             "dataset")
+
+
+def sizes_agree(sizes: list[int], named: list[int]) -> tuple[bool, str]:
+    """Whether every rank's dataset has the same length (`sizes[r]`, -1: it has none), and
+    where not, the detail naming each rank's (as `named[r]`)."""
+    ok = len(set(sizes)) <= 1
+    return ok, "" if ok else "the ranks' datasets differ in length: " + ", ".join(
+        f"rank {named[r]} has {'no length' if size < 0 else f'{size:,}'}"
+        for r, size in enumerate(sizes))

@@ -23,7 +23,7 @@ import numpy as np
 from sharddemo.analysis.idtext import MORE_REST, ids_text
 from sharddemo.analysis.reasons import draws_repeat
 from sharddemo.analysis.types import LoaderDescription
-from sharddemo.analysis.entry import WATCH_SCHEMA, out_of_range_detail
+from sharddemo.analysis.entry import WATCH_SCHEMA, out_of_range_detail, sizes_agree
 from sharddemo.analysis.entry_line import plural
 from sharddemo.analysis.tokens import token_summary
 from sharddemo.mesh import explain_on_mesh, peer_verdict
@@ -67,11 +67,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
         f"data after {_steps(heads, out_of_data)} while rank{'s' if len(running) > 1 else ''} "
         f"{_ranks(running, named)} went on to step {max(heads[r]['steps'] for r in running) + 1}: a "
         "DDP loop hangs there"))
-    sizes = {r: h["n"] for r, h in enumerate(heads) if h["n"] >= 0}
-    ok = len(set(sizes.values())) <= 1
-    add("ranks-agree-on-dataset", ok, "" if ok else
-        "the ranks' datasets differ in length: " + ", ".join(
-            f"rank {named[r]} has {size:,}" for r, size in sizes.items()))
+    add("ranks-agree-on-dataset", *sizes_agree([h["n"] for h in heads], named))
     # (numpy: a window holds thousands of ids a rank, and this runs on every rank)
     sets = [_distinct(np.asarray(ids[r], dtype=np.int64)) for r in running]
     pooled = np.sort(np.concatenate([np.empty(0, np.int64), *sets]))

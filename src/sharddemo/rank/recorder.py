@@ -474,13 +474,18 @@ class Recorder:
         return self.log.heads(loader if loader is not None else self.loader)
 
     def finish(self, epoch: int, loader: Any = None, everyone: bool = False,
-               heads: Optional[list[list[int]]] = None) -> Optional[dict]:
+               heads: Optional[list[list[int]]] = None,
+               n: Optional[int] = None) -> Optional[dict]:
         """End the epoch, a collective: the record on the main process, None elsewhere.
 
         On every rank with `everyone`, where delivers_everywhere. `loader`: the loader the epoch
         was walked from, where it is not the one given (a skip_first_batches loader). `heads`:
-        every rank's heads(), already exchanged (the id path)."""
+        every rank's heads(), already exchanged (the id path). `n`: the byte counter's epoch
+        counted over 0..n-1 only (Counts.shrink; `n` at most this recorder's): the N every
+        rank agreed on where each rank's counter was sized from a length of its own."""
         log, self.log = self.log, self._new_log()
+        if n is not None and isinstance(log, Counts) and not isinstance(log, BitCounts):
+            log.shrink(n)
         loader = loader if loader is not None else self.loader
         if heads is not None:
             return log.finish(self.accelerator, loader, epoch, everyone, heads=heads)

@@ -1,7 +1,8 @@
 """What the watch records of each batch on one rank: the loader described once per loader
 attached (its dataset's length, batch size, whether it is meant to shuffle), each batch's
 ids (read by id_field, or the indices its sampler's tap noted) into the epoch's recorder,
-the open window (watching/step_windows.py) and the lineage.
+the open window (watching/step_windows.py) and the lineage; the N every rank counts the epoch
+over where the ranks' datasets differ in length (agreed_size).
 
 Recording is a part of WatchState (watching/state.py), kept here: its methods read and set
 the watch's own attributes (recorder, n, batch_size, description, mapping, noted,
@@ -123,6 +124,44 @@ class Recording:
         from sharddemo.options import BITS_FROM
 
         return self.n is not None and self.n >= BITS_FROM
+
+    def agreed_size(self) -> tuple:
+        """The N the epoch is counted over on every rank, from every rank's dataset length
+        as the epoch's exchange told it (sizes): (self.n, None) where the ranks agree; (the
+        smallest, sizes) where every rank has a length below BITS_FROM (each rank's byte
+        counter, sized from its own, is cut to it before the epoch's collectives: gloo aborts
+        on collectives of unequal sizes); (False, sizes) where no one N can be counted alike
+        (a rank without a length, or one counting two bits a sample: their epoch's ends take
+        other collectives). The same answer on every rank."""
+        from sharddemo.options import BITS_FROM
+
+        sizes = self.sizes
+        if not sizes or len(set(sizes)) == 1:
+            return self.n, None
+        if min(sizes) >= 0 and max(sizes) < BITS_FROM:
+            return min(sizes), sizes
+        return False, sizes
+
+    def uncounted(self, sizes: list[int]) -> None:
+        """An epoch no one N counts alike on every rank (agreed_size): no collective of the
+        recorder's (they would differ by rank), no entry; said once an epoch by the main
+        process, and raised on every rank with on_violation="raise"."""
+        self.recorder = None
+        self.closed = True
+        said = ", ".join(f"rank {r} has {'no length' if size < 0 else f'{size:,}'}"
+                         for r, size in enumerate(sizes))
+        message = (f"sharddemo: epoch {self.epoch} {self.name}: FAIL ranks-agree-on-dataset: "
+                   f"the ranks' datasets differ in length: {said}; the epoch was not counted "
+                   "(pass watch(..., dataset_size=N) to count it)")
+        self.epoch += 1
+        if self.on_violation == "raise":
+            self.retire()
+            from sharddemo.errors import ShardingViolation
+
+            raise ShardingViolation(message, {})
+        if self.ranks.is_main_process and self.on_violation != "ignore":
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return None
 
     def add(self, batch, tap: Optional[Tap]) -> None:
         """One batch the loop received: its ids (by id_field, or the indices the sampler's

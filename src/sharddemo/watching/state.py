@@ -144,6 +144,10 @@ class WatchState(Checkpointing, Recording):
         self.stream_restored = False
         self.weights: Optional[dict] = None
         self.max_token_skew: Optional[float] = None
+        # every rank's dataset length (-1: none), as the last exchange told it (a window's, or
+        # the epoch's end's): each rank reads its own, and ranks whose datasets differ in
+        # length must agree on one N before the epoch's collectives (agreed_size)
+        self.sizes: Optional[list[int]] = None
 
     def measure(self, tokens, sources, weights, max_token_skew) -> None:
         """Count tokens and sources too (watch's tokens=, sources=, weights=)."""
@@ -344,10 +348,14 @@ class WatchState(Checkpointing, Recording):
             split = [split[r] for r in self.mesh.representatives()]  # (a group's once)
         windows.next_epoch(resumed=self.before is not None)
         raising = self.on_violation == "raise"
+        size, sizes = self.agreed_size()
+        if size is False:  # (every rank alike: from the same exchange)
+            return self.uncounted(sizes)
         everywhere = self.recorder.delivers_everywhere
         peers = self.compare_peers()
         measured = self.token_parts()
-        record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere)
+        record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere,
+                                      n=size if sizes else None)
         if self.peer_log is not None:
             self.peer_log.reset()
         if record is not None and self.mesh is not None:
@@ -361,7 +369,7 @@ class WatchState(Checkpointing, Recording):
             if record is not None:
                 midway = self.resumed_midway()
                 entry = self.judge(record, partial=partial, peers=peers, tokens=measured,
-                                   split=sum(split))
+                                   split=sum(split), sizes=sizes, size=size)
                 if not partial:
                     # a part's order is no epoch's order to compare the next with, nor is the
                     # order of an epoch resumed mid-way (only the part after its restart)
@@ -391,16 +399,19 @@ class WatchState(Checkpointing, Recording):
 
     def judge(self, record: dict, partial: bool = False, ranks=None,
               peers: Optional[dict] = None, tokens: Optional[list] = None,
-              split: int = 0) -> dict:
+              split: int = 0, sizes: Optional[list[int]] = None,
+              size: Optional[int] = None) -> dict:
         """The record -> the report's entry and verdicts (analysis.entry, as `audit`). A
         partial epoch's order is not compared; a resumed one is checked against what came
         before the stop as far as it went (the samples repeated so far; none is called
         skipped: its rest may still come). `ranks`: the main process alone (close_alone):
         its part holds no other rank's, so no resume check. `split`: the samples split
-        across two packed rows (counted once: rank.ids.Packs)."""
+        across two packed rows (counted once: rank.ids.Packs). `sizes`: every rank's dataset
+        length where they differ (agreed_size), and `size` the N the epoch was counted over."""
         from sharddemo.analysis.entry import judge_epoch
         from sharddemo.rank.session import trace_header
 
+        n = size if sizes else self.n
         present = record.pop("_present", None)
         header = trace_header(ranks or self.ranks)
         mesh = None
@@ -414,7 +425,7 @@ class WatchState(Checkpointing, Recording):
                                again=self.again, unknown_before=self.unknown_before)
             entry = judge_epoch(header, record, None,
                                 epoch=self.epoch, name=self.name, role=self.role,
-                                description=self.description, n=self.n,
+                                description=self.description, n=n, sizes=sizes,
                                 batch_size=self.batch_size, unattributed=self.unattributed,
                                 partial=True, id_field=self.id_field, mesh=mesh, peers=peers,
                                 tokens=tokens, weights=self.weights,
@@ -430,7 +441,7 @@ class WatchState(Checkpointing, Recording):
             previous = None  # (the record holds the order after the restart alone)
         entry = judge_epoch(header, record, previous, epoch=self.epoch,
                             name=self.name, role=self.role, description=self.description,
-                            n=self.n, batch_size=self.batch_size, before=self.before,
+                            n=n, sizes=sizes, batch_size=self.batch_size, before=self.before,
                             present=present, loaded=self.loaded,
                             unattributed=self.unattributed, id_field=self.id_field,
                             restarts=self.restarts, again=self.again,
@@ -471,11 +482,13 @@ class WatchState(Checkpointing, Recording):
         """Windows off: an id_field some rank could not read is said at the epoch's end, where
         every rank raises it (a rank raising alone would leave the others waiting in this
         exchange). One small exchange an epoch; the message only where a rank has one. The
-        same exchange carries each rank's samples split across packed rows this epoch:
-        returned, rank by rank."""
+        same exchange carries each rank's samples split across packed rows this epoch
+        (returned, rank by rank) and its dataset's length (sizes)."""
         from sharddemo.rank.collect import exchange_ints, exchange_objects
 
-        rows = exchange_ints(self.ranks, [int(self.field_error is not None), self.packs.split])
+        rows = exchange_ints(self.ranks, [int(self.field_error is not None), self.packs.split,
+                                          -1 if self.n is None else self.n])
+        self.sizes = [row[2] for row in rows]  # (each rank's dataset length: agreed_size)
         flags = [row[0] for row in rows]
         if not any(flags):
             return [row[1] for row in rows]

@@ -226,6 +226,7 @@ class StepWindows:
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
         self.split = [h["split"] for h in heads]  # (each rank's, as of this exchange)
+        self.watch.sizes = [h["n"] for h in heads]  # (each rank's dataset length)
         self.found_earlier = 0
         if not done and recorder is not None:
             # which of the others' window ids this rank received in an earlier window (it
@@ -338,6 +339,8 @@ class StepWindows:
         if errors:  # a rank could not read id_field: every rank raises its message, here
             watch.raise_field_error(bytes(ids[errors[0]].tolist()).decode(errors="replace"),
                                     errors)
+        if not any(h["steps"] for h in heads):
+            return  # (no rank received a batch: close() meeting after the epoch's end)
         lag = WINDOW_LAG if any(not h["done"] for h in heads) else 0
         at = max(h["steps"] for h in heads) + 1 + lag
         mesh = peers = reps = None
@@ -351,9 +354,13 @@ class StepWindows:
             mesh = watch.mesh.describe()
             reps = watch.mesh.representatives()
             heads, ids = [heads[r] for r in reps], [ids[r] for r in reps]
+        # every rank judges with the same N: the shortest of the ranks' lengths where they
+        # differ (each rank's own would let ranks judge one exchange apart, and raise apart)
+        known = [h["n"] for h in heads if h["n"] >= 0]
+        n = min(known) if known and len({h["n"] for h in heads}) > 1 else watch.n
         entry = judge_window(epoch=watch.epoch, name=watch.name, first=first, last=last,
                              at=at, heads=heads, ids=ids,
-                             earlier=sum(h["earlier"] for h in heads), n=watch.n,
+                             earlier=sum(h["earlier"] for h in heads), n=n,
                              loader=watch.description, id_field=watch.id_field, mesh=mesh,
                              peers=peers, speakers=reps)
         failed = {v["verdict"] for v in entry["verdicts"] if not v["ok"]}

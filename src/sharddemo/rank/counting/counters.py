@@ -13,7 +13,7 @@ import torch
 from sharddemo.rank.collect import (all_reduce_bytes, exchange_ints,
                                     gather_ragged, reduce_to_main)
 from sharddemo.rank.counting.device import DeviceRunning
-from sharddemo.rank.counting.host import BitRunning, Running, popcount
+from sharddemo.rank.counting.host import BitRunning, Running, Shrunk, popcount
 from sharddemo.rank.counting.summary import (Tally, dropped_ids, extra_copies, for_metrics,
                                              summarise)
 from sharddemo.rank.counting.wire import (CHUNK, code_layout, encode, pack_detail,
@@ -188,6 +188,30 @@ class Counts:
         head = [(t.tolist(), worker) for t, worker in self.head]
         tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
         return head, tail
+
+    def shrink(self, n: int) -> None:
+        """Count over 0..n-1 only, from here to the epoch's end (`n` below this counter's N).
+
+        For a watch whose ranks' datasets differ in length (each rank's counter sized from
+        its own): every rank shrinks to the same N before finish, so that the epoch's
+        collectives have the same size on every rank (gloo aborts on unequal sizes). The ids
+        this rank received in n..N-1 become ids outside [0, n), as they would have been
+        counted with N = n from the start: their total, and the first LIST_CAP listed. Call
+        it right before finish (nothing is counted after it)."""
+        if n >= self.n:
+            return
+        self.state.add(self.pending, self.shift_now)
+        self.pending, self.pending_ids = [], 0
+        self.state.to_host(self.counts)  # (ids counted on a device: their counter, here)
+        cut = self.counts[n:]
+        cut_ids = (np.flatnonzero(cut)[:LIST_CAP] + n).tolist()
+        cut_total = int(cut.sum(dtype=np.int64))
+        kept = self.counts[:n].copy()
+        old = self.state
+        self.n = n
+        self._counter()  # (a new buffer: the counter of n, then the slots)
+        self.counts[:] = kept
+        self.state = Shrunk(old, cut_ids, cut_total)
 
     def delivers_everywhere(self, world: int) -> bool:
         """Whether finish(everyone=True) can give the record to every rank: with the slots

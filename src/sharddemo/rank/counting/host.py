@@ -79,6 +79,33 @@ class Running:
         """The counter is `counts` itself: nothing to copy."""
 
 
+class Shrunk:
+    """A counter's state after Counts.shrink: the order, the falls and the ids outside of the
+    state it replaces (host or device), with the ids cut off the counter added to the ids
+    outside. Nothing more is counted into it: shrink comes right before the epoch's end."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, old, cut_ids: list[int], cut_total: int) -> None:
+        self.old = old
+        self.outside: set[int] = set(old.outside) | set(cut_ids)
+        self.outside_total = int(old.outside_total) + cut_total
+
+    @property
+    def order(self):
+        return self.old.order
+
+    def in_order(self, last_batch: int) -> bool:
+        return self.old.in_order(last_batch)
+
+    def add(self, batches: list[torch.Tensor], shift: int = 0) -> None:
+        if any(b.numel() for b in batches):
+            raise RuntimeError("a shrunk counter counts nothing more (shrink before finish)")
+
+    def to_host(self, counts: np.ndarray) -> None:
+        """The counter is already on the host, shrunk: nothing to copy."""
+
+
 # A flush of ids spanning at most this many ids per id is counted in a dense scratch (a few
 # ns an id); a wider one (ids scattered over the dataset: a shuffled sampler) by a sort.
 SCRATCH_SPAN = 8
