@@ -12,19 +12,16 @@ those logs. Skipped where litdata is not installed (the extra `[litdata]`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 pytest.importorskip("litdata")
 
-from support.launch import SCRIPTS, launch_env, torchrun  # noqa: E402
-from support.reports import entry  # noqa: E402
+from support.launch import SCRIPTS, launch_env  # noqa: E402
+from support.reports import entry, launch_cases, received  # noqa: E402
 
 LOOP = str(SCRIPTS / "litdata_loop.py")
-SCHEMA = json.loads((Path(LOOP).parents[2] / "docs" / "watch.schema.json").read_text())
 CHUNK, BATCH, EPOCHS = 7, 4, 3
 SIZES = {"n40": 40, "n46": 46}  # the datasets written: ids 0..N-1
 
@@ -64,29 +61,7 @@ def run(tmp_path_factory):
         write_dataset(out / name, n)
     env = launch_env()
     env["LITDATA_DISABLE_VERSION_CHECK"] = "1"  # (litdata asks PyPI for a newer version)
-    logs, entries, lines, stderr = {}, {}, {}, {}
-    for tag, nproc, cases in LAUNCHES:
-        proc = torchrun([LOOP, out, tag, *cases], nproc=nproc, timeout=180, env=env)
-        lines[tag] = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
-        stderr[tag] = proc.stderr
-        logs[tag] = [json.loads((out / f"ids.{tag}.{r}.json").read_text())
-                     for r in range(nproc)]
-        entries[tag] = [json.loads(line)
-                        for line in (out / f"report.{tag}.jsonl").read_text().splitlines()]
-        for written in entries[tag]:
-            jsonschema.validate(written, SCHEMA)
-    return {"logs": logs, "entries": entries, "lines": lines, "stderr": stderr}
-
-
-def received(run, tags: str, case: str, rank: int) -> dict[int, list[int]]:
-    """Each epoch's ids rank `rank` received in `case`, over the launches `tags`, in order."""
-    out: dict[int, list[int]] = {}
-    for tag in tags:
-        if rank >= len(run["logs"][tag]):
-            continue
-        for p in run["logs"][tag][rank].get(case, {"passes": []})["passes"]:
-            out.setdefault(p["epoch"], []).extend(i for b in p["batches"] for i in b)
-    return out
+    return launch_cases(LOOP, out, LAUNCHES, env)
 
 
 def part(run, tag: str, case: str, epoch: int) -> list[int]:

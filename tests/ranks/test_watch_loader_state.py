@@ -12,18 +12,14 @@ DistributedSampler (the order each rank must have received, from the position re
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-import jsonschema
 import pytest
 from torch.utils.data import DistributedSampler
 
-from support.launch import SCRIPTS, torchrun
-from support.reports import entry
+from support.launch import SCRIPTS
+from support.reports import entry, launch_cases
 
 LOOP = str(SCRIPTS / "loader_state_loop.py")
-SCHEMA = json.loads((Path(LOOP).parents[2] / "docs" / "watch.schema.json").read_text())
 N = 40  # the loop's dataset; DistributedSampler(shuffle=True, seed=0), batch 4 unless said
 
 # (tag, ranks, cases): NAME:WORKERS:BATCH:LOAD:STOP
@@ -38,19 +34,7 @@ LAUNCHES = [
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("loader_state")
-    logs, entries, stderr, lines = {}, {}, {}, {}
-    for tag, nproc, cases in LAUNCHES:
-        proc = torchrun([LOOP, out, tag, *cases], nproc=nproc, timeout=180)
-        stderr[tag] = proc.stderr
-        lines[tag] = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
-        logs[tag] = [json.loads((out / f"ids.{tag}.{r}.json").read_text())
-                     for r in range(nproc)]
-        report = out / f"report.{tag}.jsonl"
-        entries[tag] = [json.loads(line) for line in report.read_text().splitlines()]
-        for written in entries[tag]:
-            jsonschema.validate(written, SCHEMA)
-    return {"logs": logs, "entries": entries, "stderr": stderr, "lines": lines}
+    return launch_cases(LOOP, tmp_path_factory.mktemp("loader_state"), LAUNCHES)
 
 
 def order(world: int, rank: int, epoch: int) -> list[int]:

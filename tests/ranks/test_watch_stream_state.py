@@ -15,18 +15,14 @@ issue 7538 (shards % world == 0), 7630 (.map), 7901 (.shuffle), PR 8295 (resumed
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 
-import jsonschema
 import pytest
 import torch
 
-from support.launch import SCRIPTS, torchrun
-from support.reports import entry
+from support.launch import SCRIPTS
+from support.reports import entry, launch_cases, received
 
 LOOP = str(SCRIPTS / "stream_state_loop.py")
-SCHEMA = json.loads((Path(LOOP).parents[2] / "docs" / "watch.schema.json").read_text())
 N = 40  # the loop's stream: ids 0..39, batch 4
 
 # (tag, ranks, cases): NAME:SHARDS:MAP:BUFFER:WORKERS:LOAD:STOP (a -ref case runs uninterrupted)
@@ -53,27 +49,7 @@ EXACT = {"even": ("even-ref", 0), "odd": ("odd-ref", 0), "map": ("map-ref", 0),
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stream_state")
-    logs, entries, lines = {}, {}, {}
-    for tag, nproc, cases in LAUNCHES:
-        proc = torchrun([LOOP, out, tag, *cases], nproc=nproc, timeout=180)
-        lines[tag] = [line for line in proc.stdout.splitlines() if line.startswith("sharddemo:")]
-        logs[tag] = [json.loads((out / f"ids.{tag}.{r}.json").read_text())
-                     for r in range(nproc)]
-        entries[tag] = [json.loads(line)
-                        for line in (out / f"report.{tag}.jsonl").read_text().splitlines()]
-        for written in entries[tag]:
-            jsonschema.validate(written, SCHEMA)
-    return {"logs": logs, "entries": entries, "lines": lines, "out": out}
-
-
-def received(run, tags: str, case: str, rank: int) -> dict[int, list[int]]:
-    """Each epoch's ids rank `rank` received in `case`, over the launches `tags`, in order."""
-    out: dict[int, list[int]] = {}
-    for tag in tags:
-        for p in run["logs"][tag][rank].get(case, {"passes": []})["passes"]:
-            out.setdefault(p["epoch"], []).extend(i for b in p["batches"] for i in b)
-    return out
+    return launch_cases(LOOP, tmp_path_factory.mktemp("stream_state"), LAUNCHES)
 
 
 def part(run, tag: str, case: str, epoch: int) -> list[int]:

@@ -28,7 +28,6 @@ batches, the error litdata raised); the watch appends to OUT/report.TAG.jsonl.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from litdata import ParallelStreamingDataset, StreamingDataLoader, StreamingDataset
 
-from loop_end import end_loader
+from loop_end import end_loader, load_saved, write_logs_and_end
 from sharddemo import watch
 
 EPOCHS, BATCH, LENGTH = 3, 4, 12
@@ -72,10 +71,7 @@ def run_case(out: str, tag: str, case: str, rank: int, early: dict) -> dict:
     log: dict = {"passes": [], "error": None, "length": len(loader)}
     epoch = step = 0
     if load == "t":
-        path = os.path.join(out, f"{name}.{rank}.pt")
-        if not os.path.exists(path):
-            path = os.path.join(out, f"{name}.0.pt")
-        saved = torch.load(path, weights_only=False)
+        saved = load_saved(out, name, rank)
         log["saved"] = {k: saved["loader"]["dataset"].get(k) for k in (
             "world_size", "sample_in_epoch", "num_samples_yielded", "current_epoch")
             } if kind != "p" else None
@@ -121,10 +117,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     logs = {case.split(":")[0]: run_case(out, tag, case, rank, early) for case in cases}
-    with open(os.path.join(out, f"ids.{tag}.{rank}.json"), "w") as f:
-        json.dump(logs, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_logs_and_end(out, tag, logs)
 
 
 if __name__ == "__main__":

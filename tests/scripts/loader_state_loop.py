@@ -17,7 +17,6 @@ the watch appends to OUT/report.TAG.jsonl.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loop_end import end_loader
+from loop_end import end_loader, write_logs_and_end
 from sharddemo import watch
 
 N, EPOCHS = 40, 2
@@ -88,10 +87,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     logs = {case.split(":")[0]: run_case(out, tag, case, rank) for case in cases}
-    with open(os.path.join(out, f"ids.{tag}.{rank}.json"), "w") as f:
-        json.dump(logs, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_logs_and_end(out, tag, logs)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ STOP (a NAME beginning "noep": a loop that never calls the stream's set_epoch): 
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import sys
@@ -38,7 +37,7 @@ from datasets import Dataset
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from loop_end import end_loader
+from loop_end import end_loader, load_saved, write_logs_and_end
 from sharddemo import watch
 
 N, BATCH, EPOCHS = 40, 4, 2
@@ -89,10 +88,7 @@ def run_case(out: str, tag: str, case: str, rank: int, world: int) -> dict:
     log: dict = {"passes": [], "error": None}
     epoch = step = 0
     if load == "t":
-        path = os.path.join(out, f"{name}.{rank}.pt")
-        if not os.path.exists(path):
-            path = os.path.join(out, f"{name}.0.pt")
-        saved = torch.load(path, weights_only=False)
+        saved = load_saved(out, name, rank)
         loader.load_state_dict(saved["loader"])
         epoch, step = saved["epoch"], saved["step"]
     elif load == "d":
@@ -167,10 +163,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     logs = {case.split(":")[0]: run_case(out, tag, case, rank, world) for case in cases}
-    with open(os.path.join(out, f"ids.{tag}.{rank}.json"), "w") as f:
-        json.dump(logs, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_logs_and_end(out, tag, logs)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,34 @@ def entry(run, tag: str, case: str, epoch: int, partial: bool = False) -> dict:
     said = [line for line in run["lines"][tag] if line.startswith(head)]
     assert len(said) == 1, (head, run["lines"][tag])
     return {**found[0], "line": said[0]}
+
+
+def launch_cases(loop: str, out, launches, env=None) -> dict:
+    """The launches of a loop that runs several cases a launch (tests/scripts/loader_state_loop.py,
+    stream_state_loop.py, litdata_loop.py): `launches` (tag, ranks, cases), each `torchrun LOOP
+    OUT TAG CASES...`; what they left: each rank's logged ids (`OUT/ids.TAG.R.json`), the report's
+    entries (validated), the `sharddemo:` lines and the stderr, by tag."""
+    from support.launch import torchrun
+
+    run: dict = {"logs": {}, "entries": {}, "lines": {}, "stderr": {}, "out": out}
+    for tag, nproc, cases in launches:
+        proc = torchrun([loop, out, tag, *cases], nproc=nproc, timeout=180, env=env)
+        run["lines"][tag] = [line for line in proc.stdout.splitlines()
+                             if line.startswith("sharddemo:")]
+        run["stderr"][tag] = proc.stderr
+        run["logs"][tag] = [json.loads((out / f"ids.{tag}.{r}.json").read_text())
+                            for r in range(nproc)]
+        run["entries"][tag] = entries(out / f"report.{tag}.jsonl")
+    return run
+
+
+def received(run: dict, tags: str, case: str, rank: int) -> dict[int, list[int]]:
+    """Each epoch's ids rank `rank` received in `case` (launch_cases' logs), over the launches
+    `tags` (one letter each), in order; a launch without that rank adds nothing."""
+    out: dict[int, list[int]] = {}
+    for tag in tags:
+        if rank >= len(run["logs"][tag]):
+            continue
+        for p in run["logs"][tag][rank].get(case, {"passes": []})["passes"]:
+            out.setdefault(p["epoch"], []).extend(i for b in p["batches"] for i in b)
+    return out
