@@ -407,3 +407,24 @@ def test_a_watched_loader_draws_its_order_when_iter_is_called_as_torchs_does(wor
     drawn = DistributedSampler(range(16), num_replicas=2, rank=0, seed=0)
     drawn.set_epoch(0 if workers else 1)
     assert [i for b in plain for i in b] == list(drawn)
+
+
+def test_an_id_field_of_fractions_is_refused_without_offering_keys():
+    """The watch refuses keys (str, bytes) in id_field (docs/watch.md), so its refusal of a
+    field of fractions names integers only; `audit --id-field`, which takes keys, names both (a
+    new user's trial read the watch's message as an offer of keys)."""
+    from torch.utils.data import DataLoader
+
+    from sharddemo import watch
+    from sharddemo.rank.ids import integer_ids
+
+    rows = [{"id": i + 0.5, "x": float(i)} for i in range(4)]
+    with pytest.raises(ValueError) as raised:
+        for _ in watch(DataLoader(rows, batch_size=2), id_field="id"):
+            pass
+    said = str(raised.value)
+    assert "must hold each sample's id: an integer 0..N-1 (it holds torch.float64 values that " \
+           "are not whole numbers)" in said and "key" not in said
+    with pytest.raises(Exception) as audit_said:
+        integer_ids(torch.tensor([0.5]), "--id-field 'id'")
+    assert "an integer 0..N-1 or a key (str, bytes)" in str(audit_said.value)

@@ -83,18 +83,20 @@ def field_values(batch, id_field, label: str, error=None, ids: bool = True):
                    "name a field of a batch that is a dict (a key) or a tuple (a position)"))
 
 
-def integer_ids(values, label: str, error=None, *, keep_device: bool = False) -> torch.Tensor:
+def integer_ids(values, label: str, error=None, *, keep_device: bool = False,
+                keys: bool = True) -> torch.Tensor:
     """Return an id field's values as ids, by the one rule: whole numbers only.
 
     Integers, or floats that are whole, as a 1-D int64 tensor on the CPU (`keep_device`:
     integers stay where they are, as the watch counts ids on their GPU without a sync; floats
     there are read to be checked); bools, complex numbers, fractions and anything that is not a
     number are one error naming what the field holds. (Keys, str or bytes, are told apart before
-    this: rank.keys.key_values.)"""
+    this: rank.keys.key_values; `keys`: whether the reader takes them, as the error says.)"""
     from sharddemo.errors import UsageError
 
     error = error or UsageError
-    hint = (f"{label} must hold each sample's id: an integer 0..N-1 or a key (str, bytes)")
+    hint = (f"{label} must hold each sample's id: an integer 0..N-1"
+            + (" or a key (str, bytes)" if keys else ""))
     try:
         ids = values if torch.is_tensor(values) else torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError):
@@ -136,7 +138,8 @@ class Packs:
         return split
 
 
-def packed_rows(values, label: str, error=None) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+def packed_rows(values, label: str, error=None,
+                keys: bool = True) -> Optional[tuple[torch.Tensor, np.ndarray]]:
     """Return a packed id field as (its values in row order, each row's length), or None where
     the field holds one sample a row.
 
@@ -151,7 +154,7 @@ def packed_rows(values, label: str, error=None) -> Optional[tuple[torch.Tensor, 
     if torch.is_tensor(values):
         if values.dim() != 2 or values.shape[1] < 2:
             return None
-        flat = integer_ids(values, label, error)
+        flat = integer_ids(values, label, error, keys=keys)
         return flat, np.full(values.shape[0], values.shape[1], dtype=np.int64)
     if not isinstance(values, (list, tuple)):
         return None
@@ -174,7 +177,7 @@ def packed_rows(values, label: str, error=None) -> Optional[tuple[torch.Tensor, 
         raise error(f"{label} holds rows of rows; a packed field holds, in each row, the ids "
                     "of the samples packed in it (a list of ints, or a 2-D tensor padded "
                     "with -1)")
-    return integer_ids(values, label, error), lengths
+    return integer_ids(values, label, error, keys=keys), lengths
 
 
 def flatten_packs(flat: np.ndarray, lengths: np.ndarray,
@@ -223,12 +226,12 @@ def flatten_packs(flat: np.ndarray, lengths: np.ndarray,
     return np.delete(kept, firsts[merged]) if merged.any() else kept
 
 
-def packed_ids(values, label: str, error=None,
-               packs: Optional[Packs] = None) -> Optional[torch.Tensor]:
+def packed_ids(values, label: str, error=None, packs: Optional[Packs] = None,
+               keys: bool = True) -> Optional[torch.Tensor]:
     """Return a packed id field's sample ids (flatten_packs: padding dropped, a sample split
     across consecutive rows once) as a 1-D int64 tensor on the CPU; None where the field holds
     one sample a row (read by integer_ids)."""
-    got = packed_rows(values, label, error)
+    got = packed_rows(values, label, error, keys)
     if got is None:
         return None
     flat, lengths = got

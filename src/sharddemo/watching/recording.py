@@ -296,7 +296,7 @@ def read_field(batch, field, packs=None) -> torch.Tensor:
         raise ValueError(f"{label} holds keys (str, bytes); the watch counts integer ids "
                          "0..N-1 (audit a keyed loader with `sharddemo audit --id-field`, which "
                          "names samples by key)")
-    packed = packed_ids(values, label, ValueError, packs)
+    packed = packed_ids(values, label, ValueError, packs, keys=False)
     if packed is not None:  # (read on the CPU: a B x W copy, for the padding and the splits)
         return packed
-    return integer_ids(values, label, ValueError, keep_device=True)
+    return integer_ids(values, label, ValueError, keep_device=True, keys=False)
