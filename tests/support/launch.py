@@ -35,17 +35,30 @@ def launch_env() -> dict:
     return env
 
 
+def use_warm(warm: bool | None, default: bool) -> bool:
+    """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test
+    asks (`warm=`), else the helper's default; SHARDDEMO_TEST_LAUNCHER=warm or =accelerate
+    decides for every launch of the run. The default is warm for torchrun's plain
+    torch.distributed loops only: two launches of a DDP model (an accelerate loop that ends
+    with end_training(), in 2 of about 1,000 warm launches) hung in the model's teardown
+    after the script's last line, a hang no real launch has shown (CONTRIBUTING.md)."""
+    chosen = os.environ.get("SHARDDEMO_TEST_LAUNCHER")
+    if chosen in ("warm", "accelerate"):
+        return chosen == "warm"
+    return default if warm is None else warm
+
+
 def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT,
                       check: bool = True, config: str = CPU_CONFIG,
-                      warm: bool = True) -> subprocess.CompletedProcess:
+                      warm: bool | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`.
 
-    By default the ranks are forked by the warm launcher (support/warm.py: the same processes,
+    `warm=True`: the ranks are forked by the warm launcher (support/warm.py: the same processes,
     process group and environment, without importing torch and accelerate three times a
-    launch); `warm=False`, or SHARDDEMO_TEST_LAUNCHER=accelerate for the whole suite, runs the
+    launch); by default (use_warm), or with SHARDDEMO_TEST_LAUNCHER=accelerate, the
     real `accelerate launch`."""
-    if warm and config == CPU_CONFIG and args and args[0].endswith(".py") \
-            and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+    if use_warm(warm, default=False) and config == CPU_CONFIG and args \
+            and args[0].endswith(".py"):
         from support.warm import warm_launch
 
         return warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check)
@@ -55,12 +68,12 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, check: bool = True,
-             preload: tuple = (), warm: bool = True,
+             preload: tuple = (), warm: bool | None = None,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N --master_port FREE SCRIPT ARGS` (`python -m
     torch.distributed.run`), its ranks forked by the warm launcher as accelerate_launch's are
     (`preload`: modules it imports once first, e.g. Lightning; `warm=False`: the real torchrun)."""
-    if warm and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+    if use_warm(warm, default=True):
         from support.warm import warm_launch
 
         return warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
@@ -71,12 +84,12 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, ch
 
 
 def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIMEOUT,
-                  warm: bool = True) -> subprocess.CompletedProcess:
+                  warm: bool | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` for a script whose Lightning Trainer (devices=`devices`, DDP) starts
     its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
     takes them as launched (its TorchElasticEnvironment) and starts none; `warm=False`:
     Lightning's own launcher."""
-    if warm and os.environ.get("SHARDDEMO_TEST_LAUNCHER", "warm") == "warm":
+    if use_warm(warm, default=False):
         return torchrun(args, nproc=devices, timeout=timeout, check=False,
                         preload=("pytorch_lightning",))
     return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
