@@ -267,8 +267,12 @@ def own_batches(loader, batches):
 
 def watched_pass(loader, batches, watch_state, my_tap, this_pass):
     """The batches of one pass, each noted by the watch; the epoch closes at their end."""
+    # (only a loader with its own state reads INSIDE: carried_state; a plain DataLoader's
+    # batches are not wrapped a second time on the watch's per-batch path)
+    if callable(getattr(loader, "load_state_dict", None)):
+        batches = own_batches(loader, batches)
     try:
-        for batch in own_batches(loader, batches):
+        for batch in batches:
             watch_state.add(batch, my_tap)
             yield batch
     finally:

@@ -354,7 +354,6 @@ class TokenMeter:
         return part
 
 
-
 def add_parts(before: list[dict], after: list[dict]) -> list[dict]:
     """Each group's sums before a restart and after it, added group by group (the same
     groups: a run resumed on as many data-parallel groups)."""
