@@ -13,10 +13,18 @@ import time
 
 import psutil
 import pytest
-from support.launch import ROOT, launch_env, sharddemo
+from support.launch import ROOT, launch_env
+from support.launch import sharddemo as any_sharddemo
 from support.processes import assert_nothing_left, survivors, tagged_env
 
 from sharddemo.options import DEFAULT_TIMEOUT
+
+
+def sharddemo(args, **kwargs):
+    """The command with the real `accelerate launch` (faults are read from what the launcher
+    says, and its processes are the ones to end): never the warm launcher's ranks."""
+    return any_sharddemo(args, warm=False, **kwargs)
+
 
 FACTORIES = str(ROOT / "tests" / "support" / "factories.py")
 

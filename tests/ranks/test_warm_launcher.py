@@ -1,15 +1,20 @@
 """The warm launcher (tests/support/warm.py) against the real `accelerate launch` and
 `torchrun`: each rank of a warm launch sees what a rank of the real launch sees (its launch
 variables, its accelerate state, a working gloo group, its own seeds, its argv, path and
-working folder), and a rank's failure fails the launch as the real launchers' does."""
+working folder), and a rank's failure fails the launch as the real launchers' does; a
+`sharddemo` command run warm reports what it reports with the real launcher, and its ranks end
+with it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
+import psutil
 import pytest
-
-from support.launch import ROOT, SCRIPTS, accelerate_launch, torchrun
+from support.launch import FACTORIES, ROOT, SCRIPTS, accelerate_launch, launch_env, sharddemo, \
+    torchrun
 
 PROBE = str(SCRIPTS / "launch_probe.py")
 
@@ -63,3 +68,50 @@ def test_a_rank_that_exits_with_an_error_fails_the_launch(tmp_path, warm):
     proc = accelerate_launch([PROBE, str(tmp_path), "--exit-on", "1:3"], warm=warm, check=False)
     assert proc.returncode == 1
     assert len(probes(tmp_path, 2)) == 2
+
+
+def without_timings(report: dict) -> dict:
+    """A report less what differs between any two launches: how long each part took."""
+    return {k: v for k, v in report.items() if k != "timings"}
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_warm_command_reports_what_the_real_command_reports(nproc):
+    """`sharddemo compare` whose `accelerate launch` forks its ranks from the warm server
+    (support/warm_cli.py) gives the report the real launcher's ranks give, byte for byte but
+    for the timings: the ranks' ids, world size, backend, device and placement."""
+    args = ["compare", "--format", "json", "--num-processes", str(nproc), "--modes",
+            "sampler,replicated,prepared", "--epochs", "2", "--dataset-size", "10"]
+    warm = json.loads(sharddemo(args, warm=True).stdout)
+    real = json.loads(sharddemo(args, warm=False).stdout)
+    assert real["world_size"] == nproc and real["backend"] == "gloo"
+    assert without_timings(warm) == without_timings(real)
+
+
+def test_a_warm_commands_ranks_end_with_it():
+    """SIGKILL to a warm `sharddemo audit` (its client, the stand-in for `accelerate launch`,
+    dies with it: the command's own parent-death signal) ends the ranks the server forked for
+    it, as the launcher's death ends a real launch's ranks."""
+    from support.warm import server, warm_command
+
+    srv = psutil.Process(server().pid)
+    before = {p.pid for p in srv.children()}
+    proc = subprocess.Popen(warm_command(["audit", f"{FACTORIES}:stall_mid_epoch", "--timeout",
+                                          "600"]),
+                            cwd=ROOT, env=launch_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        forked: list = []
+        while time.monotonic() < deadline and len(forked) < 3:  # (the store and 2 ranks)
+            time.sleep(0.2)
+            forked = [p for p in srv.children() if p.pid not in before]
+        assert len(forked) == 3, "the warm launch did not start within 60 s"
+        time.sleep(2)  # (into the walk: rank 1 stalls there)
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs(forked, timeout=10)
+        assert not alive, f"still running 10 s after the command was killed: {alive}"
+    finally:
+        proc.kill()
+        proc.wait()

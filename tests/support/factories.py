@@ -512,16 +512,19 @@ def seeded_80(accelerator):
 
 class Logged(TensorDataset):
     """Ids 0..79 that write every id they are asked for, in order, to one file per launch and
-    rank in $SHARDDEMO_TEST_LOG_DIR: `<start ns>-<launcher pid>-<rank>.log` (the launcher's pid
-    is the same for every rank of a launch). The test reads them back beside the report."""
+    rank in $SHARDDEMO_TEST_LOG_DIR: `<start ns>-<launch>-<rank>.log` (the launch: a number
+    from its status folder, which sharddemo makes anew for each launch and gives every rank of
+    it). The test reads them back beside the report."""
 
     def __init__(self, rank: int):
         import os
         import time
+        import zlib
 
         super().__init__(torch.arange(80))
+        launch = zlib.crc32(os.environ["SHARDDEMO_STATUS_DIR"].encode())
         self.path = os.path.join(os.environ["SHARDDEMO_TEST_LOG_DIR"],
-                                 f"{time.time_ns()}-{os.getppid()}-{rank}.log")
+                                 f"{time.time_ns()}-{launch}-{rank}.log")
 
     def __getitem__(self, index):
         with open(self.path, "a") as handle:

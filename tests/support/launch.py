@@ -35,13 +35,16 @@ def launch_env() -> dict:
     return env
 
 
-def use_warm(warm: bool | None, default: bool) -> bool:
+def use_warm(warm: bool | None, default: bool, env: dict | None = None) -> bool:
     """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test
     asks (`warm=`), else the helper's default; SHARDDEMO_TEST_LAUNCHER=warm or =accelerate
-    decides for every launch of the run. The default is warm for torchrun's plain
-    torch.distributed loops only: two launches of a DDP model (an accelerate loop that ends
-    with end_training(), in 2 of about 1,000 warm launches) hung in the model's teardown
-    after the script's last line, a hang no real launch has shown (CONTRIBUTING.md)."""
+    decides for every launch of the run. The default is warm for every helper; the tests of
+    the launcher itself, of faults and of signals ask for the real one (`warm=False`). A
+    launch whose `env` puts something on PYTHONPATH (a test's plugin, run as each process
+    starts: support/collideplugin, faultplugin, hideplugin) is always real: a forked rank has
+    started already."""
+    if env is not None and env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+        return False
     chosen = os.environ.get("SHARDDEMO_TEST_LAUNCHER")
     if chosen in ("warm", "accelerate"):
         return chosen == "warm"
@@ -53,15 +56,16 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
                       warm: bool | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`.
 
-    `warm=True`: the ranks are forked by the warm launcher (support/warm.py: the same processes,
-    process group and environment, without importing torch and accelerate three times a
-    launch); by default (use_warm), or with SHARDDEMO_TEST_LAUNCHER=accelerate, the
-    real `accelerate launch`."""
-    if use_warm(warm, default=False) and config == CPU_CONFIG and args \
+    The ranks are forked by the warm launcher (support/warm.py: the same processes, process
+    group and environment, without importing torch and accelerate three times a launch);
+    `warm=False`, or SHARDDEMO_TEST_LAUNCHER=accelerate: the real `accelerate launch`."""
+    if use_warm(warm, default=True) and config == CPU_CONFIG and args \
             and args[0].endswith(".py"):
         from support.warm import warm_launch
 
-        return warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check)
+        proc = warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check)
+        if proc is not None:
+            return proc
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
     return run_cmd(cmd, timeout=timeout, check=check)
@@ -73,11 +77,13 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, ch
     """`torchrun --nproc_per_node N --master_port FREE SCRIPT ARGS` (`python -m
     torch.distributed.run`), its ranks forked by the warm launcher as accelerate_launch's are
     (`preload`: modules it imports once first, e.g. Lightning; `warm=False`: the real torchrun)."""
-    if use_warm(warm, default=True):
+    if use_warm(warm, default=True, env=env):
         from support.warm import warm_launch
 
-        return warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
+        proc = warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
                            check=check, preload=preload, env=env)
+        if proc is not None:
+            return proc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *map(str, args)]
     return run_cmd(cmd, timeout=timeout, check=check, env=env)
@@ -89,7 +95,7 @@ def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIME
     its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
     takes them as launched (its TorchElasticEnvironment) and starts none; `warm=False`:
     Lightning's own launcher."""
-    if use_warm(warm, default=False):
+    if use_warm(warm, default=True):
         return torchrun(args, nproc=devices, timeout=timeout, check=False,
                         preload=("pytorch_lightning",))
     return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
@@ -111,7 +117,14 @@ def run_cmd(cmd: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
 
 
 def sharddemo(args: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+              env: dict | None = None, warm: bool | None = None) -> subprocess.CompletedProcess:
+    """`python -m sharddemo ARGS`. Its launch of the ranks forks them from the warm launcher
+    (support/warm_cli.py: the command itself is the real one) unless `warm=False` (the tests
+    of the launcher itself: its messages, faults, signals) or SHARDDEMO_TEST_LAUNCHER=accelerate."""
+    if use_warm(warm, default=True, env=env):
+        from support.warm import warm_command
+
+        return run_cmd(warm_command(args), timeout=timeout, check=check, env=env)
     return run_cmd([sys.executable, "-m", "sharddemo", *args], timeout=timeout, check=check,
                    env=env)
 

@@ -8,7 +8,9 @@ builder for the config, then torchrun's per-rank variables); each rank reseeds i
 as a fresh process would. The ranks are real processes in a real gloo process group; what they
 skip is the launcher process itself (its error files, its own messages; the rendezvous store
 its agent hosts is forked for each launch, support/warm_server.py's serve_store), so
-the tests of launching, faults and signals use the real launcher (`warm=False`).
+the tests of launching, faults and signals use the real launcher (`warm=False`). The
+`sharddemo` commands run warm too (warm_command): the command is the real one, its launch of
+`accelerate launch` has the server fork the ranks instead (support/warm_cli.py).
 `SHARDDEMO_TEST_LAUNCHER=accelerate` sends every launch through the real launcher."""
 
 from __future__ import annotations
@@ -17,31 +19,47 @@ import atexit
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 from support.launch import ROOT, SUPPORT, free_port, launch_env
 
 _server: subprocess.Popen | None = None
+_socket: str = ""
 
 
 def server() -> subprocess.Popen:
-    global _server
+    global _server, _socket
     if _server is None or _server.poll() is not None:
         env = launch_env()
         _server = subprocess.Popen([sys.executable, str(SUPPORT / "warm_server.py")],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                    cwd=ROOT, env=env, start_new_session=True)
         atexit.register(_server.kill)
+        assert _server.stdout is not None
+        hello = _server.stdout.readline()
+        if not hello:
+            pytest.fail(f"the warm launcher did not start (exit {_server.wait()})")
+        _socket = json.loads(hello)["socket"]
     return _server
+
+
+def warm_command(args: list[str]) -> list[str]:
+    """The command line of `sharddemo ARGS` whose launch forks its ranks from the warm server
+    (support/warm_cli.py)."""
+    server()
+    return [sys.executable, str(SUPPORT / "warm_cli.py"), _socket, *args]
 
 
 def warm_launch(args: list[str], nproc: int, config: str | None, timeout: float,
                 check: bool, preload: tuple = (),
-                env: dict | None = None) -> subprocess.CompletedProcess:
+                env: dict | None = None) -> subprocess.CompletedProcess | None:
     """What `accelerate launch --config_file CONFIG --num_processes NPROC ARGS` (config None:
     `torchrun --nproc_per_node NPROC ARGS`) gives the test (its exit code, every rank's stdout
     and stderr), from forked ranks; `preload`: modules the server imports first (once); `env`:
-    the launch's environment (launch_env() unless given)."""
+    the launch's environment (launch_env() unless given). None where a rank hung after
+    another's script had ended (warm_server.py's STRAGGLER_S): the caller runs the launch on
+    the real launcher."""
     srv = server()
     request = {"argv": args, "nproc": nproc, "config": config, "port": free_port(),
                "cwd": str(ROOT), "env": env or launch_env(), "timeout": timeout,
@@ -55,6 +73,13 @@ def warm_launch(args: list[str], nproc: int, config: str | None, timeout: float,
     reply = json.loads(line)
     cmd = (["accelerate", "launch (warm)", "--num_processes", str(nproc), *args] if config else
            ["torchrun (warm)", "--nproc_per_node", str(nproc), *args])
+    if reply["timed_out"] == "straggler":
+        # the teardown hang of a DDP model in a forked rank (warm_server.py's STRAGGLER_S,
+        # CONTRIBUTING.md): this launch runs again on the real launcher, and the warm one's
+        # stacks are a warning in the test report
+        warnings.warn(f"warm launch hung in a rank's end; run again on the real launcher: "
+                      f"{' '.join(args)}\n{reply['stderr'][-6000:]}", stacklevel=2)
+        return None
     if reply["timed_out"]:
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{reply['stdout']}"
                     f"\n--- stderr (all ranks)\n{reply['stderr']}")
