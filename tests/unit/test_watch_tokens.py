@@ -365,3 +365,98 @@ def test_a_batch_with_a_source_too_few_is_an_error_even_where_another_has_one_to
     meter.add({"attention_mask": mask, "source": torch.tensor([0, 1, 2, 0, 1])})
     with pytest.raises(RuntimeError):
         meter.settle()
+
+
+def test_nonzero_bytes_is_torchs_bool_of_the_join_and_leaves_the_batches_alone():
+    """nonzero_bytes against torch's own `.bool()` of the join, byte for byte: int8 entries 0,
+    1, 2, -1, 127, -128 (a mask of segment numbers, and bytes whose sign bit is set), uint8
+    entries 0, 1, 2, 255, bool, a lone tensor (not joined), and int8 with uint8 (joined as
+    int16). By hand for the int8 batches: [[0, 1, 2], [-1, 127, -128]] and [[0, 0, 3]] flag
+    [[0, 1, 1], [1, 1, 1]] and [[0, 0, 1]]; the batches keep their values."""
+    from sharddemo.watching.tokens import nonzero_bytes
+
+    int8 = (torch.tensor([[0, 1, 2], [-1, 127, -128]], dtype=torch.int8),
+            torch.tensor([[0, 0, 3]], dtype=torch.int8))
+    uint8 = (torch.tensor([[0, 1], [2, 255]], dtype=torch.uint8),
+             torch.tensor([[255, 0]], dtype=torch.uint8))
+    flags = (torch.tensor([[True, False]]), torch.tensor([[False, False], [True, True]]))
+    cases = [int8, uint8, flags, int8[:1], (int8[1], torch.tensor([[255, 0, 7]], dtype=torch.uint8))]
+    for values in cases:
+        before = [v.clone() for v in values]
+        got = nonzero_bytes(values)
+        want = torch.cat(values).bool()
+        assert got.element_size() == 1 and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert all(torch.equal(v, b) for v, b in zip(values, before))
+    assert nonzero_bytes(int8).tolist() == [[0, 1, 1], [1, 1, 1], [0, 0, 1]]
+
+
+def test_row_sums_count_an_int8_masks_flags_as_torch_counts_its_nonzero_entries():
+    """row_sums of nonzero_bytes' int8 flags (not bools) against count_nonzero(dim=1) of the
+    batches themselves: entries -128..127, widths of 8 and 16 bytes (the words' path) and 5."""
+    from sharddemo.watching.tokens import nonzero_bytes, row_sums
+
+    g = torch.Generator().manual_seed(0)
+    for width in (5, 8, 16):
+        batches = tuple(torch.randint(-128, 128, (3, width), generator=g, dtype=torch.int8)
+                        * (torch.rand(3, width, generator=g) < 0.5) for _ in range(4))
+        assert torch.equal(row_sums(nonzero_bytes(batches)).to(torch.int64),
+                           torch.count_nonzero(torch.cat(batches), dim=1))
+
+
+@pytest.mark.parametrize("bits,rows_limit", [(27, 1 << 26), (9, 1 << 26), (27, 40), (6, 1 << 26)])
+def test_each_sources_samples_and_tokens_are_torchs_counts_whatever_the_packed_bounds(
+        monkeypatch, bits, rows_limit):
+    """Each source's samples and tokens summed packed (one bincount: PACK + a row's tokens) are
+    torch's counts of the rows the meter was given: an int8 mask with entries -1, 0, 1, 2 (12
+    slots a row), int sources 0..4, batches of 1-7 rows summed 3 at a time; with the bounds as
+    shipped, and made small (PACK 2^9: a fold every few sums; 40 rows: a fold every sum or
+    two; PACK 2^6 = 64 entries, under one sum's: those summed unpacked), read midway
+    (so_far) and at the end."""
+    import sharddemo.watching.tokens as tokens
+
+    monkeypatch.setattr(tokens, "PACK_BITS", bits)
+    monkeypatch.setattr(tokens, "PACK", 1 << bits)
+    monkeypatch.setattr(tokens, "PACKED_ROWS", rows_limit)
+    monkeypatch.setattr(tokens.TokenMeter, "SETTLE_BATCHES", 3)
+    g = torch.Generator().manual_seed(bits + rows_limit)
+    meter = tokens.TokenMeter("mask", "source")
+    seen_rows, seen_sources = [], []
+    for step in range(40):
+        n = int(torch.randint(1, 8, (1,), generator=g))
+        mask = torch.randint(-1, 3, (n, 12), generator=g).to(torch.int8)
+        source = torch.randint(0, 5, (n,), generator=g)
+        meter.add({"mask": mask, "source": source})
+        seen_rows.append(torch.count_nonzero(mask, dim=1))
+        seen_sources.append(source)
+        if step == 20:
+            assert meter.so_far() == int(torch.cat(seen_rows).sum())
+    rows, sources = torch.cat(seen_rows).tolist(), torch.cat(seen_sources).tolist()
+    part = meter.take()
+    assert part["tokens"] == sum(rows)
+    assert part["slots"] == 12 * len(rows)
+    assert part["sources"] == {str(s): [sources.count(s),
+                                        sum(r for r, k in zip(rows, sources) if k == s)]
+                               for s in sorted(set(sources))}
+
+
+def test_a_batch_of_no_rows_among_others_counts_nothing():
+    """A batch of 0 rows (a mask of shape (0, 4), no sources) between two of 2 rows, each
+    summed alone (a window's read of the tokens so far after each): by hand, masks [1,1,0,0],
+    [1,0,0,0] (sources 0, 1) and [1,1,1,0], [0,0,0,0] (sources 1, 1): 6 tokens of 16 slots,
+    source 0 one sample of 2 tokens, source 1 three samples of 4; the empty batch neither
+    counts nor fails (it was torch's error once: its flags reshaped to (0, -1))."""
+    from sharddemo.watching.tokens import TokenMeter
+
+    for dtype in (torch.int8, torch.int64):
+        meter = TokenMeter("mask", "source")
+        meter.add({"mask": torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=dtype),
+                   "source": torch.tensor([0, 1])})
+        assert meter.so_far() == 3
+        meter.add({"mask": torch.zeros(0, 4, dtype=dtype),
+                   "source": torch.zeros(0, dtype=torch.int64)})
+        assert meter.so_far() == 3
+        meter.add({"mask": torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]], dtype=dtype),
+                   "source": torch.tensor([1, 1])})
+        assert meter.take() == {"tokens": 6, "slots": 16, "supervised": None,
+                                "sources": {"0": [1, 2], "1": [3, 4]}}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import zip_longest
 from operator import attrgetter, itemgetter
 from typing import Any, Optional
 
@@ -22,6 +23,16 @@ import torch
 IGNORE_INDEX = -100
 # a tensor's shape (torch.Size: a tuple), read in one C call a tensor
 SHAPE = attrgetter("shape")
+# Each source's samples and tokens summed in one bincount (TokenMeter.add_indexed): each row
+# weighs PACK + its tokens, so a source's sum is samples x PACK + tokens. Exact while the
+# tokens summed so (since the last fold) stay under PACK and the rows under PACKED_ROWS: a
+# source's sum is then at most (2^26 - 1) x 2^27 + 2^27 - 1 = 2^53 - 1, and every partial sum
+# of bincount's (in any order, a GPU's atomics too) is an integer no larger, which float64
+# holds exactly; samples = sum >> 27, tokens = sum & (PACK - 1). One bincount a settle, not
+# two and their conversions (docs/benchmarks.md, "Tokens").
+PACK_BITS = 27
+PACK = 1 << PACK_BITS
+PACKED_ROWS = 1 << (53 - PACK_BITS)
 
 
 def is_labels(field: Any) -> bool:
@@ -62,19 +73,28 @@ class TokenMeter:
         self.by_source: dict = {}  # name -> [samples, tokens] (host ints)
         self.source_counts: Any = None  # int sources: per-index counts (device)
         self.source_tokens: Any = None
+        # int sources' samples and tokens since the last fold, packed (PACK; float64, device),
+        # and the rows and token entries they hold (the bounds that keep them exact); their
+        # tokens are in neither `tokens` nor `source_tokens` (read: unpacked; moved: fold)
+        self.packed: Any = None
+        self.packed_rows = self.packed_entries = 0
         # the fields of the batches not yet summed (the tuple of `keys` a batch), kept as they
         # came and summed SETTLE_BATCHES at a time (settle): a handful of operations for them
         # all, not a handful a step
         self.pending: list = []
-        self.settle_at = self.SETTLE_BATCHES  # (fewer for large batches: SETTLE_SIZE)
+        self.settle_at = self.SETTLE_BATCHES  # (fewer for large batches: SETTLE_BYTES)
         self.pending_named = False  # (a kept batch's sources were names: its sources None)
 
-    # batches kept before their fields are summed, and the most entries they may hold (32 MB
-    # of int64, on their device; counted from the mean size of the batches summed last, and
-    # the size of a batch read by its fields' rule: batches larger than those before them may
-    # take a window over it)
-    SETTLE_BATCHES = 64
-    SETTLE_SIZE = 1 << 22
+    # batches kept before their fields are summed, and the most bytes their token fields may
+    # hold (on their device; counted from the mean size of the batches summed last, and the
+    # size of a batch read by its fields' rule: batches larger than those before them may
+    # take a window over it). A sum's fixed part (some fifteen torch calls, each several
+    # microseconds on the caches a training step has emptied) is spread over up to 256 small
+    # batches; 8 MB keeps the batches a sum reads few enough to be read back from the
+    # processor's cache, not memory (a quarter of a 32 MB L3; 256 batches of a mask and labels
+    # in int64, 32 MB, were slower a step than 64): docs/benchmarks.md, "Tokens"
+    SETTLE_BATCHES = 256
+    SETTLE_BYTES = 8 << 20
 
     def add(self, batch):
         """One batch's fields, kept to be summed (a ValueError names a field it lacks); returns
@@ -100,9 +120,10 @@ class TokenMeter:
         """One batch's fields kept (its sources None where they are names, counted already);
         the kept ones summed once there are enough."""
         self.pending.append(values)
-        if self.has[0]:  # (fewer batches kept where they are large: SETTLE_SIZE)
-            size = values[0].numel() + (values[1].numel() if self.has[1] else 0)
-            self.settle_at = max(1, min(self.settle_at, self.SETTLE_SIZE // max(size, 1)))
+        if self.has[0]:  # (fewer batches kept where they are large: SETTLE_BYTES)
+            size = values[0].numel() * values[0].element_size() + (
+                values[1].numel() * values[1].element_size() if self.has[1] else 0)
+            self.settle_at = max(1, min(self.settle_at, self.SETTLE_BYTES // max(size, 1)))
         if len(self.pending) >= self.settle_at:
             self.settle()
 
@@ -199,11 +220,13 @@ class TokenMeter:
     def sums(self) -> tuple:
         """The sums as they stand (restore puts them back): what settle's join changes."""
         return (self.tokens, self.slots, self.supervised, self.has_slots, self.source_counts,
-                self.source_tokens, self.settle_at)
+                self.source_tokens, self.settle_at, self.packed, self.packed_rows,
+                self.packed_entries)
 
     def restore(self, sums: tuple) -> None:
         (self.tokens, self.slots, self.supervised, self.has_slots, self.source_counts,
-         self.source_tokens, self.settle_at) = sums
+         self.source_tokens, self.settle_at, self.packed, self.packed_rows,
+         self.packed_entries) = sums
 
     def name_floats(self, pending: list) -> bool:
         """The kept batches whose sources are floating point counted by name (add_named, as
@@ -236,61 +259,85 @@ class TokenMeter:
                 index = torch.cat([s.reshape(-1) for s in sources])
             if index.is_floating_point():
                 return False
+        token_entries, token_sizes = 0, None
         if tokens is not None:
-            # the next window's length, from these batches' mean size (SETTLE_SIZE)
-            entries = sum(map(torch.Tensor.numel, tokens)) + (
-                sum(map(torch.Tensor.numel, labels)) if labels is not None else 0)
+            # the next window's length, from these batches' mean size (SETTLE_BYTES)
+            token_sizes = list(map(torch.Tensor.numel, tokens))
+            token_entries = sum(token_sizes)
+            size = token_entries * tokens[0].element_size() + (
+                sum(map(torch.Tensor.numel, labels)) * labels[0].element_size()
+                if labels is not None else 0)
             self.settle_at = max(1, min(self.SETTLE_BATCHES,
-                                        self.SETTLE_SIZE * len(tokens) // max(entries, 1)))
+                                        self.SETTLE_BYTES * len(tokens) // max(size, 1)))
         rows = None
+        packed = False  # (each source's samples and tokens in one bincount: add_indexed)
         if tokens is not None:
             field = self.token_fields[0]
             if sources is not None:  # (each row's: the sources' tokens need them)
-                rows = self.count(tokens, token_shapes, field)
-                total = rows.sum()
+                rows = self.count(tokens, token_shapes, field, token_entries)
+                # a mask's or labels' rows count at most their entries (PACK's bound); the
+                # labels as the token field are the supervised tokens too: summed here
+                packed = (tokens[0].dim() >= 2 and not (self.label_fields and labels is None)
+                          and token_entries < PACK and index.numel() < PACKED_ROWS)
+                if not packed:  # (packed: the total added when the packed sums are read)
+                    total = rows.sum()
             else:  # (the total alone: no row's count)
-                total = self.total(tokens, token_shapes, field)
-            self.tokens = self.tokens + total
-            if self.label_fields and labels is None:  # (the labels are the token field)
-                self.supervised = self.supervised + total
+                total = self.total(tokens, token_shapes, field, token_entries)
+            if not packed:
+                self.tokens = self.tokens + total
+                if self.label_fields and labels is None:  # (the labels are the token field)
+                    self.supervised = self.supervised + total
         if labels is not None:
             self.supervised = self.supervised + count_flags(
                 labels, label_shapes is None or uniform(label_shapes), labels=True)
         if index is None:
             return True
+        lengths = None  # (each batch's rows, where its sources are not one a row)
         if rows is not None and token_shapes is None:
             # (joined at once: each batch's rows against its sources, so that a batch with a
             # source too few and another with one too many are torch's error, as summed alone,
-            # not sources moved between rows)
-            token_shapes = list(map(SHAPE, tokens))
-            source_shapes = list(map(SHAPE, sources))
-        lengths = (list(map(itemgetter(0), token_shapes))
-                   if rows is not None and token_shapes is not None else None)
-        if lengths is not None and lengths != list(map(math.prod, source_shapes)):
+            # not sources moved between rows. Joined, the batches' rows have one width (the
+            # entries over the rows), so a batch's entries, read above, are its rows times it:
+            # compared with its sources' numel(), no torch.Size made a tensor)
+            count = rows.numel()
+            width = token_entries // count if count and rows.dim() == 1 and tokens[0].dim() \
+                else 0
+            if width and width * count == token_entries:
+                sizes = [width * size for size in map(torch.Tensor.numel, sources)]
+                if token_sizes != sizes:
+                    lengths = [size // width for size in token_sizes]
+            else:  # (no rows, or a 0-d token field: the shapes read, as they were)
+                token_shapes = list(map(SHAPE, tokens))
+                source_shapes = list(map(SHAPE, sources))
+        if rows is not None and token_shapes is not None:
+            shaped = list(map(itemgetter(0), token_shapes))
+            if shaped != list(map(math.prod, source_shapes)):
+                lengths = shaped
+        if lengths is not None:
             # (a batch whose sources are not one a row: torch's own error, as when each batch
             # was summed alone; joined, a count of sources other than of rows is that error)
             for one, part in zip(sources, rows.split(lengths)):
-                self.add_indexed(one, part)
+                self.add_indexed(one, part, token_entries if packed else None)
             return True
-        self.add_indexed(index, rows)
+        self.add_indexed(index, rows, token_entries if packed else None)
         return True
 
-    def count(self, values: tuple, shapes: Optional[list], field) -> torch.Tensor:
+    def count(self, values: tuple, shapes: Optional[list], field, size: int) -> torch.Tensor:
         """Each row's tokens of the kept batches' token field (a mask, lengths or labels), in
-        the batches' order (row_tokens); a mask's size goes to the slots. `shapes`: as
-        sum_batches'."""
+        the batches' order (row_tokens); a mask's size (`size`: the batches' entries) goes to
+        the slots. `shapes`: as sum_batches'."""
         dim = values[0].dim()
         self.has_slots = not is_labels(field) and dim >= 2
         if dim < 2:  # (lengths, or one label a sample)
             return row_tokens(joined(values), field)
         if self.has_slots:
-            self.slots = self.slots + sum(map(torch.Tensor.numel, values))
+            self.slots = self.slots + size
         if shapes is None or uniform(shapes):  # (batches of one width: one count)
             return row_sums(token_flags(values, is_labels(field)))
         return torch.cat([row_sums(token_flags((v,), is_labels(field))) for v in values])
 
-    def total(self, values: tuple, shapes: Optional[list], field) -> torch.Tensor:
-        """The kept batches' tokens of a token field, all together."""
+    def total(self, values: tuple, shapes: Optional[list], field, size: int) -> torch.Tensor:
+        """The kept batches' tokens of a token field, all together (`size`: their entries)."""
         labels = is_labels(field)
         dim = values[0].dim()
         self.has_slots = not labels and dim >= 2
@@ -301,20 +348,60 @@ class TokenMeter:
             # batch of lengths among masks, so this refuses it as a join would)
             raise RuntimeError("the token field has more dimensions in one batch than another")
         if self.has_slots:
-            self.slots = self.slots + sum(map(torch.Tensor.numel, values))
+            self.slots = self.slots + size
         return count_flags(values, shapes is None or uniform(shapes), labels)
 
-    def add_indexed(self, values: torch.Tensor, per_sample) -> None:
-        index = values.reshape(-1).to(torch.int64)
+    def add_indexed(self, values: torch.Tensor, per_sample, entries: Optional[int] = None
+                    ) -> None:
+        """Each int source's samples, and its rows' tokens (`per_sample`), added. `entries`:
+        the token entries the rows were counted from (each row's tokens between 0 and its
+        entries: a mask's or labels' rows, a fresh tensor of theirs), where samples and tokens
+        may be summed packed (PACK): one bincount, its tokens in the total once folded."""
+        index = values if values.dim() == 1 else values.reshape(-1)
+        if index.dtype is not torch.int64:
+            index = index.to(torch.int64)
         if self.source_counts is None:
             self.source_counts = torch.zeros(0, dtype=torch.int64, device=index.device)
             self.source_tokens = torch.zeros(0, dtype=torch.int64, device=index.device)
+        if entries is not None:
+            if (self.packed_entries + entries >= PACK
+                    or self.packed_rows + index.numel() >= PACKED_ROWS):
+                self.fold()  # (the bounds kept: what was packed so far read first)
+            # (the weights: PACK + each row's tokens, written over the rows' own counts;
+            # a batch whose sources are not one a row is torch's error, as unpacked)
+            sums = torch.bincount(index, weights=per_sample.add_(PACK),
+                                  minlength=0 if self.packed is None else self.packed.numel())
+            self.packed = sums if self.packed is None else grow(self.packed,
+                                                                sums.numel()) + sums
+            self.packed_rows += index.numel()
+            self.packed_entries += entries
+            return
         counts = torch.bincount(index, minlength=self.source_counts.numel())
         self.source_counts = grow(self.source_counts, counts.numel()) + counts
         if per_sample is not None:
             tokens = torch.bincount(index, weights=per_sample.to(torch.float64),
                                     minlength=self.source_counts.numel()).to(torch.int64)
             self.source_tokens = grow(self.source_tokens, tokens.numel()) + tokens
+
+    def unpacked(self) -> tuple[list[int], list[int]]:
+        """The packed sums (add_indexed) read on the host: each index's samples and tokens
+        (the packed tokens are in no other sum)."""
+        if self.packed is None:
+            return [], []
+        sums = [int(v) for v in self.packed.tolist()]  # (integers below 2^53: exact)
+        return [v >> PACK_BITS for v in sums], [v & (PACK - 1) for v in sums]
+
+    def fold(self) -> None:
+        """The packed sums (add_indexed) into the samples, the tokens and the total, on the
+        device: before they would pass PACK's bounds."""
+        if self.packed is None:
+            return
+        packed = self.packed.to(torch.int64)
+        self.packed, self.packed_rows, self.packed_entries = None, 0, 0
+        tokens = packed & (PACK - 1)
+        self.source_counts = added(self.source_counts, packed >> PACK_BITS)
+        self.source_tokens = added(self.source_tokens, tokens)
+        self.tokens = self.tokens + tokens.sum()
 
     def add_named(self, values, tokens) -> None:
         names = [str(v) for v in (values.tolist() if torch.is_tensor(values) else values)]
@@ -327,22 +414,26 @@ class TokenMeter:
             row[1] += length
 
     def so_far(self) -> int:
-        """The epoch's tokens so far (a window's exchange: one read of the device sum)."""
+        """The epoch's tokens so far (a window's exchange: one read of the device sums)."""
         self.settle()
-        return int(self.tokens)
+        return int(self.tokens) + sum(self.unpacked()[1])
 
     def take(self, keep: bool = False) -> dict:
         """The epoch's sums as host ints (one read of each device sum), then empty (`keep`:
         not emptied, a checkpoint's look at the epoch so far)."""
         self.settle()
-        part: dict = {"tokens": int(self.tokens), "slots": int(self.slots) if self.has_slots
-                      else None,
+        samples, packed = self.unpacked()
+        part: dict = {"tokens": int(self.tokens) + sum(packed),
+                      "slots": int(self.slots) if self.has_slots else None,
                       "supervised": int(self.supervised) if self.label_fields else None}
         sources = {name: list(row) for name, row in self.by_source.items()}
         if self.source_counts is not None:
             counts = self.source_counts.tolist()
             tokens = (self.source_tokens.tolist() if self.source_tokens is not None
                       else [0] * len(counts))
+            if samples:  # (the packed sums' too)
+                counts = [a + b for a, b in zip_longest(counts, samples, fillvalue=0)]
+                tokens = [a + b for a, b in zip_longest(tokens, packed, fillvalue=0)]
             for index, count in enumerate(counts):
                 if count:
                     row = sources.setdefault(str(index), [0, 0])
@@ -381,6 +472,12 @@ def grow(tensor: torch.Tensor, size: int) -> torch.Tensor:
     if tensor.numel() >= size:
         return tensor
     return torch.cat([tensor, tensor.new_zeros(size - tensor.numel())])
+
+
+def added(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two per-index sums added, the shorter padded with zeros."""
+    size = max(a.numel(), b.numel())
+    return grow(a, size) + grow(b, size)
 
 
 def named_counts(names: list[str], lengths: list[int]) -> dict[str, tuple[int, int]]:
@@ -431,13 +528,14 @@ def row_tokens(values: torch.Tensor, field) -> torch.Tensor:
 
 
 def row_sums(flags: torch.Tensor) -> torch.Tensor:
-    """Each row's True entries of a bool tensor (B x ...), as int32. Its bytes are summed eight
+    """Each row's True entries of a tensor of flags (B x ...), one byte an entry, 0 or 1 (bool,
+    or nonzero_bytes' int8 or uint8), as int32. Its bytes are summed eight
     at a time: read as int64 words, a row's words add up byte lane by byte lane (no carry from
     one lane to the next while a lane holds at most 255, so 255 words at a time), then each
     row's lanes are summed; the sum 4-5x faster than the bytes summed one by one
     (docs/benchmarks.md, "Tokens"). Rows of a width that is no multiple of 8, or bytes not laid out so, are summed
     byte by byte."""
-    rows = flags.reshape(flags.shape[0], -1)
+    rows = flags if flags.dim() == 2 else flags.flatten(1)  # (0 rows too: no -1 to infer)
     width = rows.shape[1]
     if not width or width % 8 or not rows.is_contiguous() or rows.storage_offset() % 8:
         return rows.view(torch.uint8).sum(1, dtype=torch.int32)
@@ -463,7 +561,20 @@ def token_flags(values: tuple, labels: bool) -> torch.Tensor:
     first = values[0]
     if len(values) > 1 and first.element_size() > 1 and first.device.type == "cpu":
         return torch.cat([flag(v) for v in values])
-    return flag(joined(values))
+    return flag(joined(values)) if labels else nonzero_bytes(values)
+
+
+def nonzero_bytes(values: tuple) -> torch.Tensor:
+    """Tensors joined along their first dimension, each entry's flag: 1 where it is nonzero,
+    else 0, one byte an entry. Torch's `.bool()` of the join, byte for byte; where the join is
+    int8 or uint8 (an int8 mask) in that dtype: its own fresh copy tested in place
+    (`ne_(0)`), so that the mask's bytes are written once, not again into a new bool tensor
+    (docs/benchmarks.md, "Tokens"). A lone tensor (joined, itself) is never changed."""
+    if len(values) == 1:
+        return values[0].bool()
+    join = torch.cat(values)
+    dtype = join.dtype
+    return join.ne_(0) if dtype is torch.int8 or dtype is torch.uint8 else join.bool()
 
 
 def count_flags(values: tuple, same_width: bool, labels: bool) -> torch.Tensor:
