@@ -38,8 +38,12 @@ def launch_env() -> dict:
 def use_warm(warm: bool | None, default: bool, env: dict | None = None) -> bool:
     """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test
     asks (`warm=`), else the helper's default; SHARDDEMO_TEST_LAUNCHER=warm or =accelerate
-    decides for every launch of the run. The default is warm for every helper; the tests of
-    the launcher itself, of faults and of signals ask for the real one (`warm=False`). A
+    decides for every launch of the run. The default is warm for the `sharddemo` commands
+    and torchrun's plain loops; accelerate_launch() and lightning_fit() (a DDP model in most
+    of their scripts) are real unless a test asks: a forked rank hangs now and then in a DDP
+    model's teardown, and running such a launch again is not safe where its first run left
+    its outputs (CONTRIBUTING.md). The tests of the launcher itself, of faults and of signals
+    ask for the real one (`warm=False`). A
     launch whose `env` puts something on PYTHONPATH (a test's plugin, run as each process
     starts: support/collideplugin, faultplugin, hideplugin) is always real: a forked rank has
     started already."""
@@ -56,10 +60,11 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
                       warm: bool | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`.
 
-    The ranks are forked by the warm launcher (support/warm.py: the same processes, process
-    group and environment, without importing torch and accelerate three times a launch);
-    `warm=False`, or SHARDDEMO_TEST_LAUNCHER=accelerate: the real `accelerate launch`."""
-    if use_warm(warm, default=True) and config == CPU_CONFIG and args \
+    `warm=True`: the ranks are forked by the warm launcher (support/warm.py: the same
+    processes, process group and environment, without importing torch and accelerate three
+    times a launch); by default (use_warm), or with SHARDDEMO_TEST_LAUNCHER=accelerate, the
+    real `accelerate launch`."""
+    if use_warm(warm, default=False) and config == CPU_CONFIG and args \
             and args[0].endswith(".py"):
         from support.warm import warm_launch
 
@@ -95,7 +100,7 @@ def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIME
     its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
     takes them as launched (its TorchElasticEnvironment) and starts none; `warm=False`:
     Lightning's own launcher."""
-    if use_warm(warm, default=True):
+    if use_warm(warm, default=False):
         return torchrun(args, nproc=devices, timeout=timeout, check=False,
                         preload=("pytorch_lightning",))
     return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
