@@ -78,7 +78,7 @@ def warm_launch(args: list[str], nproc: int, config: str | None, timeout: float,
         # CONTRIBUTING.md): this launch runs again on the real launcher, and the warm one's
         # stacks are a warning in the test report
         warnings.warn(f"warm launch hung in a rank's end; run again on the real launcher: "
-                      f"{' '.join(args)}\n{reply['stderr'][-6000:]}", stacklevel=2)
+                      f"{' '.join(args)}\n{reply['stderr'][-16000:]}", stacklevel=2)
         return None
     if reply["timed_out"]:
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n--- stdout\n{reply['stdout']}"

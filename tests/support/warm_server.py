@@ -230,11 +230,22 @@ def native_stacks(pids: dict) -> str:
         if gdb is None:
             break
         try:
-            out = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
-                                 capture_output=True, text=True, timeout=30).stdout
+            ran = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                                 capture_output=True, text=True, timeout=30)
+            out = ran.stdout + ran.stderr
         except (OSError, subprocess.TimeoutExpired):
             continue
-        frames = [line for line in out.splitlines() if line.startswith(("#", "Thread"))]
+        frames: list = []
+        depth = 0
+        for line in out.splitlines():  # (each thread's 16 innermost frames: where it waits)
+            if line.startswith("Thread"):
+                frames.append(line)
+                depth = 0
+            elif line.startswith("#") and depth < 16:
+                frames.append(line[:200])
+                depth += 1
+            elif "ptrace" in line or "attach" in line.lower():  # (why there are none)
+                frames.append(line[:200])
         text += "\n".join([f"[warm launcher] rank {rank}'s native stacks:", *frames, ""])
     return text
 
