@@ -178,12 +178,11 @@ def run_rank(argv: list, env: dict, cwd: str, out, err, hold: tuple = ()) -> Non
 
 def hold_until_all_ended(done: int, go: int) -> None:
     """A rank whose script ended well says so (`done`) and waits until the server has heard
-    it of every rank (`go` closes), then exits. A real rank's interpreter takes a while to
-    end after its script (its modules' teardown) while the others' scripts still run; a forked
-    rank ends at once (os._exit), and in 2 of about 1,000 launches a peer still tearing down
-    a DDP model then hung in it (`del model` after end_training(), gloo's connection to the
-    rank that had left closing under it). Held, no rank leaves while another's script runs.
-    A failed rank is not held (the server ends the others, as torchrun does)."""
+    it of every rank (`go` closes), then exits: no rank leaves while another's script runs,
+    as a real rank's slow interpreter teardown mostly ensures, and the server knows when
+    each script ended (its straggler rule, STRAGGLER_S: a rank still in its script long after
+    another's ended is the DDP teardown hang of CONTRIBUTING.md, which holding the peers did
+    not prevent). A failed rank is not held (the server ends the others, as torchrun does)."""
     try:
         os.write(done, b".")
         select.select([go], [], [], 300)  # (EOF once every rank is done; the server's end)
