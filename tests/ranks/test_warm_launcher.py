@@ -8,6 +8,7 @@ with it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -115,3 +116,29 @@ def test_a_warm_commands_ranks_end_with_it():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_warm_rank_that_stays_in_its_script_runs_again_on_the_real_launcher(
+        tmp_path, tmp_path_factory, monkeypatch):
+    """Rank 1 stays in its script after the group's end, the first time only (as a rank hung
+    in a DDP model's teardown does): the server ends the warm launch once rank 0's script has
+    ended STRAGGLER_S before, says so in a warning, and the launch runs again on the real
+    launcher on its folder as it was before the warm one (each rank's file holds one line: the
+    real run's, not the warm run's too)."""
+    import support.warm as warm
+
+    monkeypatch.setattr(warm, "STRAGGLER_S", 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    # (the marker outside the launch's folder, and named relative to the checkout, so that
+    # the snapshot of its folders neither sees nor restores it: the real run finds it)
+    marker = tmp_path_factory.mktemp("marker") / "hung-once"
+    script = str(SCRIPTS / "straggler_loop.py")
+    started = time.monotonic()
+    with pytest.warns(UserWarning, match="warm launch hung in a rank's end; run again"):
+        proc = torchrun([script, str(out), os.path.relpath(marker, ROOT)], timeout=120)
+    assert proc.returncode == 0
+    assert "torchrun (warm)" not in proc.args  # (the real torchrun's)
+    assert marker.exists()
+    assert [(out / f"rank{r}.txt").read_text() for r in (0, 1)] == ["ran\n", "ran\n"]
+    assert time.monotonic() - started < 90  # (ended by the rule, not by the 120 s timeout)

@@ -294,7 +294,7 @@ def fork_ranks(argv: list, nproc: int, base: dict, launcher: dict, port: int, cw
 
 
 def wait_ranks(pids: dict, hold: list, timeout: float,
-               client: socket.socket | None = None) -> tuple:
+               client: socket.socket | None = None, straggler_s: float = 0) -> tuple:
     """Wait for every rank: ({rank: exit code}, whether the launch timed out ("straggler":
     a rank still in its script STRAGGLER_S after another's ended), the hung ranks' native
     stacks). The ranks held
@@ -304,7 +304,7 @@ def wait_ranks(pids: dict, hold: list, timeout: float,
     killed; a `client` whose end closes (its command ended the launch) has every rank killed,
     as a launcher's death does."""
     try:
-        return wait_held(pids, hold, timeout, client)
+        return wait_held(pids, hold, timeout, client, straggler_s or STRAGGLER_S)
     finally:
         for fd in hold:
             if fd >= 0:
@@ -316,7 +316,8 @@ def wait_ranks(pids: dict, hold: list, timeout: float,
 STRAGGLER_S = 30
 
 
-def wait_held(pids: dict, hold: list, timeout: float, client: socket.socket | None) -> tuple:
+def wait_held(pids: dict, hold: list, timeout: float, client: socket.socket | None,
+              straggler_s: float) -> tuple:
     nproc = len(pids)
     done = 0
     deadline = time.monotonic() + timeout
@@ -339,13 +340,13 @@ def wait_held(pids: dict, hold: list, timeout: float, client: socket.socket | No
                     hold[1] = -1
                 elif done and first_done is None:
                     first_done = now
-            if first_done is not None and hold[1] >= 0 and now > first_done + STRAGGLER_S:
+            if first_done is not None and hold[1] >= 0 and now > first_done + straggler_s:
                 # a rank still in its script long after another's ended well: the teardown
                 # hang of a DDP model in a forked rank (hold_until_all_ended); the launch is
                 # "timed out" as "straggler" (support/warm.py runs it again on the real launcher)
-                deadline = now
+                deadline = min(deadline, now)
                 timed_out = "straggler"
-            if now > deadline:
+            if now >= deadline:
                 timed_out = timed_out or True
                 hung = {p: r for p, r in pids.items() if pids[p] not in codes}
                 for p in hung:
@@ -421,7 +422,8 @@ def launch(request: dict, launchers: dict) -> dict:
     store = serve_store(request["port"], nproc, request["timeout"])
     pids, hold = fork_ranks(argv, nproc, request["env"], launchers[key], request["port"],
                             request["cwd"], outs)
-    codes, timed_out, stacks = wait_ranks(pids, hold, request["timeout"])
+    codes, timed_out, stacks = wait_ranks(pids, hold, request["timeout"],
+                                          straggler_s=request.get("straggler_s", 0))
     end_store(store)
     stdout = stderr = ""
     for r, (out, err) in enumerate(outs):
