@@ -37,16 +37,14 @@ def launch_env() -> dict:
 
 def use_warm(warm: bool | None, default: bool, env: dict | None = None) -> bool:
     """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test
-    asks (`warm=`), else the helper's default; SHARDDEMO_TEST_LAUNCHER=warm or =accelerate
-    decides for every launch of the run. The default is warm for the `sharddemo` commands
-    and torchrun's plain loops; accelerate_launch() and lightning_fit() (a DDP model in most
-    of their scripts) are real unless a test asks: a forked rank hangs now and then in a DDP
-    model's teardown, and running such a launch again is not safe where its first run left
-    its outputs (CONTRIBUTING.md). The tests of the launcher itself, of faults and of signals
-    ask for the real one (`warm=False`). A
-    launch whose `env` puts something on PYTHONPATH (a test's plugin, run as each process
-    starts: support/collideplugin, faultplugin, hideplugin) is always real: a forked rank has
-    started already."""
+    asks (`warm=`), else the helper's default (warm for every helper but run_cmd);
+    SHARDDEMO_TEST_LAUNCHER=warm or =accelerate decides for every launch of the run. The tests
+    of the launcher itself, of faults and of signals ask for the real one (`warm=False`). A
+    forked rank hangs now and then in a DDP model's teardown: the server then ends the launch,
+    and the helper runs it again on the real launcher, on its folders as they were before it
+    (support/warm.py's Snapshot; CONTRIBUTING.md). A launch whose `env` puts something on
+    PYTHONPATH (a test's plugin, run as each process starts: support/collideplugin,
+    faultplugin, hideplugin) is always real: a forked rank has started already."""
     if env is not None and env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
         return False
     chosen = os.environ.get("SHARDDEMO_TEST_LAUNCHER")
@@ -60,15 +58,16 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
                       warm: bool | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file cpu2.yaml --num_processes N --main_process_port FREE ARGS`.
 
-    `warm=True`: the ranks are forked by the warm launcher (support/warm.py: the same
+    By default (use_warm) the ranks are forked by the warm launcher (support/warm.py: the same
     processes, process group and environment, without importing torch and accelerate three
-    times a launch); by default (use_warm), or with SHARDDEMO_TEST_LAUNCHER=accelerate, the
-    real `accelerate launch`."""
-    if use_warm(warm, default=False) and config == CPU_CONFIG and args \
+    times a launch, nor the script's frameworks: heavy_imports); `warm=False`, or
+    SHARDDEMO_TEST_LAUNCHER=accelerate: the real `accelerate launch`."""
+    if use_warm(warm, default=True) and config == CPU_CONFIG and args \
             and args[0].endswith(".py"):
         from support.warm import warm_launch
 
-        proc = warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check)
+        proc = warm_launch(args, nproc=nproc, config=config, timeout=timeout, check=check,
+                           preload=heavy_imports(args[0]))
         if proc is not None:
             return proc
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
@@ -98,12 +97,34 @@ def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIME
                   warm: bool | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` for a script whose Lightning Trainer (devices=`devices`, DDP) starts
     its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
-    takes them as launched (its TorchElasticEnvironment) and starts none; `warm=False`:
-    Lightning's own launcher."""
-    if use_warm(warm, default=False):
+    takes them as launched (its TorchElasticEnvironment) and starts none, Lightning imported
+    once (heavy_imports); `warm=False`: Lightning's own launcher."""
+    if use_warm(warm, default=True):
         return torchrun(args, nproc=devices, timeout=timeout, check=False,
-                        preload=("pytorch_lightning",))
+                        preload=heavy_imports(str(args[0])))
     return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
+
+
+# The frameworks a launched script may import whose import costs seconds a process (6 s of CPU
+# for Lightning's or the Trainer's, against 2 for torch and accelerate): the warm launcher
+# imports them once, before it forks (every later launch of that pytest worker has them)
+HEAVY = ("pytorch_lightning", "lightning", "transformers")
+
+
+def heavy_imports(script: str) -> tuple:
+    """The modules of HEAVY that `script` (a path from the checkout) imports, anywhere in it
+    (a `try:`'s optional ones too)."""
+    import ast
+
+    path = ROOT / script
+    if not path.is_file():
+        return ()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        found += [n.split(".")[0] for n in names if n.split(".")[0] in HEAVY]
+    return tuple(dict.fromkeys(found))
 
 
 def run_cmd(cmd: list[str], timeout: float = OUTER_TIMEOUT, check: bool = True,
