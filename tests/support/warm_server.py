@@ -312,8 +312,10 @@ def wait_ranks(pids: dict, hold: list, timeout: float,
 
 
 # How long the other ranks may go on once one rank's script has ended well: the ranks of a
-# launch end together (their last collectives bind them), a few seconds apart at most
-STRAGGLER_S = 30
+# launch end together (their last collectives bind them), a few seconds apart at most; a
+# launch ended by it runs again on the real launcher (support/warm.py), so one taken for a
+# straggler wrongly costs time, not a result
+STRAGGLER_S = 15
 
 
 def wait_held(pids: dict, hold: list, timeout: float, client: socket.socket | None,
