@@ -7,6 +7,7 @@ a process); the scripts they launch are in tests/scripts/."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -35,22 +36,22 @@ def launch_env() -> dict:
     return env
 
 
-def use_warm(warm: bool | None, default: bool, env: dict | None = None) -> bool:
-    """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test
-    asks (`warm=`), else the helper's default (warm for every helper but run_cmd);
-    SHARDDEMO_TEST_LAUNCHER=warm or =accelerate decides for every launch of the run. The tests
-    of the launcher itself, of faults and of signals ask for the real one (`warm=False`). A
-    forked rank hangs now and then in a DDP model's teardown: the server then ends the launch,
-    and the helper runs it again on the real launcher, on its folders as they were before it
-    (support/warm.py's Snapshot; CONTRIBUTING.md). A launch whose `env` puts something on
-    PYTHONPATH (a test's plugin, run as each process starts: support/collideplugin,
-    faultplugin, hideplugin) is always real: a forked rank has started already."""
+def use_warm(warm: bool | None, env: dict | None = None) -> bool:
+    """Whether a launch forks its ranks from the warm launcher (support/warm.py): as the test asks
+    (`warm=`), else warm (every helper but run_cmd); SHARDDEMO_TEST_LAUNCHER=warm or
+    =accelerate decides for every launch of the run. The tests of the launcher itself, of
+    faults and of signals ask for the real one (`warm=False`). A forked rank hangs now and then
+    in a DDP model's teardown: the server then ends the launch, and the helper runs it again on
+    the real launcher, on its folders as they were before it (support/warm.py's Snapshot;
+    CONTRIBUTING.md). A launch whose `env` puts something on PYTHONPATH (a test's plugin, run
+    as each process starts: support/collideplugin, faultplugin, hideplugin) is always real: a
+    forked rank has started already."""
     if env is not None and env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
         return False
     chosen = os.environ.get("SHARDDEMO_TEST_LAUNCHER")
     if chosen in ("warm", "accelerate"):
         return chosen == "warm"
-    return default if warm is None else warm
+    return warm is not False
 
 
 def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT,
@@ -62,7 +63,7 @@ def accelerate_launch(args: list[str], nproc: int = 2, timeout: float = OUTER_TI
     processes, process group and environment, without importing torch and accelerate three
     times a launch, nor the script's frameworks: heavy_imports); `warm=False`, or
     SHARDDEMO_TEST_LAUNCHER=accelerate: the real `accelerate launch`."""
-    if use_warm(warm, default=True) and config == CPU_CONFIG and args \
+    if use_warm(warm) and config == CPU_CONFIG and args \
             and args[0].endswith(".py"):
         from support.warm import warm_launch
 
@@ -81,7 +82,7 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = OUTER_TIMEOUT, ch
     """`torchrun --nproc_per_node N --master_port FREE SCRIPT ARGS` (`python -m
     torch.distributed.run`), its ranks forked by the warm launcher as accelerate_launch's are
     (`preload`: modules it imports once first, e.g. Lightning; `warm=False`: the real torchrun)."""
-    if use_warm(warm, default=True, env=env):
+    if use_warm(warm, env=env):
         from support.warm import warm_launch
 
         proc = warm_launch([str(a) for a in args], nproc=nproc, config=None, timeout=timeout,
@@ -99,7 +100,7 @@ def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIME
     its ranks itself. Warm: the ranks are forked with torchrun's variables instead, so Lightning
     takes them as launched (its TorchElasticEnvironment) and starts none, Lightning imported
     once (heavy_imports); `warm=False`: Lightning's own launcher."""
-    if use_warm(warm, default=True):
+    if use_warm(warm):
         return torchrun(args, nproc=devices, timeout=timeout, check=False,
                         preload=heavy_imports(str(args[0])))
     return run_cmd([sys.executable, *map(str, args)], timeout=timeout, check=False)
@@ -111,6 +112,7 @@ def lightning_fit(args: list[str], devices: int = 2, timeout: float = OUTER_TIME
 HEAVY = ("pytorch_lightning", "lightning", "transformers")
 
 
+@functools.lru_cache(maxsize=None)
 def heavy_imports(script: str) -> tuple:
     """The modules of HEAVY that `script` (a path from the checkout) imports, anywhere in it
     (a `try:`'s optional ones too)."""
@@ -147,7 +149,7 @@ def sharddemo(args: list[str], timeout: float = OUTER_TIMEOUT, check: bool = Tru
     """`python -m sharddemo ARGS`. Its launch of the ranks forks them from the warm launcher
     (support/warm_cli.py: the command itself is the real one) unless `warm=False` (the tests
     of the launcher itself: its messages, faults, signals) or SHARDDEMO_TEST_LAUNCHER=accelerate."""
-    if use_warm(warm, default=True, env=env):
+    if use_warm(warm, env=env):
         from support.warm import warm_command
 
         return run_cmd(warm_command(args), timeout=timeout, check=check, env=env)
