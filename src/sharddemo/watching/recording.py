@@ -165,7 +165,54 @@ class Recording:
 
     def add(self, batch, tap: Optional[Tap]) -> None:
         """One batch the loop received: its ids (by id_field, or the indices the sampler's
-        tap noted for it) into the recorder, the window and the lineage."""
+        tap noted for it) into the recorder, the window and the lineage.
+
+        The common batch (its sampler's list of indices noted, no lineage, off a mesh, and
+        with tokens= or sources= its fields tensors read at once: TokenMeter.direct) is taken
+        here in one function, with no call into another but at a window's step and every
+        NOTED_BATCHES batches: on the caches a training step has emptied, each Python call a
+        batch costs about a microsecond, and the calls add() made for it (open_steps, the
+        recorder's steps, the windows' at_batch, the meter's add) were a quarter of the
+        watch's time a step (docs/benchmarks.md, "Figures behind design choices"). What it
+        does is add_any()'s for such a batch, in the same order."""
+        recorder, noted = self.recorder, self.noted
+        if (recorder is not None and tap is not None and self.lineage is None
+                and self.peer_log is None and self.field_error is None):
+            fifo = tap.fifo
+            if fifo and type(fifo[0]) is list:
+                meter = self.meter  # (off a mesh every rank speaks: meter.add's direct path)
+                values = None
+                if meter is not None:
+                    if type(batch) is not meter.direct:
+                        return self.add_any(batch, tap)
+                    try:
+                        values = meter.get(batch)
+                    except (KeyError, IndexError, TypeError):
+                        return self.add_any(batch, tap)
+                    for value in values:
+                        if type(value) is not torch.Tensor:
+                            return self.add_any(batch, tap)
+                # (open_steps, from the recorder's log's own count; at_batch acts only at
+                # these steps)
+                steps = recorder.log.steps + len(noted)
+                windows = self.windows
+                started = windows.pending
+                if steps == windows.due or started is not None and steps >= started["due"]:
+                    windows.at_batch(steps)
+                    noted = self.noted  # (a window's row took those kept: a new list)
+                if values is not None:
+                    kept = meter.pending  # (read after at_batch: a window's settle empties it)
+                    kept.append(values)
+                    if len(kept) >= meter.settle_at:
+                        meter.settle()
+                noted.append(fifo.popleft().copy())
+                if len(noted) >= NOTED_BATCHES:
+                    self.note_batches()
+                return
+        self.add_any(batch, tap)
+
+    def add_any(self, batch, tap: Optional[Tap]) -> None:
+        """add() for any batch."""
         if self.recorder is None:
             self.recorder = self.new_recorder()
         windows = self.windows
@@ -250,9 +297,12 @@ class Recording:
         if not self.noted:
             return
         noted, self.noted = self.noted, []
-        size = len(noted[0])
-        if all(len(index) == size for index in noted):
-            blocks = [torch.from_numpy(np.array(noted, dtype=np.int64).reshape(len(noted), size))]
+        try:  # (lists of several lengths: numpy refuses them, no check a batch first)
+            joined = np.array(noted, dtype=np.int64)
+        except ValueError:
+            joined = None
+        if joined is not None:
+            blocks = [torch.from_numpy(joined.reshape(len(noted), len(noted[0])))]
         else:
             blocks = [torch.from_numpy(np.asarray(index, dtype=np.int64)).reshape(1, -1)
                       for index in noted]

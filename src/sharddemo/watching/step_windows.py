@@ -109,7 +109,8 @@ class StepWindows:
     def at_batch(self, steps: int) -> None:
         """A batch arrives after `steps` steps of the open epoch on this rank: the window whose
         exchange was started WINDOW_LAG batches ago is judged, and a window that has just
-        ended is started."""
+        ended is started. (It acts only where `steps` is `due`, or a started exchange's due
+        step is reached: Recording.add calls it at those steps alone.)"""
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish()  # the window started WINDOW_LAG batches ago
         if (steps and steps == self.due and self.checked_at != steps

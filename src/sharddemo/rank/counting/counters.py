@@ -75,6 +75,7 @@ class Counts:
         self.sizes: list[list[int]] = []  # run-length: [size, times]
         self.made: dict[int, list[int]] = {}  # worker -> [batches, samples]
         self.head: list[tuple[torch.Tensor, int]] = []  # (ids, the worker that made the batch)
+        # (ids, None, shift, worker), or (a block, its row, shift, worker): add_rows
         self.tail: collections.deque = collections.deque(maxlen=keep)
         self.pending: list[torch.Tensor] = []  # values, all with the shift `shift_now`
         self.pending_ids = self.shift_now = 0
@@ -121,7 +122,7 @@ class Counts:
         if self.steps < self.keep:
             self.head.append((unshift(ids, shift), worker))
         else:
-            self.tail.append((ids, shift, worker))
+            self.tail.append((ids, None, shift, worker))
         self.pending.append(ids)
         self.pending_ids += size
         if self.pending_ids >= FLUSH_IDS:
@@ -160,10 +161,13 @@ class Counts:
             return
         self._runs(size, count, worker)
         head = max(0, min(self.keep - self.steps, count))
-        for row in block[:head]:
-            self.head.append((unshift(row, shift), worker))
-        for row in block[max(head, count - self.keep):]:
-            self.tail.append((row, shift, worker))
+        if head:
+            for row in block[:head]:
+                self.head.append((unshift(row, shift), worker))
+        # (the last rows by their block and index, read at _close: no tensor made a row
+        # here, each a call into torch on the per-batch path)
+        for i in range(max(head, count - self.keep), count):
+            self.tail.append((block, i, shift, worker))
         self.pending.append(block.reshape(-1))
         self.pending_ids += count * size
         if self.pending_ids >= FLUSH_IDS:
@@ -186,7 +190,8 @@ class Counts:
         self.state.add(self.pending, self.shift_now)
         self.pending = []
         head = [(t.tolist(), worker) for t, worker in self.head]
-        tail = [(unshift(t, shift).tolist(), worker) for t, shift, worker in self.tail]
+        tail = [(unshift(t if i is None else t[i], shift).tolist(), worker)
+                for t, i, shift, worker in self.tail]
         return head, tail
 
     def shrink(self, n: int) -> None:
