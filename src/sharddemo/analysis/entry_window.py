@@ -73,7 +73,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
     pooled = np.sort(np.concatenate([np.empty(0, np.int64), *sets]))
     twice = pooled[1:] == pooled[:-1]  # (each rank's ids are distinct: a pair is two ranks)
     shared = _distinct(pooled[1:][twice]).tolist()
-    every = _distinct(pooled)
+    every = _distinct_sorted(pooled)  # (the running ranks' ids, distinct)
     # a sampler that draws with replacement deals some samples to two ranks by design: only
     # the whole window alike on every rank (replication) is a fault then
     by_design = draws_repeat(cast(LoaderDescription, loader or {}), n or 0)
@@ -115,9 +115,7 @@ def judge_window(*, epoch: int, name: str, first: int, last: int, at: int,
             f"every {someone} received the same ids at steps {first}-{last} as in epoch "
             f"{epoch - 1}: the loader is meant to shuffle but deals the previous epoch's order "
             "again (set_epoch is never called?)"))
-    outside = _distinct(np.concatenate([np.empty(0, np.int64), *[
-        np.asarray(ids[r], dtype=np.int64) for r in running]]))
-    outside = outside[(outside < 0) | (outside >= n)] if n is not None else outside[outside < 0]
+    outside = every[(every < 0) | (every >= n)] if n is not None else every[every < 0]
     if outside.size:
         add("ids-in-range", False, out_of_range_detail(outside.tolist(), n, id_field))
     if mesh is not None:
@@ -164,7 +162,11 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     """Return the sorted distinct values.
 
     Found by a sort: np.unique costs more (docs/benchmarks.md, "Figures behind design choices")."""
-    values = np.sort(values)
+    return _distinct_sorted(np.sort(values))
+
+
+def _distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """Return the distinct values of sorted `values`."""
     if values.size:
         values = values[np.concatenate(([True], values[1:] != values[:-1]))]
     return values

@@ -272,10 +272,12 @@ class Recording:
             self.lineage.append(self.epoch, ids, field)
         self.book(ids, rows=False)
 
-    def book(self, ids: torch.Tensor, rows: bool) -> None:
+    def book(self, ids: torch.Tensor, rows: bool, host: Optional[np.ndarray] = None) -> None:
         """One batch's ids (or, `rows`, a 2-D block of batches of one size) into the recorder
-        and the window. On a mesh every rank hashes them for the peer check, and only its
-        group's first rank counts them: the others book steps with no ids."""
+        and the window (`host`: the same ids as a numpy array, where they were made on the
+        host: the window keeps it, and reads it with no call into torch). On a mesh every
+        rank hashes them for the peer check, and only its group's first rank counts them: the
+        others book steps with no ids."""
         if self.peer_log is not None:
             self.peer_log.add(ids)
             if not self.speaks:
@@ -287,7 +289,7 @@ class Recording:
         else:
             self.recorder.add_ids(ids)
         if self.windows.check_every:
-            self.windows.ids.append(ids)
+            self.windows.ids.append(ids if host is None else host)
 
     def note_batches(self) -> None:
         """The batches whose indices add() kept as lists, into the recorder (and the window):
@@ -302,14 +304,15 @@ class Recording:
         except ValueError:
             joined = None
         if joined is not None:
-            blocks = [torch.from_numpy(joined.reshape(len(noted), len(noted[0])))]
+            arrays = [joined.reshape(len(noted), len(noted[0]))]
         else:
-            blocks = [torch.from_numpy(np.asarray(index, dtype=np.int64)).reshape(1, -1)
-                      for index in noted]
-        for block in blocks:
-            if self.mapping is not None:
-                block = self.mapping[block]
-            self.book(block, rows=True)
+            arrays = [np.asarray(index, dtype=np.int64).reshape(1, -1) for index in noted]
+        for array in arrays:
+            block = torch.from_numpy(array)
+            if self.mapping is not None:  # (a Subset's positions: the root's ids, as tensors)
+                self.book(self.mapping[block], rows=True)
+            else:
+                self.book(block, rows=True, host=array)
 
 
 def stream_shuffles(dataset) -> bool:

@@ -88,7 +88,9 @@ class StepWindows:
 
     def reset(self) -> None:
         """The epoch's window state, empty (at the start of each epoch)."""
-        self.ids: list = []  # the ids of this window's batches on this rank
+        # the ids of this window's batches on this rank (tensors, or numpy arrays where the
+        # ids were made on the host: Recording.note_batches's blocks)
+        self.ids: list = []
         self.first = 1  # the window's first step
         self.checked_at = 0  # the step count the last window was checked at
         self.found_earlier = 0  # sent at the next window (see WINDOW_HEAD)
@@ -161,10 +163,9 @@ class StepWindows:
         mine = np.empty(0, dtype=np.int64)
         # the ids the window held, sent or not (a rank at its end sends none: its last batch
         # holds padding and fill)
-        held = sum(t.numel() for t in self.ids)
+        held = sum(t.size if isinstance(t, np.ndarray) else t.numel() for t in self.ids)
         if not done and self.ids:
-            mine = torch.cat([t.reshape(-1) for t in self.ids]).to(
-                "cpu", torch.int64).numpy()
+            mine = host_ids(self.ids)
         repeats, examples, order = 0, [], -1
         if watch.field_error is not None:  # its message in place of ids
             sent = np.frombuffer(watch.field_error.encode()[:WINDOW_IDS], dtype=np.uint8).astype(
@@ -311,8 +312,7 @@ class StepWindows:
             collective(pending["work"].wait)
         recent = None
         if self.ids:  # the batches after the window, received while it was exchanged
-            recent = torch.cat([t.reshape(-1) for t in self.ids]).to(
-                "cpu", torch.int64).numpy()
+            recent = host_ids(self.ids)
         heads, ids = self.read_rows(pending["rows"], 0, pending["mine"], recent)
         self.keep_within(heads, pending["first"], pending["last"])
         self.judge(heads, ids, pending["first"], pending["last"])
@@ -382,3 +382,12 @@ class StepWindows:
             heads = self.meet(done)
             if all(h["done"] for h in heads):
                 return heads
+
+
+def host_ids(parts: list) -> np.ndarray:
+    """A window's ids (tensors, on any device, or numpy arrays) as one new int64 array on the
+    host (never a view of a batch: the epoch's prefix keeps a part of it): the numpy arrays
+    read with no call into torch."""
+    return np.concatenate([part.reshape(-1) if isinstance(part, np.ndarray)
+                           else part.reshape(-1).to("cpu", torch.int64).numpy()
+                           for part in parts]).astype(np.int64, copy=False)
