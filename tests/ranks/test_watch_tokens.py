@@ -95,6 +95,25 @@ def test_the_realized_mixture_is_what_the_loop_received_and_datasets_dealt(launc
     assert weighted["sources"]["0"]["samples"] == logged.count(0)
 
 
+def test_named_sources_are_counted_as_the_loops_received_them(launched):
+    """The mixture with its sources named (strings, not indices: the epoch's end exchanges
+    them as objects, not in the window's row): each name's samples are those the loops
+    logged, and datasets dealt each row once over the 4 ranks."""
+    sys.path.insert(0, str(LOOP.parent))
+    from tokens_loop import mixture
+
+    dealt = list(mixture(names=("web", "code"))["source"])
+    logs, entries, _ = launched
+    got = epochs(entries, "named")
+    assert [e["epoch"] for e in got] == [0, 1]
+    for e in got:
+        logged = [s for r in rows(logs, "named", e["epoch"]) for s in r["sources"]]
+        assert sorted(logged) == sorted(dealt)
+        assert {name: e["sources"][name]["samples"] for name in e["sources"]} == {
+            "web": logged.count("web"), "code": logged.count("code")}
+        assert next(v for v in e["verdicts"] if v["verdict"] == "mixture-matches-weights")["ok"]
+
+
 def test_the_lineage_gives_each_ranks_tokens_at_a_step(launched):
     """sharddemo lineage DIR --step K, with tokens=: each rank's tokens at that step (the tp=1
     peers' too) are those its loop's mask held (6 steps an epoch: steps 0 and 8)."""

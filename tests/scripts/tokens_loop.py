@@ -14,6 +14,8 @@ Cases, one watch each:
 - mix: datasets.interleave_datasets of two sources with probabilities (0.7, 0.3), a
   DistributedSampler over every rank, watched with sources="source", weights=[0.7, 0.3];
 - mixwrong: the same loader, watched with the weights the other way round (0.3, 0.7);
+- named: the same mixture with its sources named ("web", "code": strings in the batch),
+  watched with weights {"web": 0.7, "code": 0.3};
 - weighted: a WeightedRandomSampler drawing source 0 with weight 0.7 over the whole dataset,
   each rank with its own generator, watched with weights {"0": 0.7, "1": 0.3};
 - sftresume: the sft rows in torchdata's StatefulDataLoader (a DistributedSampler over dp),
@@ -60,12 +62,14 @@ class Rows(Dataset):
         return {"id": i, "input_ids": mask * 5, "attention_mask": mask, "labels": labels}
 
 
-def mixture():
-    """datasets' interleave_datasets of two sources, each row with its id and source."""
+def mixture(names=None):
+    """datasets' interleave_datasets of two sources, each row with its id and source (its
+    index, or its name from `names`)."""
     from datasets import Dataset as HFDataset
     from datasets import interleave_datasets
 
-    parts = [HFDataset.from_dict({"row": list(range(size)), "source": [k] * size})
+    parts = [HFDataset.from_dict({"row": list(range(size)),
+                                  "source": [names[k] if names else k] * size})
              for k, size in enumerate(SIZES)]
     mixed = interleave_datasets(parts, probabilities=list(PROBABILITIES), seed=0)
     mixed = mixed.add_column("id", list(range(len(mixed))))
@@ -89,8 +93,9 @@ def main() -> None:
                 if "attention_mask" in batch:
                     row["tokens"] = batch["attention_mask"].sum(1).tolist()
                     row["supervised"] = (batch["labels"] != -100).sum(1).tolist()
-                if "source" in batch:
-                    row["sources"] = batch["source"].tolist()
+                if "source" in batch:  # (indices: a tensor; names: a list)
+                    row["sources"] = list(batch["source"])
+                    row["sources"] = [s if isinstance(s, str) else int(s) for s in row["sources"]]
                 log.append(row)
         loader.close()
 
@@ -111,6 +116,11 @@ def main() -> None:
         walk(name, watch(DataLoader(mixed, batch_size=BATCH, sampler=sampler), name=name,
                          report=report, id_field="id", sources="source", weights=weights),
              sampler)
+    named = mixture(names=("web", "code"))
+    sampler = DistributedSampler(named, shuffle=True, seed=0)
+    walk("named", watch(DataLoader(named, batch_size=BATCH, sampler=sampler), name="named",
+                        report=report, id_field="id", sources="source",
+                        weights={"web": 0.7, "code": 0.3}), sampler)
     sources = [int(s) for s in mixed["source"]]
     share = {k: PROBABILITIES[k] / sources.count(k) for k in (0, 1)}
     sampler = WeightedRandomSampler([share[s] for s in sources], num_samples=len(sources) // 4,

@@ -227,3 +227,31 @@ def test_repeat_and_order_verdicts_follow_the_running_ranks(ranks, replacement):
     assert ("order-changes-each-epoch" in verdicts) == compared
     if compared:
         assert verdicts["order-changes-each-epoch"] == (not all(o == 1 for _, o in running))
+
+
+# -- a rank's token part in the drain's row (step_windows.part_ints) ---------------------------
+
+counts = st.integers(min_value=0, max_value=2**53)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=counts, slots=st.none() | counts, supervised=st.none() | counts,
+       sources=st.none() | st.dictionaries(st.integers(0, 10**6).map(str),
+                                           st.tuples(counts, counts).map(list), max_size=40))
+def test_a_token_part_comes_back_from_the_row_as_it_went(tokens, slots, supervised, sources):
+    """The epoch's part a rank sends in its last window row: the same dict on the other side,
+    its sources in their order (the entry lists them so)."""
+    from sharddemo.watching.step_windows import part_from_ints, part_ints
+
+    part = {"tokens": tokens, "slots": slots, "supervised": supervised, "sources": sources}
+    back = part_from_ints(part_ints(part))
+    assert back == part and list(back["sources"] or []) == list(sources or [])
+
+
+def test_named_sources_go_by_the_epochs_own_exchange():
+    """A name that is no index (or an index written otherwise, '07') has no ints: None."""
+    from sharddemo.watching.step_windows import part_ints
+
+    for name in ("web", "07", "-1", "1.0"):
+        assert part_ints({"tokens": 3, "slots": None, "supervised": None,
+                          "sources": {"0": [1, 3], name: [2, 0]}}) is None

@@ -156,17 +156,23 @@ class WatchState(Checkpointing, Recording):
         self.meter = TokenMeter(tokens, sources)
         self.weights, self.max_token_skew = weights, max_token_skew
 
-    def token_parts(self, keep: bool = False) -> Optional[list]:
+    def token_parts(self, keep: bool = False,
+                    gathered: Optional[list[dict]] = None) -> Optional[list]:
         """Each data-parallel group's token and source sums for the epoch (one small
         exchange, every rank alike), None where the watch counts none. A resumed epoch's
         include what came before the stop (tokens_before, from the checkpoint), where the
-        groups are as many; `keep`: the sums so far, left counting (a checkpoint's)."""
+        groups are as many; `keep`: the sums so far, left counting (a checkpoint's);
+        `gathered`: every rank's part from the epoch's last window exchange (no exchange)."""
         from sharddemo.watching.tokens import add_parts, exchange_parts
 
         if self.meter is None:
             return None
         speakers = self.mesh.representatives() if self.mesh is not None else None
-        parts = exchange_parts(self.ranks, self.meter.take(keep=keep), speakers)
+        if gathered is not None and not keep:
+            self.meter.reset()  # (its sums went out in that exchange: the epoch is over)
+            parts = [gathered[r] for r in speakers] if speakers is not None else gathered
+        else:
+            parts = exchange_parts(self.ranks, self.meter.take(keep=keep), speakers)
         before = self.tokens_before
         if before is not None and len(before) == len(parts):
             parts = add_parts(before, parts)
@@ -341,8 +347,9 @@ class WatchState(Checkpointing, Recording):
             windows.drain(1)
         elif not windows.on() and self.ranks.num_processes > 1:
             split = self.share_field_error()  # (with windows, their exchanges carry it)
+        gathered = None  # (every rank's token part, from the same exchange)
         if windows.on():  # (their last exchange, every rank done: each rank's whole epoch)
-            split = windows.split
+            split, gathered = windows.split, windows.parts
         self.packs.reset()
         if self.mesh is not None and len(split) == self.ranks.num_processes:
             split = [split[r] for r in self.mesh.representatives()]  # (a group's once)
@@ -353,7 +360,7 @@ class WatchState(Checkpointing, Recording):
             return self.uncounted(sizes)
         everywhere = self.recorder.delivers_everywhere
         peers = self.compare_peers()
-        measured = self.token_parts()
+        measured = self.token_parts(gathered=gathered)
         record = self.recorder.finish(self.epoch, loader, everyone=raising and everywhere,
                                       n=size if sizes else None)
         if self.peer_log is not None:

@@ -62,8 +62,12 @@ WINDOW_IDS = 1024
 # the chain of its steps' hashes so far (watching/mesh.py's PeerLog; 0 off a mesh), and the
 # samples split across two of its packed rows so far this epoch (rank.ids.Packs: the epoch's
 # entry sums the last exchange's), and with tokens= its tokens so far this epoch (-1 without;
-# watching/tokens.py: its sums read once a window); then REPEAT_EXAMPLES of its repeated ids.
-WINDOW_HEAD = 12
+# watching/tokens.py: its sums read once a window), and from a rank that is done, with
+# tokens=, how many ints of its epoch's token part (TokenMeter.take, as part_ints writes it)
+# follow its ids (-1: none, or one that does not fit): the epoch's end reads every rank's part
+# from its last exchange, where every rank is done, instead of an exchange of its own; then
+# REPEAT_EXAMPLES of its repeated ids.
+WINDOW_HEAD = 13
 REPEAT_EXAMPLES = 4
 
 # Ids each rank keeps of an epoch's start (its first windows' ids, 32 KB of int64), for the next
@@ -83,7 +87,10 @@ class StepWindows:
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.split: list[int] = []  # each rank's samples split across rows, at the last exchange
+        # every rank's token part (TokenMeter.take) from the last exchange, where every rank
+        # sent one (every rank done: the drain's last); else None
         self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
+        self.parts: Optional[list[dict]] = None
         self.reset()
 
     def reset(self) -> None:
@@ -112,7 +119,7 @@ class StepWindows:
         """A batch arrives after `steps` steps of the open epoch on this rank: the window whose
         exchange was started WINDOW_LAG batches ago is judged, and a window that has just
         ended is started. (It acts only where `steps` is `due`, or a started exchange's due
-        step is reached: Recording.add calls it at those steps alone.)"""
+        step is reached: the common batch's path, Recording.add, calls it at those steps alone.)"""
         if self.pending is not None and steps >= self.pending["due"]:
             self.finish()  # the window started WINDOW_LAG batches ago
         if (steps and steps == self.due and self.checked_at != steps
@@ -130,6 +137,7 @@ class StepWindows:
         state starts empty."""
         self.previous_prefix = (np.concatenate(self.prefix) if self.prefix and not resumed
                                 else None)
+        self.parts = None
         self.reset()
 
     def schedule_next(self, steps: int) -> None:
@@ -178,13 +186,21 @@ class StepWindows:
                 self.offset += mine.size
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
+        part = None  # (a rank that is done: its epoch's token part, after its ids)
+        if done and watch.meter is not None and watch.field_error is None:
+            part = part_ints(watch.meter.take(keep=True))
+            if part is not None and sent.size + len(part) > WINDOW_IDS:
+                part = None
         row[:WINDOW_HEAD] = (done, steps, -1 if watch.n is None else watch.n, sent.size,
                              self.found_earlier, repeats, order,
                              int(watch.field_error is not None), held,
                              watch.peer_log.chain() if watch.peer_log is not None else 0,
-                             watch.packs.split, self.tokens_so_far())
+                             watch.packs.split, self.tokens_so_far(),
+                             -1 if part is None else len(part))
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
+        if part is not None:
+            row[start + sent.size:start + sent.size + len(part)] = part
         return torch.from_numpy(row).to(watch.ranks.device), mine
 
     def tokens_so_far(self) -> int:
@@ -223,10 +239,13 @@ class StepWindows:
         rows = rows.to("cpu").view(world, start + WINDOW_IDS).numpy()
         heads = [{"done": r[0], "steps": r[1], "n": r[2], "count": r[3], "earlier": r[4],
                   "repeats": r[5], "order": r[6], "error": r[7], "kept": r[8], "chain": r[9],
-                  "split": r[10], "tokens": r[11],
+                  "split": r[10], "tokens": r[11], "parts": r[12],
                   "examples": r[WINDOW_HEAD:WINDOW_HEAD + min(r[5], REPEAT_EXAMPLES)]}
                  for r in rows[:, :start].tolist()]
         ids = [rows[r, start:start + h["count"]] for r, h in enumerate(heads)]
+        self.parts = ([part_from_ints(rows[r, start + h["count"]:start + h["count"]
+                                          + h["parts"]].tolist()) for r, h in enumerate(heads)]
+                      if all(h["parts"] >= 0 for h in heads) else None)
         self.split = [h["split"] for h in heads]  # (each rank's, as of this exchange)
         self.watch.sizes = [h["n"] for h in heads]  # (each rank's dataset length)
         self.found_earlier = 0
@@ -391,3 +410,29 @@ def host_ids(parts: list) -> np.ndarray:
     return np.concatenate([part.reshape(-1) if isinstance(part, np.ndarray)
                            else part.reshape(-1).to("cpu", torch.int64).numpy()
                            for part in parts]).astype(np.int64, copy=False)
+
+
+def part_ints(part: dict) -> Optional[list[int]]:
+    """A rank's token part (TokenMeter.take: tokens, slots, supervised, sources) as ints for a
+    window's row: tokens, slots (-1: none), supervised (-1: none), the sources' count (-1:
+    none), then each source's index, samples and tokens, in the part's order. None where a
+    source's name is no index (names go by the epoch's own exchange of objects)."""
+    sources = part["sources"]
+    out = [part["tokens"], -1 if part["slots"] is None else part["slots"],
+           -1 if part["supervised"] is None else part["supervised"],
+           -1 if sources is None else len(sources)]
+    for name, (samples, tokens) in (sources or {}).items():
+        if not (name.isdigit() and str(int(name)) == name):
+            return None
+        out += [int(name), samples, tokens]
+    return out
+
+
+def part_from_ints(values: list[int]) -> dict:
+    """part_ints' ints, the part again."""
+    count = values[3]
+    return {"tokens": values[0], "slots": None if values[1] < 0 else values[1],
+            "supervised": None if values[2] < 0 else values[2],
+            "sources": None if count < 0 else {
+                str(values[i]): [values[i + 1], values[i + 2]]
+                for i in range(4, 4 + 3 * count, 3)}}
