@@ -1,7 +1,7 @@
 """The watch's tokens and sources on one rank (`watch(..., tokens=, sources=, weights=)`):
 each batch's token fields and source field read and summed where they are (a GPU's tensors
-stay there: no host sync a step), read once at the epoch's end and exchanged in one small
-collective; the judgement is analysis/tokens.py's.
+stay there: no host sync a step), read once at the epoch's end (in the last window's rows,
+else in one small collective); the judgement is analysis/tokens.py's.
 
 A token field is one of: a 0/1 mask, batch x length (`attention_mask`: its ones are the tokens,
 its size the slots, the rest padding); per-sample lengths, one number a sample; or labels,
