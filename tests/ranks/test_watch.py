@@ -212,6 +212,17 @@ def test_the_watch_adds_two_collectives_per_epoch_and_none_per_step(world, how):
         assert watched["total"] == plain["total"] + 2
 
 
+@pytest.mark.parametrize("sources,extra", [("index", 0), ("name", 1)])
+def test_tokens_and_sources_by_index_ride_in_the_epochs_exchange(sources, extra):
+    """tokens= and sources= (N = 40, batch 4, 2 ranks): with sources by index each rank's
+    epoch part rides in the exchange every rank at its end answers, so the epoch's end still
+    adds two collectives; with sources by name the parts are exchanged as objects, one more."""
+    runs = collectives_of("--tokens", sources)
+    for plain, watched in zip(runs["plain"], runs["watched"]):
+        assert watched["steps"] == plain["steps"]
+        assert watched["total"] == plain["total"] + 2 + extra
+
+
 def test_a_window_costs_one_collective_at_the_step_after_it():
     """check_every=2 over 5 steps a rank (N = 40, batch 4, 2 ranks): a window is checked as
     batches 3 and 5 arrive (steps 1-2, 3-4; the last batch is never in a window): one

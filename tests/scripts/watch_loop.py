@@ -5,7 +5,9 @@ account of the run, to check the watch against.
 process only), step by step and at each epoch's end, for the same loop unwatched and then
 watched (a prepared shuffled loader of `--n` ids, N = 40 by default, batches of `--batch`, 4 by
 default; other than N, fetched a batch at a time: Ids); the main process prints one line,
-COLLECTIVES <json>.
+COLLECTIVES <json>. With `--tokens index` (or `name`) each batch is a dict that also carries a
+mask of 8 slots and a source (an index 0/1, or a name "web"/"code"), watched with tokens= and
+sources=.
 
 `torch`: torch.distributed alone (torchrun), no Accelerator: watch(loader) on a
 DistributedSampler's loader.
@@ -123,6 +125,21 @@ class Uneven(Sampler):
         return 4
 
 
+class Tokened(torch.utils.data.Dataset):
+    """Sample i: its id, a mask of 8 slots with i % 8 + 1 ones, and its source (i % 2: the
+    index, or its name)."""
+
+    def __init__(self, n: int, named: bool) -> None:
+        self.n, self.named = n, named
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        mask = (torch.arange(8) <= i % 8).to(torch.int8)
+        return {"id": i, "mask": mask, "source": ("web", "code")[i % 2] if self.named else i % 2}
+
+
 class Ids(torch.utils.data.Dataset):
     """Ids 0..n-1, a batch fetched at once (torch's fetcher calls __getitems__ with the batch's
     indices): batches of thousands cost the loop little. A batch is (ids,), as a TensorDataset
@@ -168,13 +185,20 @@ def collectives(args, accelerator) -> None:
         if args.uneven:
             data = TensorDataset(torch.arange(10000))
             loader = DataLoader(data, batch_sampler=Uneven())
+        elif args.tokens:
+            loader = DataLoader(Tokened(args.n, args.tokens == "name"),
+                                batch_size=args.batch or 4, shuffle=True)
         else:
             data = TensorDataset(torch.arange(N)) if args.n == N else Ids(args.n)
             loader = DataLoader(data, batch_size=args.batch or 4, shuffle=True,
                                 collate_fn=None if args.n == N else Ids.collate)
+        measured = {}
+        if args.tokens:
+            weights = [0.5, 0.5] if args.tokens == "index" else {"web": 0.5, "code": 0.5}
+            measured = dict(tokens="mask", sources="source", weights=weights)
         if watched:
             loader = watch(loader, accelerator, report=None, on_violation=args.on_violation,
-                           check_every=args.check_every)
+                           check_every=args.check_every, **measured)
         loader = accelerator.prepare(loader)
         runs["watched" if watched else "plain"] = walk(loader, 2)
     if accelerator.is_main_process:
@@ -473,6 +497,7 @@ def main() -> None:
     parser.add_argument("--no-set-epoch", action="store_true")
     parser.add_argument("--on-violation", default="warn")
     parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--tokens", choices=["index", "name"])
     parser.add_argument("--report")
     parser.add_argument("--ids")
     parser.add_argument("--save-at", type=int, default=3)
