@@ -87,9 +87,9 @@ class StepWindows:
         self.check_every = check_every or 0
         self.pending: Optional[dict] = None  # a window's exchange started, not yet judged
         self.split: list[int] = []  # each rank's samples split across rows, at the last exchange
+        self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         # every rank's token part (TokenMeter.take) from the last exchange, where every rank
         # sent one (every rank done: the drain's last); else None
-        self.previous_prefix: Optional[np.ndarray] = None  # (ORDER_PREFIX)
         self.parts: Optional[list[dict]] = None
         self.reset()
 
