@@ -154,28 +154,3 @@ def test_a_signal_is_read_from_torchruns_table_too():
     closed = ("W1203 api.py:1028] Sending process 3928 closing signal SIGTERM\n"
               "  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 3928)  (SIGTERM)\n")
     assert killed_by_signal(closed) == {}
-
-
-def test_a_collectives_tensors_outlive_it_by_four_more_collectives():
-    """docs/reliability.md, "A training script's own end": a collective's tensors keep their
-    Python objects until four more collectives have run (so that gloo's worker, dropping its
-    work, never needs the GIL); one over 16 MB is not kept. A call stands in for torch's."""
-    import gc
-    import weakref
-
-    import torch
-
-    from sharddemo.rank.collect import collective
-
-    small, large = torch.zeros(4), torch.zeros((16 << 20) // 4 + 1)  # (16 MB + 4 bytes)
-    kept, dropped = weakref.ref(small), weakref.ref(large)
-    collective(lambda a, parts: None, small, [large])
-    del small, large
-    gc.collect()
-    assert kept() is not None and dropped() is None
-    for _ in range(3):
-        collective(lambda: None)
-    assert kept() is not None  # (three more: still among the last four)
-    collective(lambda: None)
-    gc.collect()
-    assert kept() is None

@@ -24,7 +24,6 @@ headers [[4], [1]] -> width 4 -> rank 1 sends [4, -1, -1, -1] -> gathered
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import time
@@ -47,28 +46,10 @@ def set_timeout(seconds: float) -> None:
     _timeout[0] = float(seconds)
 
 
-# The tensors of the last KEEP_COLLECTIVES collectives, kept alive from Python (collective),
-# each up to KEEP_BYTES (a larger one, a counter of tens of millions of samples, is not kept
-# into the next epoch: memory over a hang that needs the model freed within milliseconds)
-KEEP_COLLECTIVES = 4
-KEEP_BYTES = 16 << 20
-KEPT: collections.deque = collections.deque(maxlen=KEEP_COLLECTIVES)
-
-
 def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call one collective; if it fails, say how from the time it took (CollectiveFailed).
 
-    One that returns is progress for the parent's watchdog (rank.heartbeat). Its tensors are
-    kept alive from here (KEPT) until a few more collectives have run: gloo's worker thread
-    drops its own reference to a collective's work a moment after the work is done, and where
-    Python had already let go of a tensor, that drop must take the GIL; a worker waiting for
-    it while the main thread, holding it, joins the worker in the process group's destructor
-    (a DDP model freed right after the watch's last exchange) hangs the process for good
-    (torch issue 56297; docs/reliability.md, "A training script's own end"). With the tensor's
-    Python object alive the worker's drop touches no Python."""
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)] + [
-        t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
-    KEPT.append([t for t in tensors if t.numel() * t.element_size() <= KEEP_BYTES])
+    One that returns is progress for the parent's watchdog (rank.heartbeat)."""
     start = time.monotonic()
     try:
         out = fn(*args, **kwargs)
