@@ -180,7 +180,9 @@ class Recording:
                 and self.peer_log is None and self.field_error is None):
             fifo = tap.fifo
             if fifo and type(fifo[0]) is list:
-                meter = self.meter  # (off a mesh every rank speaks: meter.add's direct path)
+                # (TokenMeter.add's direct path, inline: a change to one goes to the other;
+                # off a mesh every rank speaks)
+                meter = self.meter
                 values = None
                 if meter is not None:
                     if type(batch) is not meter.direct:
