@@ -186,16 +186,17 @@ class StepWindows:
                 self.offset += mine.size
         start = WINDOW_HEAD + REPEAT_EXAMPLES
         row = np.full(start + WINDOW_IDS, -1, dtype=np.int64)
-        part = None  # (a rank that is done: its epoch's token part, after its ids)
+        part, taken = None, None  # (a rank that is done: its epoch's token part, after its ids)
         if done and watch.meter is not None and watch.field_error is None:
-            part = part_ints(watch.meter.take(keep=True))
+            taken = watch.meter.take(keep=True)
+            part = part_ints(taken)
             if part is not None and sent.size + len(part) > WINDOW_IDS:
                 part = None
         row[:WINDOW_HEAD] = (done, steps, -1 if watch.n is None else watch.n, sent.size,
                              self.found_earlier, repeats, order,
                              int(watch.field_error is not None), held,
                              watch.peer_log.chain() if watch.peer_log is not None else 0,
-                             watch.packs.split, self.tokens_so_far(),
+                             watch.packs.split, self.tokens_so_far(taken),
                              -1 if part is None else len(part))
         row[WINDOW_HEAD:WINDOW_HEAD + len(examples)] = examples
         row[start:start + sent.size] = sent
@@ -203,13 +204,14 @@ class StepWindows:
             row[start + sent.size:start + sent.size + len(part)] = part
         return torch.from_numpy(row).to(watch.ranks.device), mine
 
-    def tokens_so_far(self) -> int:
+    def tokens_so_far(self, part: Optional[dict] = None) -> int:
         """This rank's tokens so far this epoch (watch's tokens=), -1 where none are counted
-        (no tokens=, or a mesh's peer: its group's first rank counts them)."""
+        (no tokens=, or a mesh's peer: its group's first rank counts them). `part`: the
+        meter's sums as this row carries them (TokenMeter.take), read from there."""
         meter = self.watch.meter
         if meter is None or not meter.token_fields or not self.watch.speaks:
             return -1
-        return meter.so_far()
+        return part["tokens"] if part is not None else meter.so_far()
 
     def gather_rows(self, row: torch.Tensor, wait: bool = True):
         """ONE collective (an all-gather of one row per rank, the same width on every rank).
